@@ -1,0 +1,123 @@
+"""``make demo``: the whole service on one machine, with a real job running.
+
+Starts a Ray head on loopback, a Celery worker that drives jobs on it, and the ASGI server; creates
+a demo user (its password printed once); submits a job; and stops everything on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import sys
+import time
+
+from nereus import processes
+
+DEMO_USER = "demo"
+
+
+def _ensure_demo_user() -> str | None:
+    """Create the demo user; returns its new password, or None if it already existed."""
+    from django.contrib.auth import get_user_model
+
+    users = get_user_model()
+    if users.objects.filter(username=DEMO_USER).exists():
+        return None
+    password = secrets.token_urlsafe(12)
+    users.objects.create_user(username=DEMO_USER, password=password, email="demo@localhost")
+    return password
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def run_demo(*, host: str, port: int, num_steps: int, num_slots: int) -> int:
+    """Run the demo until interrupted; returns the exit code."""
+    started = time.monotonic()
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "webapp.settings")
+    import django
+
+    django.setup()
+    from django.conf import settings
+    from django.core.management import call_command
+
+    if processes.port_in_use(port, host):
+        print(
+            f"nereus demo: port {port} on {host} is taken; set NEREUS_DEMO_PORT to another port",
+            file=sys.stderr,
+        )
+        return 2
+    call_command("migrate", interactive=False, verbosity=0)
+    password = _ensure_demo_user()
+
+    # Explicit: a shell that starts us in the background would otherwise leave SIGINT ignored.
+    signal.signal(signal.SIGINT, _raise_interrupt)
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    group = processes.ProcessGroup(log_dir=settings.VAR_DIR / "logs")
+    try:
+        ray_port = processes.free_port()
+        num_cpus = max(4, 2 * (os.cpu_count() or 2))
+        group.start(
+            "ray-head",
+            processes.ray_head_argv(ray_port, num_cpus=num_cpus),
+            env=processes.ray_head_env(),
+        )
+        child_env = {"RAY_ADDRESS": f"127.0.0.1:{ray_port}", **processes.ray_head_env()}
+        group.start("celery-worker", processes.celery_worker_argv(concurrency=2), env=child_env)
+        group.start("web", processes.asgi_server_argv(host=host, port=port), env=child_env)
+        url = f"http://{host}:{port}/"
+        processes.wait_until(
+            lambda: processes.port_in_use(ray_port), timeout_s=120, what="Ray head", group=group
+        )
+        processes.wait_until(
+            lambda: processes.http_ok(url + "healthz"),
+            timeout_s=120,
+            what="web server",
+            group=group,
+        )
+        job = _submit_demo_job(num_steps=num_steps, num_slots=num_slots)
+        print(f"\nNereus is running at {url}  (ready in {time.monotonic() - started:.1f} s)")
+        if password:
+            print(f"  sign in as {DEMO_USER!r} with password {password!r} (shown only this once)")
+        else:
+            print(
+                f"  sign in as {DEMO_USER!r} (password shown when it was created; "
+                f"`python manage.py changepassword {DEMO_USER}` sets a new one)"
+            )
+        print(f"  demo job: {url}jobs/{job.pk}/")
+        print(f"  logs: {settings.VAR_DIR / 'logs'}   Ctrl-C stops everything.\n", flush=True)
+        while True:
+            group.check_alive()
+            time.sleep(1)
+    except KeyboardInterrupt:
+        print("\nstopping…", flush=True)
+        return_code = 0
+    except Exception as exc:  # a child died or never came up: say which, then clean up
+        print(f"nereus demo: {exc}", file=sys.stderr)
+        return_code = 1
+    finally:
+        # A second Ctrl-C or SIGTERM must not abort the clean-up half way.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        left = group.stop()
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        print(
+            "stopped: no process left behind" if not left else f"still running: {left}", flush=True
+        )
+    return return_code
+
+
+def _submit_demo_job(*, num_steps: int, num_slots: int):
+    from django.contrib.auth import get_user_model
+
+    from webapp.jobs import services
+
+    user = get_user_model().objects.get(username=DEMO_USER)
+    return services.job_submit(
+        user=user,
+        name="demo: data-parallel SFT on CPU slots",
+        spec={"num_slots": num_slots, "num_steps": num_steps},
+    )

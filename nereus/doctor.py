@@ -1,0 +1,195 @@
+"""``nereus doctor``: what this installation has, each with a clear line and a hint."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+import platform
+import sys
+
+OK, WARN, FAIL = "ok", "warn", "fail"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Finding:
+    name: str
+    status: str
+    detail: str
+    hint: str = ""
+
+
+def check_python() -> Finding:
+    version = platform.python_version()
+    if sys.version_info < (3, 11):  # noqa: UP036 - reports an unsupported interpreter
+        return Finding(
+            name="python", status=FAIL, detail=version, hint="Nereus needs Python 3.11 or newer"
+        )
+    return Finding(name="python", status=OK, detail=f"{version} ({sys.executable})")
+
+
+def check_torch() -> Finding:
+    try:
+        import torch
+    except ImportError as exc:
+        return Finding(
+            name="pytorch", status=FAIL, detail=str(exc), hint="pip install -e . (make install)"
+        )
+    if torch.version.hip:
+        build = f"ROCm {torch.version.hip}"
+    elif torch.version.cuda:
+        build = f"CUDA {torch.version.cuda}"
+    else:
+        build = "CPU"
+    detail = f"{torch.__version__}, {build} build, {torch.get_num_threads()} threads"
+    if build != "CPU" and not torch.cuda.is_available():
+        return Finding(
+            name="pytorch",
+            status=WARN,
+            detail=detail + ", no device visible",
+            hint="a GPU build without a visible GPU: check the driver and CUDA_VISIBLE_DEVICES",
+        )
+    return Finding(name="pytorch", status=OK, detail=detail)
+
+
+def check_ray() -> Finding:
+    try:
+        import ray
+
+        import runtime.engine  # noqa: F401 - keeps a local Ray on loopback
+    except ImportError as exc:
+        return Finding(
+            name="ray", status=FAIL, detail=str(exc), hint="pip install -e . (make install)"
+        )
+    from webapp.health import check_ray as probe
+
+    found = probe()
+    if not found.ok:
+        return Finding(
+            name="ray",
+            status=FAIL,
+            detail=f"{ray.__version__}; {found.detail}",
+            hint="start the cluster (ray start --head) or unset RAY_ADDRESS for a local instance",
+        )
+    return Finding(name="ray", status=OK, detail=f"{ray.__version__}; {found.detail}")
+
+
+def check_database() -> Finding:
+    from django.conf import settings
+    from django.db import connections
+    from django.db.migrations.executor import MigrationExecutor
+
+    from webapp.health import check_database as probe
+
+    found = probe()
+    if not found.ok:
+        return Finding(
+            name="database",
+            status=FAIL,
+            detail=found.detail,
+            hint="check DATABASE_URL and that the server is running",
+        )
+    pending = MigrationExecutor(connections["default"]).migration_plan(
+        MigrationExecutor(connections["default"]).loader.graph.leaf_nodes()
+    )
+    name = settings.DATABASES["default"]["NAME"]
+    if pending:
+        return Finding(
+            name="database",
+            status=WARN,
+            detail=f"{found.detail} {name}: {len(pending)} migrations not applied",
+            hint="python manage.py migrate",
+        )
+    return Finding(name="database", status=OK, detail=f"{found.detail} {name}, migrations applied")
+
+
+def check_redis() -> Finding:
+    from django.conf import settings
+
+    from webapp.health import check_broker
+
+    if not settings.CONFIG.redis_url:
+        return Finding(
+            name="redis",
+            status=OK,
+            detail="REDIS_URL unset: embedded broker (filesystem) and channel layer (database)",
+        )
+    found = check_broker()
+    if not found.ok:
+        return Finding(
+            name="redis",
+            status=FAIL,
+            detail=found.detail,
+            hint="check REDIS_URL and that redis-server is running, or unset it",
+        )
+    return Finding(name="redis", status=OK, detail=f"reachable at {settings.CONFIG.redis_url}")
+
+
+def check_kernels() -> Finding:
+    try:
+        importlib.import_module("nereus_kernels")
+    except ImportError:
+        return Finding(
+            name="kernels",
+            status=WARN,
+            detail="no compiled kernels; transitions use the pure-PyTorch implementation",
+            hint="the C++/CUDA kernels build with the project when csrc/ holds them",
+        )
+    return Finding(name="kernels", status=OK, detail="compiled kernels loaded")
+
+
+def check_gpus() -> Finding:
+    try:
+        import pynvml
+    except ImportError:
+        return Finding(
+            name="gpus",
+            status=WARN,
+            detail="nvidia-ml-py is not installed",
+            hint="pip install nvidia-ml-py",
+        )
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as exc:
+        return Finding(
+            name="gpus",
+            status=WARN,
+            detail=f"NVML unavailable ({exc}); CPU slots stand in for GPUs",
+            hint="on a GPU machine, install the NVIDIA driver",
+        )
+    try:
+        count = pynvml.nvmlDeviceGetCount()
+        names = []
+        for index in range(count):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+            name = pynvml.nvmlDeviceGetName(handle)
+            label = name if isinstance(name, str) else name.decode()
+            names.append(f"{label} ({memory.total / 2**30:.0f} GiB)")
+    finally:
+        pynvml.nvmlShutdown()
+    if not count:
+        return Finding(name="gpus", status=WARN, detail="NVML reports no GPU; CPU slots stand in")
+    return Finding(name="gpus", status=OK, detail=f"{count}: " + ", ".join(names))
+
+
+def run_all() -> list[Finding]:
+    """Every check, in order; the Django-dependent ones after Django is set up."""
+    findings = [check_python(), check_torch()]
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "webapp.settings")
+    try:
+        import django
+
+        django.setup()
+    except Exception as exc:  # a configuration error: report it as the finding it is
+        findings.append(
+            Finding(
+                name="configuration",
+                status=FAIL,
+                detail=str(exc),
+                hint="fix the variable named above (see the README's configuration table)",
+            )
+        )
+        return [*findings, check_kernels(), check_gpus()]
+    findings += [check_ray(), check_database(), check_redis(), check_kernels(), check_gpus()]
+    return findings

@@ -1,0 +1,206 @@
+"""Starting and stopping the service's processes: a Ray head, Celery workers, the ASGI server.
+
+Each child runs in its own session (process group) so that stopping it reaches everything it
+spawned (Ray's raylet and workers, Celery's pool children). ``ProcessGroup.stop`` sends SIGTERM to
+each child (which shuts its own descendants down in order), waits, then SIGKILLs whatever is left in
+its group, and reports any process that survived. Children also get SIGTERM from the kernel if the
+supervisor dies without stopping them (``PR_SET_PDEATHSIG``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+from runtime.engine.ray_cluster import loopback_environment
+
+
+@dataclasses.dataclass
+class Child:
+    name: str
+    popen: subprocess.Popen
+    log_path: Path
+
+
+class ProcessGroup:
+    """Children started together and stopped together."""
+
+    def __init__(self, *, log_dir: Path):
+        self.log_dir = log_dir
+        self.children: list[Child] = []
+        log_dir.mkdir(parents=True, exist_ok=True)
+
+    def start(
+        self, name: str, argv: Sequence[str], *, env: Mapping[str, str] | None = None
+    ) -> Child:
+        log_path = self.log_dir / f"{name}.log"
+        log = log_path.open("ab")
+        popen = subprocess.Popen(
+            list(argv),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
+        log.close()
+        child = Child(name=name, popen=popen, log_path=log_path)
+        self.children.append(child)
+        return child
+
+    def check_alive(self) -> None:
+        """Raise naming the first child that exited, with the tail of its log."""
+        for child in self.children:
+            code = child.popen.poll()
+            if code is not None:
+                tail = child.log_path.read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"{child.name} exited with code {code}; its log ends:\n{tail}")
+
+    def stop(self, *, grace_s: float = 10.0) -> list[int]:
+        """Stop every child and its descendants; returns pids still alive afterwards (none)."""
+        for child in reversed(self.children):
+            with contextlib.suppress(ProcessLookupError):
+                child.popen.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        pgids = [c.popen.pid for c in self.children]
+        while time.monotonic() < deadline and any(_group_members(p) for p in pgids):
+            for child in self.children:
+                child.popen.poll()
+            time.sleep(0.2)
+        for pgid in pgids:
+            _signal_group(pgid, signal.SIGKILL)
+        for child in self.children:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.popen.wait(timeout=5)
+        time.sleep(0.2)
+        return [pid for pgid in pgids for pid in _group_members(pgid)]
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: ask the kernel for SIGTERM when the supervisor dies."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def _group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes whose process group or session is ``pgid``."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        state, group, session = fields[0], int(fields[2]), int(fields[3])
+        if state != "Z" and pgid in (group, session):
+            members.append(int(entry.name))
+    return members
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        return sock.connect_ex((host, port)) == 0
+
+
+def wait_until(
+    predicate: Callable[[], bool],
+    *,
+    timeout_s: float,
+    what: str,
+    group: ProcessGroup | None = None,
+    interval_s: float = 0.2,
+) -> float:
+    """Poll until ``predicate`` holds; returns the seconds it took. Fails fast if a child died."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        if predicate():
+            return time.monotonic() - started
+        if group is not None:
+            group.check_alive()
+        time.sleep(interval_s)
+    raise TimeoutError(f"{what} not ready after {timeout_s:.0f} s")
+
+
+def http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return response.status < 500
+    except (urllib.error.URLError, ConnectionError, TimeoutError):
+        return False
+
+
+def ray_head_argv(port: int, *, num_cpus: int) -> list[str]:
+    """``ray start`` for a single-machine head on loopback, kept in the foreground (``--block``)."""
+    ray_bin = Path(sys.executable).with_name("ray")
+    return [
+        str(ray_bin),
+        "start",
+        "--head",
+        "--block",
+        "--node-ip-address=127.0.0.1",
+        f"--port={port}",
+        f"--num-cpus={num_cpus}",
+        "--include-dashboard=false",
+        "--disable-usage-stats",
+    ]
+
+
+def ray_head_env() -> dict[str, str]:
+    """Environment for the head and for every process that joins it: loopback, token auth on
+    (Ray's default for clusters; drivers must ask for it too), no usage reporting."""
+    return {
+        **loopback_environment(None),
+        "RAY_AUTH_MODE": "token",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        # One machine: nothing to drain to, so stop at once instead of waiting 30 s.
+        "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
+    }
+
+
+def celery_worker_argv(*, concurrency: int = 1, hostname: str = "worker@%h") -> list[str]:
+    celery_bin = Path(sys.executable).with_name("celery")
+    return [
+        str(celery_bin),
+        "-A",
+        "webapp.celery",
+        "worker",
+        "--loglevel=INFO",
+        "--pool=prefork",
+        f"--concurrency={concurrency}",
+        "--without-gossip",
+        "--without-mingle",
+        f"--hostname={hostname}",
+    ]
+
+
+def asgi_server_argv(*, host: str, port: int) -> list[str]:
+    daphne_bin = Path(sys.executable).with_name("daphne")
+    return [str(daphne_bin), "-b", host, "-p", str(port), "webapp.asgi:application"]

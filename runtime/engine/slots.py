@@ -1,0 +1,199 @@
+"""Device slots: one Ray actor per device, joined into a torch.distributed group.
+
+A slot is a GPU (NCCL) or, on a machine without one, a CPU worker process standing in for it
+(gloo). Work reaches a slot as a picklable function ``fn(ctx, **kwargs)`` run by ``execute``; the
+``SlotContext`` carries the slot's rank, device and the state that the job keeps on it between
+calls. Every remote call has an outer timeout so that a hung peer becomes an error, never a hang.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import resource
+import socket
+import time
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import ray
+import torch
+import torch.distributed as dist
+
+from runtime.engine.ray_cluster import is_loopback_address
+
+
+logger = logging.getLogger(__name__)
+
+
+class SlotError(RuntimeError):
+    """A slot failed or did not answer in time."""
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class SlotContext:
+    """What a function running on a slot can see: its place in the group and its kept state."""
+
+    slot_index: int
+    rank: int = -1
+    world_size: int = 0
+    device: torch.device = dataclasses.field(default_factory=lambda: torch.device("cpu"))
+    state: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+class SlotWorker:
+    """The body of a slot actor (wrapped with ``ray.remote`` by ``SlotPool``)."""
+
+    def __init__(self, *, slot_index: int, num_threads: int = 1):
+        torch.set_num_threads(num_threads)
+        self.ctx = SlotContext(slot_index=slot_index)
+        if torch.cuda.is_available():
+            self.ctx.device = torch.device("cuda", 0)  # Ray sets CUDA_VISIBLE_DEVICES per actor.
+
+    def reserve_port(self, host: str) -> int:
+        """A free TCP port on ``host`` for the group's rendezvous store (rank 0 only)."""
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((host, 0))
+            return sock.getsockname()[1]
+
+    def join_group(
+        self,
+        *,
+        rank: int,
+        world_size: int,
+        master_addr: str,
+        master_port: int,
+        backend: str,
+        timeout_s: float,
+    ) -> float:
+        """Join the job's process group; returns the seconds it took."""
+        started = time.perf_counter()
+        if is_loopback_address(f"{master_addr}:0"):
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        dist.init_process_group(
+            backend=backend,
+            init_method=f"tcp://{master_addr}:{master_port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+        self.ctx.rank, self.ctx.world_size = rank, world_size
+        return time.perf_counter() - started
+
+    def execute(self, fn: Callable[..., Any], kwargs: dict[str, Any]) -> Any:
+        """Run ``fn(ctx, **kwargs)`` on this slot."""
+        return fn(self.ctx, **kwargs)
+
+    def memory(self) -> dict[str, int]:
+        """Current and peak memory of this slot, in bytes."""
+        if self.ctx.device.type == "cuda":
+            return {
+                "current_bytes": torch.cuda.memory_allocated(self.ctx.device),
+                "peak_bytes": torch.cuda.max_memory_allocated(self.ctx.device),
+            }
+        peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        with open("/proc/self/statm") as statm:
+            rss_pages = int(statm.read().split()[1])
+        return {
+            "current_bytes": rss_pages * os.sysconf("SC_PAGE_SIZE"),
+            "peak_bytes": peak_kib * 1024,
+        }
+
+    def leave_group(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self.ctx.state.clear()
+
+
+class SlotPool:
+    """A fixed set of slots in one process group; the driver's handle on them."""
+
+    def __init__(self, actors: Sequence[Any], *, backend: str, call_timeout_s: float):
+        self._actors = list(actors)
+        self.backend = backend
+        self.call_timeout_s = call_timeout_s
+        self.setup_s = 0.0
+
+    @classmethod
+    def create(
+        cls,
+        num_slots: int,
+        *,
+        use_gpus: bool = False,
+        call_timeout_s: float = 120.0,
+        master_addr: str = "127.0.0.1",
+    ) -> SlotPool:
+        """Start ``num_slots`` slot actors joined into one group (gloo on CPU, NCCL on GPU)."""
+        if num_slots < 1:
+            raise ValueError(f"num_slots: must be at least 1, got {num_slots}")
+        started = time.perf_counter()
+        resources = {"num_gpus": 1, "num_cpus": 1} if use_gpus else {"num_cpus": 1}
+        remote_cls = ray.remote(**resources)(SlotWorker)
+        actors = [remote_cls.remote(slot_index=i) for i in range(num_slots)]
+        pool = cls(actors, backend="nccl" if use_gpus else "gloo", call_timeout_s=call_timeout_s)
+        port = pool._get(actors[0].reserve_port.remote(master_addr))
+        pool._get_all(
+            [
+                actor.join_group.remote(
+                    rank=rank,
+                    world_size=num_slots,
+                    master_addr=master_addr,
+                    master_port=port,
+                    backend=pool.backend,
+                    timeout_s=call_timeout_s,
+                )
+                for rank, actor in enumerate(actors)
+            ]
+        )
+        pool.setup_s = time.perf_counter() - started
+        return pool
+
+    @property
+    def num_slots(self) -> int:
+        return len(self._actors)
+
+    def run(
+        self,
+        fn: Callable[..., Any],
+        per_rank_kwargs: Sequence[dict[str, Any]] | None = None,
+        **common: Any,
+    ) -> list[Any]:
+        """Run ``fn`` on every slot at once (a collective inside ``fn`` needs all of them)."""
+        per_rank = per_rank_kwargs or [{} for _ in self._actors]
+        if len(per_rank) != len(self._actors):
+            raise ValueError(
+                f"per_rank_kwargs: expected {len(self._actors)} entries, got {len(per_rank)}"
+            )
+        return self._get_all(
+            [
+                a.execute.remote(fn, {**common, **kw})
+                for a, kw in zip(self._actors, per_rank, strict=True)
+            ]
+        )
+
+    def memory(self) -> list[dict[str, int]]:
+        return self._get_all([a.memory.remote() for a in self._actors])
+
+    def close(self) -> None:
+        """Leave the group and end the actors; best effort, never raises."""
+        try:
+            ray.get([a.leave_group.remote() for a in self._actors], timeout=30)
+        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as exc:
+            # A dead or hung slot must not stop the others from being released.
+            logger.warning("leaving the slot group failed (%s); killing the slots", exc)
+        for actor in self._actors:
+            ray.kill(actor)
+        self._actors.clear()
+
+    def _get(self, ref: Any) -> Any:
+        return self._get_all([ref])[0]
+
+    def _get_all(self, refs: list[Any]) -> list[Any]:
+        try:
+            return ray.get(refs, timeout=self.call_timeout_s)
+        except ray.exceptions.GetTimeoutError as exc:
+            raise SlotError(f"a slot did not answer within {self.call_timeout_s:.0f} s") from exc
+        except ray.exceptions.RayError as exc:
+            raise SlotError(f"a slot failed: {exc}") from exc

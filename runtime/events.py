@@ -1,0 +1,48 @@
+"""Events: the one way the runtime tells the world what happened.
+
+The runtime hands each event to an ``EventSink``; the web service's sink appends it to the job's
+event log in the database and publishes it on the channel layer; a CLI sink prints it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class RuntimeEvent:
+    """Something that happened to a job, with JSON-serialisable data."""
+
+    kind: str
+    """Dotted event type, e.g. ``job.started``, ``step.finished``, ``job.finished``."""
+    data: Mapping[str, Any]
+    at: float = dataclasses.field(default_factory=time.time)
+    """Wall-clock time (seconds since the epoch) when it happened."""
+
+    def __post_init__(self) -> None:
+        if not self.kind or not all(part.isidentifier() for part in self.kind.split(".")):
+            raise ValueError(
+                f"kind: expected a dotted name like 'step.finished', got {self.kind!r}"
+            )
+
+
+class EventSink(Protocol):
+    """Receives the events of one job, in order."""
+
+    def emit(self, event: RuntimeEvent) -> None: ...
+
+
+class ListSink:
+    """Keeps events in memory (tests, and the CLI's summary)."""
+
+    def __init__(self) -> None:
+        self.events: list[RuntimeEvent] = []
+
+    def emit(self, event: RuntimeEvent) -> None:
+        self.events.append(event)
+
+    def of_kind(self, kind: str) -> list[RuntimeEvent]:
+        return [e for e in self.events if e.kind == kind]

@@ -1,0 +1,112 @@
+"""The job driver: runs one job on its slots and reports everything as events.
+
+The driver is the only long-lived piece of a job. It attaches to Ray, starts the slots, runs steps
+until done or told to stop, checks that the data-parallel replicas still agree, and always releases
+its slots. ``should_stop`` is polled between steps: cancellation takes effect at a step boundary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable
+
+from runtime.engine.ray_cluster import ray_connection
+from runtime.engine.slots import SlotPool
+from runtime.events import EventSink, RuntimeEvent
+from runtime.jobs import sft
+from runtime.jobs.spec import SftJobSpec
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class JobOutcome:
+    """How a run ended."""
+
+    status: str
+    """``succeeded`` or ``cancelled``; failures raise."""
+    steps_done: int
+    final_loss: float | None
+
+
+def run_sft_job(
+    spec: SftJobSpec,
+    *,
+    sink: EventSink,
+    ray_address: str | None,
+    should_stop: Callable[[], bool] = lambda: False,
+    use_gpus: bool = False,
+    call_timeout_s: float = 120.0,
+) -> JobOutcome:
+    """Run an SFT job to completion (or cancellation) and return how it ended."""
+    sink.emit(RuntimeEvent(kind="job.started", data={"spec": spec.to_json()}))
+    with ray_connection(ray_address) as connection:
+        pool = SlotPool.create(spec.num_slots, use_gpus=use_gpus, call_timeout_s=call_timeout_s)
+        try:
+            num_params = pool.run(sft.setup_replica, spec_json=spec.to_json())[0]
+            sink.emit(
+                RuntimeEvent(
+                    kind="slots.ready",
+                    data={
+                        "num_slots": pool.num_slots,
+                        "backend": pool.backend,
+                        "setup_s": round(pool.setup_s, 3),
+                        "ray_address": connection.address,
+                        "ray_started_locally": connection.started_locally,
+                        "num_params": num_params,
+                    },
+                )
+            )
+            return _train(spec, pool, sink, should_stop)
+        finally:
+            pool.close()
+
+
+def _train(
+    spec: SftJobSpec, pool: SlotPool, sink: EventSink, should_stop: Callable[[], bool]
+) -> JobOutcome:
+    loss = None
+    for step in range(spec.num_steps):
+        if should_stop():
+            sink.emit(
+                RuntimeEvent(kind="job.finished", data={"status": "cancelled", "steps": step})
+            )
+            return JobOutcome(status="cancelled", steps_done=step, final_loss=loss)
+        started = time.perf_counter()
+        results = pool.run(sft.train_step, step=step)
+        step_s = time.perf_counter() - started
+        memory = pool.memory()
+        loss = statistics.fmean(r["loss"] for r in results)
+        tokens = sum(r["tokens"] for r in results)
+        sink.emit(
+            RuntimeEvent(
+                kind="step.finished",
+                data={
+                    "step": step,
+                    "loss": round(loss, 5),
+                    "step_s": round(step_s, 4),
+                    "tokens_per_s": round(tokens / step_s, 1),
+                    "compute_s": round(max(r["compute_s"] for r in results), 4),
+                    "comm_s": round(max(r["comm_s"] for r in results), 4),
+                    "allreduce_bytes": results[0]["allreduce_bytes"],
+                    "peak_memory_bytes": [m["peak_bytes"] for m in memory],
+                    "num_slots": pool.num_slots,
+                },
+            )
+        )
+    checksums = pool.run(sft.replica_checksum)
+    identical = len(set(checksums)) == 1
+    sink.emit(
+        RuntimeEvent(
+            kind="replicas.verified", data={"identical": identical, "checksum": checksums[0]}
+        )
+    )
+    if not identical:
+        raise RuntimeError(f"data-parallel replicas diverged: checksums {checksums}")
+    sink.emit(
+        RuntimeEvent(
+            kind="job.finished",
+            data={"status": "succeeded", "steps": spec.num_steps, "final_loss": round(loss, 5)},
+        )
+    )
+    return JobOutcome(status="succeeded", steps_done=spec.num_steps, final_loss=loss)

@@ -1,0 +1,251 @@
+"""Service configuration read from environment variables.
+
+Pure functions over a mapping, so they are tested without Django. Every error names the variable
+that caused it; ``webapp.settings`` turns a ``ConfigError`` into a refusal to start.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import secrets
+from collections.abc import Mapping
+from pathlib import Path
+from urllib.parse import parse_qsl, unquote, urlsplit
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+_POSTGRES_SCHEMES = {"postgres", "postgresql", "pgsql", "postgresql+psycopg"}
+
+
+class ConfigError(ValueError):
+    """A configuration variable has a value the service cannot use."""
+
+    def __init__(self, variable: str, problem: str):
+        self.variable = variable
+        super().__init__(f"{variable}: {problem}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class ServiceConfig:
+    """The service's settings, parsed and validated."""
+
+    production: bool
+    """NEREUS_PRODUCTION: deployment settings (HTTPS, secure cookies, a required secret key)."""
+    secret_key: str
+    var_dir: Path
+    """NEREUS_VAR_DIR: where the embedded defaults keep their files (git-ignored ``var/``)."""
+    database: dict
+    """DATABASES['default'] for Django, from DATABASE_URL."""
+    redis_url: str | None
+    """REDIS_URL: when set, Celery broker and result store and the channel layer use Redis."""
+    ray_address: str | None
+    """RAY_ADDRESS: a Ray cluster to join; unset means a local Ray instance."""
+    allowed_hosts: tuple[str, ...]
+    csrf_trusted_origins: tuple[str, ...]
+    log_level: str
+
+    @property
+    def embedded(self) -> bool:
+        """True when no Redis is configured and the in-project defaults carry events and tasks."""
+        return self.redis_url is None
+
+
+def parse_bool(variable: str, value: str | None, *, default: bool) -> bool:
+    """Read an on/off variable; anything but the usual spellings is an error."""
+    if value is None:
+        return default
+    text = value.strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise ConfigError(variable, f"expected one of 1/0, true/false, yes/no, on/off; got {value!r}")
+
+
+def parse_database_url(value: str, *, variable: str = "DATABASE_URL") -> dict:
+    """Turn ``sqlite:///PATH`` or ``postgresql://USER:PASS@HOST:PORT/NAME?opt=v`` into a Django dict.
+
+    SQLite runs in WAL mode with immediate transactions so that the web process, Celery workers and
+    the channel layer can write to one file at the same time.
+    """
+    parts = urlsplit(value.strip())
+    scheme = parts.scheme.lower()
+    if not scheme:
+        raise ConfigError(
+            variable, f"not a URL (expected sqlite:///PATH or postgresql://...): {value!r}"
+        )
+    options = dict(parse_qsl(parts.query, keep_blank_values=True))
+    if scheme == "sqlite":
+        if parts.netloc:
+            raise ConfigError(
+                variable,
+                "an SQLite URL has no host: use sqlite:///relative/path or sqlite:////abs/path",
+            )
+        path = unquote(parts.path[1:]) if parts.path.startswith("/") else unquote(parts.path)
+        if not path:
+            raise ConfigError(
+                variable, "an SQLite URL needs a file path, e.g. sqlite:///var/nereus.sqlite3"
+            )
+        file = Path(path)
+        if path != ":memory:" and not file.is_absolute():
+            file = REPO_ROOT / file
+        return {
+            "ENGINE": "django.db.backends.sqlite3",
+            "NAME": str(file) if path != ":memory:" else ":memory:",
+            "OPTIONS": {
+                "timeout": 30,
+                "transaction_mode": "IMMEDIATE",
+                "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+            },
+        }
+    if scheme in _POSTGRES_SCHEMES:
+        name = unquote(parts.path.lstrip("/"))
+        if not name:
+            raise ConfigError(
+                variable, "a PostgreSQL URL needs a database name: postgresql://HOST:PORT/NAME"
+            )
+        try:
+            port = parts.port
+        except ValueError as exc:
+            raise ConfigError(variable, f"the port is not a number in {value!r}") from exc
+        if not parts.hostname:
+            raise ConfigError(
+                variable, "a PostgreSQL URL needs a host: postgresql://HOST:PORT/NAME"
+            )
+        conn_max_age = options.pop("conn_max_age", "60")
+        if not conn_max_age.isdigit():
+            raise ConfigError(
+                variable, f"conn_max_age must be a whole number of seconds, got {conn_max_age!r}"
+            )
+        return {
+            "ENGINE": "django.db.backends.postgresql",
+            "NAME": name,
+            "USER": unquote(parts.username or ""),
+            "PASSWORD": unquote(parts.password or ""),
+            "HOST": parts.hostname,
+            "PORT": str(port or 5432),
+            "CONN_MAX_AGE": int(conn_max_age),
+            "CONN_HEALTH_CHECKS": True,
+            "OPTIONS": {"connect_timeout": 5, **options},
+        }
+    raise ConfigError(variable, f"unsupported scheme {scheme!r}; use sqlite or postgresql")
+
+
+def parse_redis_url(value: str | None, *, variable: str = "REDIS_URL") -> str | None:
+    """Check a ``redis://`` / ``rediss://`` / ``unix://`` URL; empty or unset means no Redis."""
+    if value is None or not value.strip():
+        return None
+    text = value.strip()
+    parts = urlsplit(text)
+    if parts.scheme not in {"redis", "rediss", "unix"}:
+        raise ConfigError(
+            variable, f"expected redis://HOST:PORT/DB (or rediss://, unix://), got {value!r}"
+        )
+    if parts.scheme != "unix" and not parts.hostname:
+        raise ConfigError(variable, f"no host in {value!r}")
+    try:
+        parts.port  # noqa: B018 - evaluating it validates the port
+    except ValueError as exc:
+        raise ConfigError(variable, f"the port is not a number in {value!r}") from exc
+    db = parts.path.lstrip("/")
+    if db and not db.isdigit():
+        raise ConfigError(variable, f"the database index must be a number, got {db!r}")
+    return text
+
+
+def parse_ray_address(value: str | None, *, variable: str = "RAY_ADDRESS") -> str | None:
+    """``HOST:PORT`` of a Ray cluster's GCS, ``ray://HOST:PORT`` (Ray Client), or unset: local."""
+    if value is None or not value.strip():
+        return None
+    text = value.strip()
+    if text in {"auto", "local"}:
+        return text
+    hostport = text.removeprefix("ray://")
+    host, sep, port = hostport.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(
+            variable, f"expected HOST:PORT, ray://HOST:PORT, 'auto' or unset; got {value!r}"
+        )
+    return text
+
+
+def _split_list(value: str | None) -> tuple[str, ...]:
+    return tuple(item.strip() for item in (value or "").split(",") if item.strip())
+
+
+def load(environ: Mapping[str, str] | None = None) -> ServiceConfig:
+    """Read every variable the service understands and validate it."""
+    env = os.environ if environ is None else environ
+    production = parse_bool("NEREUS_PRODUCTION", env.get("NEREUS_PRODUCTION"), default=False)
+
+    var_dir = Path(env.get("NEREUS_VAR_DIR") or REPO_ROOT / "var")
+    if not var_dir.is_absolute():
+        var_dir = REPO_ROOT / var_dir
+
+    database_url = env.get("DATABASE_URL")
+    if database_url is None or not database_url.strip():
+        database = parse_database_url(f"sqlite:///{var_dir / 'nereus.sqlite3'}")
+    else:
+        database = parse_database_url(database_url)
+
+    secret_key = env.get("NEREUS_SECRET_KEY", "")
+    if production:
+        if len(secret_key) < 50:
+            raise ConfigError(
+                "NEREUS_SECRET_KEY", "required in production, at least 50 random characters"
+            )
+    elif not secret_key:
+        secret_key = _local_secret_key(var_dir)
+
+    allowed_hosts = _split_list(env.get("NEREUS_ALLOWED_HOSTS"))
+    if production and not allowed_hosts:
+        raise ConfigError("NEREUS_ALLOWED_HOSTS", "required in production, e.g. nereus.example.com")
+    if not allowed_hosts:
+        allowed_hosts = ("127.0.0.1", "localhost", "[::1]", "testserver")
+
+    origins = _split_list(env.get("NEREUS_CSRF_TRUSTED_ORIGINS"))
+    for origin in origins:
+        if not origin.startswith(("http://", "https://")):
+            raise ConfigError("NEREUS_CSRF_TRUSTED_ORIGINS", f"{origin!r} must start with https://")
+
+    log_level = (env.get("NEREUS_LOG_LEVEL") or "INFO").upper()
+    if log_level not in {"DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"}:
+        raise ConfigError(
+            "NEREUS_LOG_LEVEL",
+            f"expected DEBUG, INFO, WARNING, ERROR or CRITICAL, got {log_level!r}",
+        )
+
+    return ServiceConfig(
+        production=production,
+        secret_key=secret_key,
+        var_dir=var_dir,
+        database=database,
+        redis_url=parse_redis_url(env.get("REDIS_URL")),
+        ray_address=parse_ray_address(env.get("RAY_ADDRESS")),
+        allowed_hosts=allowed_hosts,
+        csrf_trusted_origins=origins,
+        log_level=log_level,
+    )
+
+
+def _local_secret_key(var_dir: Path) -> str:
+    """A per-checkout key kept under var/, so sessions survive restarts of the local service."""
+    path = var_dir / "secret_key"
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        pass
+    var_dir.mkdir(parents=True, exist_ok=True)
+    key = secrets.token_urlsafe(50)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(key)
+    try:
+        os.link(tmp, path)  # atomic create-if-absent: concurrent first starts agree on one key
+    except FileExistsError:
+        pass
+    finally:
+        tmp.unlink()
+    return path.read_text().strip()

@@ -1,0 +1,8 @@
+from django.apps import AppConfig
+
+
+class JobsConfig(AppConfig):
+    """Jobs, their state machine and their append-only event logs."""
+
+    name = "webapp.jobs"
+    label = "jobs"

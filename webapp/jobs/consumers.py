@@ -1,0 +1,122 @@
+"""Websocket: ``/ws/jobs/<id>/`` streams a job's events live.
+
+A client connects with ``?after=<last id>`` (or sends ``{"type": "resume", "after": N}``) and first
+receives every stored event after that id, then live ones; ids only increase and duplicates are
+dropped, so a client that reconnects misses nothing and sees nothing twice.
+"""
+
+from __future__ import annotations
+
+from urllib.parse import parse_qs
+
+from channels.db import database_sync_to_async
+from channels.generic.websocket import AsyncJsonWebsocketConsumer
+
+from webapp.jobs import selectors
+
+CLOSE_UNAUTHENTICATED = 4401
+CLOSE_NOT_FOUND = 4404
+BACKLOG_PAGE = 500
+
+
+class ClientError(Exception):
+    """A problem with what the client sent; reported as an error frame, the socket stays open."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+class JobEventsConsumer(AsyncJsonWebsocketConsumer):
+    # --- socket events ---------------------------------------------------------------------
+
+    async def connect(self) -> None:
+        user = self.scope.get("user")
+        if user is None or not user.is_authenticated:
+            await self.close(code=CLOSE_UNAUTHENTICATED)
+            return
+        self.job = await self._get_job(user, self.scope["url_route"]["kwargs"]["job_id"])
+        if self.job is None:
+            await self.close(code=CLOSE_NOT_FOUND)
+            return
+        self.last_id = 0
+        await self.channel_layer.group_add(self.job.group_name, self.channel_name)
+        await self.accept()
+        try:
+            after = _parse_after(
+                parse_qs(self.scope.get("query_string", b"").decode()).get("after", ["0"])[0]
+            )
+        except ClientError as exc:
+            await self._send_error(exc)
+            after = 0
+        await self._send_backlog(after)
+
+    async def disconnect(self, code: int) -> None:
+        job = getattr(self, "job", None)
+        if job is not None:
+            await self.channel_layer.group_discard(job.group_name, self.channel_name)
+
+    async def receive_json(self, content, **kwargs) -> None:
+        try:
+            if not isinstance(content, dict) or content.get("type") != "resume":
+                raise ClientError("bad_message", "type: expected 'resume'")
+            await self._send_backlog(_parse_after(content.get("after", 0)))
+        except ClientError as exc:
+            await self._send_error(exc)
+
+    async def receive(self, text_data=None, bytes_data=None, **kwargs) -> None:
+        try:
+            await super().receive(text_data=text_data, bytes_data=bytes_data, **kwargs)
+        except ValueError:
+            await self._send_error(ClientError("bad_json", "message: not valid JSON"))
+
+    # --- command helpers -------------------------------------------------------------------
+
+    async def _send_backlog(self, after: int) -> None:
+        # The client says what it has: resend everything after that, even if sent before.
+        self.last_id = after
+        cursor = after
+        while True:
+            events = await self._events_since(cursor)
+            for event in events:
+                await self._deliver(event)
+            if len(events) < BACKLOG_PAGE:
+                return
+            cursor = events[-1]["id"]
+
+    async def _deliver(self, event: dict) -> None:
+        if event["id"] <= self.last_id:
+            return
+        self.last_id = event["id"]
+        await self.send_json({"type": "event", "event": event})
+
+    async def _send_error(self, exc: ClientError) -> None:
+        await self.send_json({"type": "error", "code": exc.code, "message": str(exc)})
+
+    @database_sync_to_async
+    def _get_job(self, user, job_id: int):
+        return selectors.jobs_visible_to(user).filter(pk=job_id).first()
+
+    @database_sync_to_async
+    def _events_since(self, after: int) -> list[dict]:
+        return [
+            e.as_message()
+            for e in selectors.job_events_since(job=self.job, after_id=after, limit=BACKLOG_PAGE)
+        ]
+
+    # --- channel-layer handlers ------------------------------------------------------------
+
+    async def job_event(self, message: dict) -> None:
+        await self._deliver(message["event"])
+
+
+def _parse_after(value) -> int:
+    try:
+        after = int(value)
+    except (TypeError, ValueError):
+        raise ClientError(
+            "bad_after", f"after: expected a non-negative event id, got {value!r}"
+        ) from None
+    if after < 0:
+        raise ClientError("bad_after", f"after: expected a non-negative event id, got {after}")
+    return after

@@ -1,0 +1,14 @@
+"""Error texts that users see; tests import them rather than repeating the words."""
+
+ILLEGAL_MOVE = "a job in state {current} cannot move to {target}"
+STALE_EPOCH = "epoch {epoch} is older than the job's current epoch {current}; the write is refused"
+JOB_FINISHED = "job {job_id} has already finished ({state})"
+TOO_MANY_DELIVERIES = "the driver task was delivered {count} times without finishing"
+
+
+class JobError(ValueError):
+    """A request about a job that its current state does not allow."""
+
+
+class StaleEpochError(JobError):
+    """A write from a driver that has been superseded."""

@@ -1,0 +1,197 @@
+"""Django settings for Nereus: one module, driven by environment variables (see webapp/config.py).
+
+Embedded default (no REDIS_URL): SQLite under var/, Celery over the filesystem transport under
+var/celery/, and the database-backed channel layer, so that a Celery worker in its own process can
+deliver events to websocket clients of the web process. With REDIS_URL: Redis for all three roles.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import plotly
+
+from webapp import config as _config
+
+try:
+    CONFIG = _config.load()
+except _config.ConfigError as _exc:
+    # A bad variable must stop the process with a line naming it, not a traceback deep in Django.
+    sys.stderr.write(f"nereus: configuration error: {_exc}\n")
+    raise
+
+BASE_DIR = _config.REPO_ROOT
+VAR_DIR: Path = CONFIG.var_dir
+VAR_DIR.mkdir(parents=True, exist_ok=True)
+
+SECRET_KEY = CONFIG.secret_key
+DEBUG = not CONFIG.production
+ALLOWED_HOSTS = list(CONFIG.allowed_hosts)
+CSRF_TRUSTED_ORIGINS = list(CONFIG.csrf_trusted_origins)
+
+INSTALLED_APPS = [
+    "daphne",
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "channels",
+    "rest_framework",
+    "drf_spectacular",
+    "webapp.realtime",
+    "webapp.jobs",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "whitenoise.middleware.WhiteNoiseMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "webapp.urls"
+ASGI_APPLICATION = "webapp.asgi.application"
+WSGI_APPLICATION = None
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "webapp" / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+DATABASES = {"default": CONFIG.database}
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+# Migrations live in the top-level migrations/ package, one sub-package per app.
+MIGRATION_MODULES = {"realtime": "migrations.realtime", "jobs": "migrations.jobs"}
+
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+    {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+    {"NAME": "django.contrib.auth.password_validation.NumericPasswordValidator"},
+]
+LOGIN_URL = "login"
+LOGIN_REDIRECT_URL = "jobs:list"
+LOGOUT_REDIRECT_URL = "login"
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = True
+USE_TZ = True
+
+STATIC_URL = "static/"
+STATIC_ROOT = VAR_DIR / "staticfiles"
+# plotly.js comes from the plotly package's own copy, never from a CDN.
+STATICFILES_DIRS = [
+    BASE_DIR / "static",
+    ("vendor/plotly", Path(plotly.__file__).parent / "package_data"),
+]
+WHITENOISE_USE_FINDERS = not CONFIG.production
+STORAGES = {
+    "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
+    "staticfiles": {
+        "BACKEND": (
+            "whitenoise.storage.CompressedManifestStaticFilesStorage"
+            if CONFIG.production
+            else "django.contrib.staticfiles.storage.StaticFilesStorage"
+        )
+    },
+}
+
+# --- Channels -------------------------------------------------------------------------------
+if CONFIG.redis_url:
+    CHANNEL_LAYERS = {
+        "default": {
+            "BACKEND": "channels_redis.core.RedisChannelLayer",
+            "CONFIG": {"hosts": [CONFIG.redis_url], "prefix": "nereus"},
+        }
+    }
+else:
+    CHANNEL_LAYERS = {"default": {"BACKEND": "webapp.realtime.layers.DatabaseChannelLayer"}}
+
+# --- Celery ---------------------------------------------------------------------------------
+CELERY_BROKER_DIR = VAR_DIR / "celery"
+if CONFIG.redis_url:
+    CELERY_BROKER_URL = CONFIG.redis_url
+    CELERY_RESULT_BACKEND = CONFIG.redis_url
+    CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": 6 * 3600}
+else:
+    for _sub in ("queue", "processed", "results"):
+        (CELERY_BROKER_DIR / _sub).mkdir(parents=True, exist_ok=True)
+    CELERY_BROKER_URL = "filesystem://"
+    CELERY_BROKER_TRANSPORT_OPTIONS = {
+        "data_folder_in": str(CELERY_BROKER_DIR / "queue"),
+        "data_folder_out": str(CELERY_BROKER_DIR / "queue"),
+        "processed_folder": str(CELERY_BROKER_DIR / "processed"),
+        "store_processed": False,
+        "polling_interval": 0.2,
+    }
+    CELERY_RESULT_BACKEND = f"file://{CELERY_BROKER_DIR / 'results'}"
+CELERY_TASK_ACKS_LATE = True
+CELERY_TASK_REJECT_ON_WORKER_LOST = True
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+# Ray needs real file descriptors for stdout/stderr; Celery would replace them with a proxy.
+CELERY_WORKER_REDIRECT_STDOUTS = False
+CELERY_TASK_SERIALIZER = "json"
+CELERY_RESULT_SERIALIZER = "json"
+CELERY_ACCEPT_CONTENT = ["json"]
+CELERY_RESULT_EXPIRES = 24 * 3600
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+
+# --- Runtime ---------------------------------------------------------------------------------
+NEREUS_RAY_ADDRESS = CONFIG.ray_address
+# A job whose driver task was delivered this many times without finishing is failed, not retried.
+NEREUS_MAX_DRIVER_DELIVERIES = 3
+
+# --- REST framework -------------------------------------------------------------------------
+REST_FRAMEWORK = {
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "DEFAULT_AUTHENTICATION_CLASSES": [
+        "rest_framework.authentication.SessionAuthentication",
+    ],
+    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+}
+SPECTACULAR_SETTINGS = {
+    "TITLE": "Nereus API",
+    "DESCRIPTION": "Submit, watch and steer adaptive PPO post-training jobs.",
+    "VERSION": "v1",
+    "SERVE_INCLUDE_SCHEMA": False,
+}
+
+# --- Production switch ----------------------------------------------------------------------
+if CONFIG.production:
+    SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+    SECURE_SSL_REDIRECT = True
+    SECURE_HSTS_SECONDS = 31536000
+    SECURE_HSTS_INCLUDE_SUBDOMAINS = True
+    SECURE_HSTS_PRELOAD = True
+    SECURE_CONTENT_TYPE_NOSNIFF = True
+    SESSION_COOKIE_SECURE = True
+    CSRF_COOKIE_SECURE = True
+    SECURE_REFERRER_POLICY = "same-origin"
+    X_FRAME_OPTIONS = "DENY"
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["console"], "level": CONFIG.log_level},
+    "loggers": {"django.db.backends": {"level": "INFO"}},
+}
