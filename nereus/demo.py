@@ -62,9 +62,13 @@ def run_demo(*, host: str, port: int, num_steps: int, num_slots: int) -> int:
         group.start(
             "ray-head",
             processes.ray_head_argv(ray_port, num_cpus=num_cpus),
-            env=processes.ray_head_env(),
+            env={**os.environ, **processes.ray_head_env()},
         )
-        child_env = {"RAY_ADDRESS": f"127.0.0.1:{ray_port}", **processes.ray_head_env()}
+        child_env = {
+            **os.environ,
+            "RAY_ADDRESS": f"127.0.0.1:{ray_port}",
+            **processes.ray_head_env(),
+        }
         group.start("celery-worker", processes.celery_worker_argv(concurrency=2), env=child_env)
         group.start("web", processes.asgi_server_argv(host=host, port=port), env=child_env)
         url = f"http://{host}:{port}/"

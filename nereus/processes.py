@@ -44,6 +44,7 @@ class ProcessGroup:
     def start(
         self, name: str, argv: Sequence[str], *, env: Mapping[str, str] | None = None
     ) -> Child:
+        """Start a child with exactly ``env`` as its environment (this process's when None)."""
         log_path = self.log_dir / f"{name}.log"
         log = log_path.open("ab")
         popen = subprocess.Popen(
@@ -51,7 +52,7 @@ class ProcessGroup:
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env={**os.environ, **(env or {})},
+            env=dict(os.environ if env is None else env),
             start_new_session=True,
             preexec_fn=_die_with_parent,
         )

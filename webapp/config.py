@@ -66,7 +66,7 @@ def parse_bool(variable: str, value: str | None, *, default: bool) -> bool:
 
 
 def parse_database_url(value: str, *, variable: str = "DATABASE_URL") -> dict:
-    """Turn ``sqlite:///PATH`` or ``postgresql://USER:PASS@HOST:PORT/NAME?opt=v`` into a Django dict.
+    """Turn ``sqlite:///PATH`` or ``postgresql://USER:PASS@HOST:PORT/NAME?k=v`` into a Django dict.
 
     SQLite runs in WAL mode with immediate transactions so that the web process, Celery workers and
     the channel layer can write to one file at the same time.
@@ -193,9 +193,9 @@ def load(environ: Mapping[str, str] | None = None) -> ServiceConfig:
 
     secret_key = env.get("NEREUS_SECRET_KEY", "")
     if production:
-        if len(secret_key) < 50:
+        if len(secret_key) < 50 or len(set(secret_key)) < 5:
             raise ConfigError(
-                "NEREUS_SECRET_KEY", "required in production, at least 50 random characters"
+                "NEREUS_SECRET_KEY", "required in production: at least 50 random characters"
             )
     elif not secret_key:
         secret_key = _local_secret_key(var_dir)

@@ -97,6 +97,7 @@ USE_TZ = True
 
 STATIC_URL = "static/"
 STATIC_ROOT = VAR_DIR / "staticfiles"
+STATIC_ROOT.mkdir(exist_ok=True)
 # plotly.js comes from the plotly package's own copy, never from a CDN.
 STATICFILES_DIRS = [
     BASE_DIR / "static",

@@ -71,6 +71,8 @@ def ray_connection(address: str | None, *, num_cpus: int | None = None) -> Itera
         return
     kwargs: dict = {"include_dashboard": False, "log_to_driver": False, "logging_level": "WARNING"}
     if address is None:
+        # "local": always a private instance, never a cluster that happens to run on this machine.
+        kwargs["address"] = "local"
         kwargs["num_cpus"] = num_cpus or max(2, os.cpu_count() or 2)
     else:
         kwargs["address"] = address

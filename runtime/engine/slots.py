@@ -24,7 +24,6 @@ import torch.distributed as dist
 
 from runtime.engine.ray_cluster import is_loopback_address
 
-
 logger = logging.getLogger(__name__)
 
 

@@ -107,7 +107,7 @@ class DatabaseChannelLayer(BaseChannelLayer):
 
     async def receive(self, channel: str) -> dict:
         """Wait for the next message on a channel of this process."""
-        self.require_valid_channel_name(channel, receive=True)
+        self.require_valid_channel_name(channel)
         loop = asyncio.get_running_loop()
         if self._loop is not loop:
             # A new event loop (e.g. a fresh async_to_sync): queues of the old one are unusable.

@@ -1,0 +1,42 @@
+# Nereus: `make demo` runs the service with a real job; `make test` runs every test.
+SHELL := /bin/bash
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# The PyTorch build to install. The default is the CPU build these machines carry; a GPU machine
+# sets TORCH_REQ='torch>=2.6,<2.14' (PyPI's Linux wheels are CUDA builds) or a ROCm index.
+TORCH_REQ ?= torch==2.13.0
+TORCH_PIP_ARGS ?=
+
+.PHONY: install demo test lint format doctor clean
+
+$(STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
+		|| { echo "Nereus needs Python 3.11 or newer (found $$($(PYTHON) --version))"; exit 1; }
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --disable-pip-version-check $(TORCH_PIP_ARGS) '$(TORCH_REQ)'
+	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev]'
+	touch $@
+
+install: $(STAMP)
+
+demo: install
+	$(BIN)/nereus demo
+
+doctor: install
+	$(BIN)/nereus doctor
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: install
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+test: install lint
+	$(BIN)/pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) var .pytest_cache .ruff_cache

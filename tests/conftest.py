@@ -1,0 +1,38 @@
+"""Test-wide setup: loopback-only networking, an isolated var/ directory, and service URLs.
+
+PostgreSQL and Redis are real: ``.ci/run`` points DATABASE_URL and REDIS_URL at this machine's
+servers. Locally, without REDIS_URL, the Redis-backed tests skip; under CI they fail instead, so a
+missing service can never hide behind a skip.
+"""
+
+import os
+
+import pytest
+
+import runtime.engine  # noqa: F401 - sets Ray's loopback environment before Ray loads
+
+
+def _in_ci() -> bool:
+    return os.environ.get("CI", "").lower() in {"1", "true", "yes"}
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> str:
+    """The real Redis the Redis-backed tests use (from REDIS_URL)."""
+    url = os.environ.get("REDIS_URL")
+    if not url:
+        if _in_ci():
+            pytest.fail("REDIS_URL is not set in CI: the Redis-backed tests must run")
+        pytest.skip("REDIS_URL is not set (CI sets it; .ci/run starts Redis)")
+    return url
+
+
+@pytest.fixture(scope="session")
+def postgres_url() -> str:
+    """The real PostgreSQL server (from DATABASE_URL) when it is PostgreSQL."""
+    url = os.environ.get("DATABASE_URL", "")
+    if not url.startswith(("postgres://", "postgresql://")):
+        if _in_ci():
+            pytest.fail("DATABASE_URL is not PostgreSQL in CI")
+        pytest.skip("DATABASE_URL is not a PostgreSQL URL (CI sets it)")
+    return url

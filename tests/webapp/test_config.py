@@ -1,0 +1,182 @@
+"""Settings parsing: every bad value gives an error that names its variable."""
+
+import secrets
+import subprocess
+import sys
+from pathlib import Path
+from urllib.parse import quote
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from webapp import config
+from webapp.config import ConfigError
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_sqlite_default_lives_under_var_dir(tmp_path):
+    cfg = config.load({"NEREUS_VAR_DIR": str(tmp_path)})
+    assert cfg.database["ENGINE"] == "django.db.backends.sqlite3"
+    assert cfg.database["NAME"] == str(tmp_path / "nereus.sqlite3")
+    assert "journal_mode=WAL" in cfg.database["OPTIONS"]["init_command"]
+    assert cfg.embedded and cfg.redis_url is None and cfg.ray_address is None
+
+
+def test_relative_sqlite_path_is_relative_to_the_checkout():
+    parsed = config.parse_database_url("sqlite:///var/x.sqlite3")
+    assert parsed["NAME"] == str(config.REPO_ROOT / "var" / "x.sqlite3")
+
+
+def test_postgres_url_with_options():
+    parsed = config.parse_database_url(
+        "postgresql://bob:s%40cret@db.example:6543/nereus?sslmode=require"
+    )
+    assert parsed["ENGINE"] == "django.db.backends.postgresql"
+    assert (parsed["USER"], parsed["PASSWORD"], parsed["HOST"], parsed["PORT"], parsed["NAME"]) == (
+        "bob",
+        "s@cret",
+        "db.example",
+        "6543",
+        "nereus",
+    )
+    assert parsed["OPTIONS"]["sslmode"] == "require"
+
+
+@given(
+    user=st.text(
+        st.characters(codec="utf-8", exclude_categories=["Cs", "Cc"]), min_size=1, max_size=12
+    ),
+    password=st.text(st.characters(codec="utf-8", exclude_categories=["Cs", "Cc"]), max_size=12),
+    name=st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,20}", fullmatch=True),
+    port=st.integers(1, 65535),
+)
+def test_postgres_url_components_round_trip(user, password, name, port):
+    url = f"postgresql://{quote(user, safe='')}:{quote(password, safe='')}@127.0.0.1:{port}/{name}"
+    parsed = config.parse_database_url(url)
+    assert (parsed["USER"], parsed["PASSWORD"], parsed["PORT"], parsed["NAME"]) == (
+        user,
+        password,
+        str(port),
+        name,
+    )
+
+
+@pytest.mark.parametrize(
+    ("value", "words"),
+    [
+        ("mysql://root@localhost/db", "unsupported scheme"),
+        ("not a url", "not a URL"),
+        ("postgresql://localhost:5432/", "needs a database name"),
+        ("postgresql://localhost:abc/db", "port is not a number"),
+        ("postgresql:///db", "needs a host"),
+        ("sqlite://host/file.db", "has no host"),
+        ("sqlite:///", "needs a file path"),
+        ("postgresql://h/db?conn_max_age=soon", "conn_max_age"),
+    ],
+)
+def test_bad_database_url_names_the_variable(value, words):
+    with pytest.raises(ConfigError) as info:
+        config.load({"DATABASE_URL": value})
+    assert info.value.variable == "DATABASE_URL"
+    assert str(info.value).startswith("DATABASE_URL: ")
+    assert words in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [
+        ("REDIS_URL", "http://127.0.0.1:6379"),
+        ("REDIS_URL", "redis://"),
+        ("REDIS_URL", "redis://127.0.0.1:port/0"),
+        ("REDIS_URL", "redis://127.0.0.1:6379/zero"),
+        ("RAY_ADDRESS", "just-a-host"),
+        ("RAY_ADDRESS", "127.0.0.1:99999"),
+        ("NEREUS_PRODUCTION", "maybe"),
+        ("NEREUS_LOG_LEVEL", "LOUD"),
+        ("NEREUS_CSRF_TRUSTED_ORIGINS", "nereus.example.com"),
+    ],
+)
+def test_bad_values_name_their_variable(variable, value, tmp_path):
+    with pytest.raises(ConfigError) as info:
+        config.load({variable: value, "NEREUS_VAR_DIR": str(tmp_path)})
+    assert info.value.variable == variable
+    assert str(info.value).startswith(f"{variable}: ")
+
+
+def test_unset_or_empty_redis_and_ray_mean_embedded_and_local(tmp_path):
+    cfg = config.load({"REDIS_URL": "", "RAY_ADDRESS": " ", "NEREUS_VAR_DIR": str(tmp_path)})
+    assert cfg.redis_url is None and cfg.ray_address is None
+
+
+def test_valid_redis_and_ray_values_are_kept(tmp_path):
+    cfg = config.load(
+        {
+            "REDIS_URL": "redis://127.0.0.1:6379/2",
+            "RAY_ADDRESS": "ray://10.0.0.5:10001",
+            "NEREUS_VAR_DIR": str(tmp_path),
+        }
+    )
+    assert cfg.redis_url == "redis://127.0.0.1:6379/2" and not cfg.embedded
+    assert cfg.ray_address == "ray://10.0.0.5:10001"
+
+
+def test_production_requires_a_secret_key_and_hosts(tmp_path):
+    with pytest.raises(ConfigError) as info:
+        config.load({"NEREUS_PRODUCTION": "1", "NEREUS_VAR_DIR": str(tmp_path)})
+    assert info.value.variable == "NEREUS_SECRET_KEY"
+    with pytest.raises(ConfigError) as info:
+        config.load({"NEREUS_PRODUCTION": "true", "NEREUS_SECRET_KEY": secrets.token_urlsafe(60)})
+    assert info.value.variable == "NEREUS_ALLOWED_HOSTS"
+    cfg = config.load(
+        {
+            "NEREUS_PRODUCTION": "yes",
+            "NEREUS_SECRET_KEY": secrets.token_urlsafe(60),
+            "NEREUS_ALLOWED_HOSTS": "a.example",
+        }
+    )
+    assert cfg.production and cfg.allowed_hosts == ("a.example",)
+    with pytest.raises(ConfigError, match="NEREUS_SECRET_KEY: .*random"):
+        config.load(
+            {"NEREUS_PRODUCTION": "1", "NEREUS_SECRET_KEY": "ab" * 40, "NEREUS_ALLOWED_HOSTS": "x"}
+        )
+
+
+def test_local_secret_key_is_stable_across_loads(tmp_path):
+    first = config.load({"NEREUS_VAR_DIR": str(tmp_path)}).secret_key
+    second = config.load({"NEREUS_VAR_DIR": str(tmp_path)}).secret_key
+    assert first == second and len(first) >= 50
+
+
+def test_a_process_with_a_bad_variable_refuses_to_start(tmp_path):
+    env = {"PATH": "/usr/bin:/bin", "NEREUS_VAR_DIR": str(tmp_path), "DATABASE_URL": "oracle://x/y"}
+    done = subprocess.run(
+        [sys.executable, str(REPO / "manage.py"), "check"],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode != 0
+    assert "nereus: configuration error: DATABASE_URL: unsupported scheme 'oracle'" in done.stderr
+
+
+def test_production_settings_pass_the_deploy_check(tmp_path):
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "NEREUS_VAR_DIR": str(tmp_path),
+        "NEREUS_PRODUCTION": "1",
+        "NEREUS_SECRET_KEY": secrets.token_urlsafe(60),
+        "NEREUS_ALLOWED_HOSTS": "nereus.example.com",
+    }
+    done = subprocess.run(
+        [sys.executable, str(REPO / "manage.py"), "check", "--deploy", "--fail-level", "WARNING"],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr

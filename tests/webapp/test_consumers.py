@@ -1,0 +1,122 @@
+"""The job events websocket, in process: authentication, authorisation, backlog and live events,
+bad messages. Runs on the channel layer the settings choose (the database layer by default, Redis
+when REDIS_URL is set, as in CI)."""
+
+import asyncio
+
+import pytest
+from asgiref.sync import sync_to_async
+from channels.auth import AuthMiddlewareStack
+from channels.routing import URLRouter
+from channels.testing import WebsocketCommunicator
+from django.conf import settings
+from django.contrib.auth import BACKEND_SESSION_KEY, HASH_SESSION_KEY, SESSION_KEY, get_user_model
+from django.contrib.sessions.backends.db import SessionStore
+
+from webapp.jobs import services
+from webapp.jobs.consumers import CLOSE_NOT_FOUND, CLOSE_UNAUTHENTICATED
+from webapp.jobs.models import Job
+from webapp.jobs.routing import websocket_urlpatterns
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.asyncio]
+
+APP = AuthMiddlewareStack(URLRouter(websocket_urlpatterns))
+
+
+def _session_for(user) -> str:
+    store = SessionStore()
+    store[SESSION_KEY] = str(user.pk)
+    store[BACKEND_SESSION_KEY] = "django.contrib.auth.backends.ModelBackend"
+    store[HASH_SESSION_KEY] = user.get_session_auth_hash()
+    store.save()
+    return store.session_key
+
+
+@sync_to_async
+def _setup():
+    users = get_user_model()
+    alice = users.objects.create_user(username="alice", password="pw-alice-1234")
+    bob = users.objects.create_user(username="bob", password="pw-bob-1234")
+    job = Job.objects.create(name="j", owner=alice, spec={"num_slots": 1, "num_steps": 1})
+    return job, _session_for(alice), _session_for(bob)
+
+
+@sync_to_async
+def _append(job, kind, **data):
+    return services.job_event_append(job=job, epoch=job.epoch, kind=kind, data=data).pk
+
+
+def _communicator(job_id, session=None, after=None):
+    path = f"/ws/jobs/{job_id}/" + (f"?after={after}" if after is not None else "")
+    headers = [(b"cookie", f"{settings.SESSION_COOKIE_NAME}={session}".encode())] if session else []
+    return WebsocketCommunicator(APP, path, headers=headers)
+
+
+async def test_anonymous_clients_are_refused():
+    job, _, _ = await _setup()
+    ws = _communicator(job.pk)
+    connected, code = await ws.connect()
+    assert not connected and code == CLOSE_UNAUTHENTICATED
+
+
+async def test_other_users_job_is_not_found():
+    job, _, bob_session = await _setup()
+    ws = _communicator(job.pk, bob_session)
+    connected, code = await ws.connect()
+    assert not connected and code == CLOSE_NOT_FOUND
+
+
+async def test_backlog_then_live_events_in_order_without_duplicates():
+    job, session, _ = await _setup()
+    first = await _append(job, "a", n=1)
+    await _append(job, "b", n=2)
+    ws = _communicator(job.pk, session, after=first)
+    assert (await ws.connect())[0]
+    backlog = await ws.receive_json_from(timeout=5)
+    assert backlog["event"]["kind"] == "b"  # only what came after the id the client had
+    live_id = await _append(job, "c", n=3)
+    live = await ws.receive_json_from(timeout=5)
+    assert (live["type"], live["event"]["id"], live["event"]["data"]) == (
+        "event",
+        live_id,
+        {"n": 3},
+    )
+    # resume from the start: everything again, in order, then nothing more
+    await ws.send_json_to({"type": "resume", "after": 0})
+    again = [(await ws.receive_json_from(timeout=5))["event"]["kind"] for _ in range(3)]
+    assert again == ["a", "b", "c"]
+    assert await ws.receive_nothing(timeout=0.3)
+    await ws.disconnect()
+
+
+async def test_malformed_messages_get_an_error_frame_and_the_socket_stays_open():
+    job, session, _ = await _setup()
+    ws = _communicator(job.pk, session)
+    assert (await ws.connect())[0]
+    await ws.send_to(text_data="{not json")
+    assert (await ws.receive_json_from(timeout=5))["code"] == "bad_json"
+    await ws.send_json_to({"type": "dance"})
+    assert (await ws.receive_json_from(timeout=5))["message"] == "type: expected 'resume'"
+    await ws.send_json_to({"type": "resume", "after": "yesterday"})
+    error = await ws.receive_json_from(timeout=5)
+    assert error["code"] == "bad_after" and error["message"].startswith("after:")
+    await ws.send_json_to({"type": "resume", "after": -4})
+    assert (await ws.receive_json_from(timeout=5))["code"] == "bad_after"
+    event_id = await _append(job, "still.open")
+    assert (await ws.receive_json_from(timeout=5))["event"]["id"] == event_id
+    await ws.disconnect()
+
+
+async def test_bad_after_in_the_url_is_reported_and_streams_from_the_start():
+    job, session, _ = await _setup()
+    await _append(job, "a")
+    ws = WebsocketCommunicator(
+        APP,
+        f"/ws/jobs/{job.pk}/?after=x",
+        headers=[(b"cookie", f"{settings.SESSION_COOKIE_NAME}={session}".encode())],
+    )
+    assert (await ws.connect())[0]
+    assert (await ws.receive_json_from(timeout=5))["code"] == "bad_after"
+    assert (await ws.receive_json_from(timeout=5))["event"]["kind"] == "a"
+    await asyncio.sleep(0)
+    await ws.disconnect()
