@@ -15,8 +15,9 @@ os.environ.setdefault("NEREUS_VAR_DIR", tempfile.mkdtemp(prefix="nereus-test-var
 os.environ.pop("RAY_ADDRESS", None)
 
 from webapp.settings import *  # noqa: F403
+from webapp.settings import DATABASES
 
-if DATABASES["default"]["ENGINE"].endswith("sqlite3"):  # noqa: F405
+if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
     # A file, not Django's in-memory default, so that child processes can share the test database.
     DATABASES["default"]["TEST"] = {
         "NAME": os.path.join(os.environ["NEREUS_VAR_DIR"], "test.sqlite3")
@@ -24,4 +25,4 @@ if DATABASES["default"]["ENGINE"].endswith("sqlite3"):  # noqa: F405
 else:
     # Connections opened by database_sync_to_async threads must not outlive a test, or the test
     # database cannot be dropped at the end of the run.
-    DATABASES["default"]["CONN_MAX_AGE"] = 0  # noqa: F405
+    DATABASES["default"]["CONN_MAX_AGE"] = 0

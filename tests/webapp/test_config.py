@@ -137,7 +137,7 @@ def test_production_requires_a_secret_key_and_hosts(tmp_path):
         }
     )
     assert cfg.production and cfg.allowed_hosts == ("a.example",)
-    with pytest.raises(ConfigError, match="NEREUS_SECRET_KEY: .*random"):
+    with pytest.raises(ConfigError, match=r"NEREUS_SECRET_KEY: .*random"):
         config.load(
             {"NEREUS_PRODUCTION": "1", "NEREUS_SECRET_KEY": "ab" * 40, "NEREUS_ALLOWED_HOSTS": "x"}
         )

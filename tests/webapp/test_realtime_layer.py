@@ -91,7 +91,8 @@ async def test_message_sent_by_another_process_is_received(layer):
         connections["default"].settings_dict["NAME"] = sys.argv[1]
         from asgiref.sync import async_to_sync
         from webapp.realtime.layers import DatabaseChannelLayer
-        async_to_sync(DatabaseChannelLayer().group_send)("job-42", {"type": "from.pid", "pid": os.getpid()})
+        message = {"type": "from.pid", "pid": os.getpid()}
+        async_to_sync(DatabaseChannelLayer().group_send)("job-42", message)
         """
     )
     from django.db import connection
