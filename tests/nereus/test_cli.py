@@ -1,0 +1,131 @@
+"""The ``nereus`` command: version, doctor (each check a clear line, failures with a hint and exit
+code 1), and the demo supervisor (serves, and leaves no process behind on Ctrl-C)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+import nereus
+from nereus.processes import free_port
+from tests.support import live
+
+NEREUS = str(Path(sys.executable).with_name("nereus"))
+
+
+def _run(args, env, timeout=180):
+    return subprocess.run(
+        [NEREUS, *args], env=env, cwd=live.REPO, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_version(tmp_path):
+    done = _run(["version"], live.service_env(tmp_path))
+    assert done.returncode == 0 and done.stdout.strip() == f"nereus {nereus.__version__}"
+
+
+def test_doctor_on_a_healthy_embedded_install(tmp_path):
+    env = live.service_env(tmp_path)
+    live.manage(env, "migrate", "--no-input")
+    done = _run(["doctor"], env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = {line.split()[1]: line for line in done.stdout.splitlines() if line[:1] in "✓!✗"}
+    assert set(lines) == {"python", "pytorch", "ray", "database", "redis", "kernels", "gpus"}
+    assert lines["database"].startswith("✓") and "migrations applied" in lines["database"]
+    assert lines["redis"].startswith("✓") and "embedded" in lines["redis"]
+    assert "CPU build" in lines["pytorch"]
+
+
+def test_doctor_reports_pending_migrations_as_a_warning(tmp_path):
+    done = _run(["doctor", "--json"], live.service_env(tmp_path))
+    assert done.returncode == 0
+    findings = {f["name"]: f for f in json.loads(done.stdout)}
+    assert findings["database"]["status"] == "warn"
+    assert findings["database"]["hint"] == "python manage.py migrate"
+
+
+def test_doctor_fails_with_a_hint_when_redis_is_down(tmp_path):
+    env = live.service_env(tmp_path, REDIS_URL=f"redis://127.0.0.1:{free_port()}/0")
+    done = _run(["doctor"], env)
+    assert done.returncode == 1
+    redis_line = next(line for line in done.stdout.splitlines() if " redis " in line)
+    assert redis_line.startswith("✗")
+    assert "hint: check REDIS_URL" in done.stdout
+
+
+def test_doctor_fails_when_the_ray_cluster_is_unreachable(tmp_path):
+    env = live.service_env(tmp_path, RAY_ADDRESS=f"127.0.0.1:{free_port()}")
+    done = _run(["doctor", "--json"], env)
+    assert done.returncode == 1
+    ray_finding = next(f for f in json.loads(done.stdout) if f["name"] == "ray")
+    assert ray_finding["status"] == "fail" and "ray start --head" in ray_finding["hint"]
+
+
+def test_doctor_names_a_bad_variable(tmp_path):
+    done = _run(["doctor"], live.service_env(tmp_path, DATABASE_URL="mongodb://x/y"))
+    assert done.returncode == 1
+    assert "✗ configuration" in done.stdout and "DATABASE_URL: unsupported scheme 'mongodb'" in done.stdout
+
+
+def _descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, stack = set(), [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.add(child)
+            stack.append(child)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.ray
+def test_demo_serves_and_ctrl_c_leaves_no_process_behind(tmp_path):
+    port = free_port()
+    env = live.service_env(tmp_path)
+    proc = subprocess.Popen(
+        [NEREUS, "demo", "--port", str(port), "--steps", "5", "--slots", "1"], env=env, cwd=live.REPO,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        deadline, output = time.monotonic() + 240, []
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            assert line, "demo exited early:\n" + "".join(output)
+            output.append(line)
+            if "Ctrl-C stops everything" in line:
+                break
+        text = "".join(output)
+        assert f"Nereus is running at http://127.0.0.1:{port}/" in text
+        assert "sign in as 'demo' with password" in text
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/login/", timeout=30) as page:
+            assert page.status == 200 and b"Sign in" in page.read()
+        spawned = _descendants(proc.pid)
+        assert len(spawned) >= 3  # Ray head (and its daemons), Celery worker, web server
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, rest
+    assert "stopped: no process left behind" in rest
+    assert [pid for pid in spawned if _alive(pid)] == []

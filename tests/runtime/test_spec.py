@@ -1,0 +1,40 @@
+"""Job specs validate themselves and name the field that is wrong."""
+
+import pytest
+
+from runtime.jobs.spec import SftJobSpec
+
+
+def test_round_trip_through_json():
+    spec = SftJobSpec(num_slots=3, num_steps=7, lr=0.01)
+    assert SftJobSpec.from_json(spec.to_json()) == spec
+
+
+@pytest.mark.parametrize(
+    ("data", "field"),
+    [
+        ({"num_slots": 0}, "num_slots"),
+        ({"num_steps": -1}, "num_steps"),
+        ({"hidden": 30, "num_heads": 4}, "hidden"),
+        ({"lr": 2.0}, "lr"),
+        ({"kind": "ppo"}, "kind"),
+        ({"num_slots": "two"}, "num_slots"),
+        ({"num_slots": True}, "num_slots"),
+        ({"slots": 2}, "slots"),
+    ],
+)
+def test_bad_fields_are_named(data, field):
+    with pytest.raises(ValueError) as info:
+        SftJobSpec.from_json(data)
+    assert str(info.value).startswith(f"{field}: ")
+
+
+def test_integers_are_accepted_for_floats_but_still_range_checked():
+    with pytest.raises(ValueError, match="lr: expected 0 < lr < 1"):
+        SftJobSpec.from_json({"lr": 0})
+    assert SftJobSpec.from_json({"seed": 3}).seed == 3
+
+
+def test_non_object_is_refused():
+    with pytest.raises(ValueError, match="spec: expected a JSON object"):
+        SftJobSpec.from_json([1, 2])
