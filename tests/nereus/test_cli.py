@@ -2,7 +2,6 @@
 code 1), and the demo supervisor (serves, and leaves no process behind on Ctrl-C)."""
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -70,7 +69,10 @@ def test_doctor_fails_when_the_ray_cluster_is_unreachable(tmp_path):
 def test_doctor_names_a_bad_variable(tmp_path):
     done = _run(["doctor"], live.service_env(tmp_path, DATABASE_URL="mongodb://x/y"))
     assert done.returncode == 1
-    assert "✗ configuration" in done.stdout and "DATABASE_URL: unsupported scheme 'mongodb'" in done.stdout
+    assert (
+        "✗ configuration" in done.stdout
+        and "DATABASE_URL: unsupported scheme 'mongodb'" in done.stdout
+    )
 
 
 def _descendants(pid: int) -> set[int]:
@@ -103,8 +105,12 @@ def test_demo_serves_and_ctrl_c_leaves_no_process_behind(tmp_path):
     port = free_port()
     env = live.service_env(tmp_path)
     proc = subprocess.Popen(
-        [NEREUS, "demo", "--port", str(port), "--steps", "5", "--slots", "1"], env=env, cwd=live.REPO,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [NEREUS, "demo", "--port", str(port), "--steps", "5", "--slots", "1"],
+        env=env,
+        cwd=live.REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     try:
         deadline, output = time.monotonic() + 240, []

@@ -56,10 +56,15 @@ def test_a_dead_slot_becomes_a_slot_error_not_a_hang(local_ray):
 
 def test_sft_job_learns_and_keeps_replicas_identical(local_ray):
     sink = ListSink()
-    outcome = run_sft_job(SftJobSpec(num_slots=2, num_steps=12, seed=1), sink=sink, ray_address=None)
+    outcome = run_sft_job(
+        SftJobSpec(num_slots=2, num_steps=12, seed=1), sink=sink, ray_address=None
+    )
     assert outcome.status == "succeeded" and outcome.steps_done == 12
     kinds = [e.kind for e in sink.events]
-    assert kinds[:2] == ["job.started", "slots.ready"] and kinds[-2:] == ["replicas.verified", "job.finished"]
+    assert kinds[:2] == ["job.started", "slots.ready"] and kinds[-2:] == [
+        "replicas.verified",
+        "job.finished",
+    ]
     steps = [e.data for e in sink.of_kind("step.finished")]
     assert [s["step"] for s in steps] == list(range(12))
     assert steps[-1]["loss"] < 0.8 * steps[0]["loss"]  # it learns the progressions
@@ -80,7 +85,9 @@ def test_same_seed_same_losses(local_ray):
 def test_cancellation_stops_at_a_step_boundary(local_ray):
     sink = ListSink()
     outcome = run_sft_job(
-        SftJobSpec(num_slots=1, num_steps=50), sink=sink, ray_address=None,
+        SftJobSpec(num_slots=1, num_steps=50),
+        sink=sink,
+        ray_address=None,
         should_stop=lambda: len(sink.of_kind("step.finished")) >= 3,
     )
     assert (outcome.status, outcome.steps_done) == ("cancelled", 3)
