@@ -84,5 +84,45 @@ def run_sft(
     raise typer.Exit(code=0 if outcome.status == "succeeded" else 1)
 
 
+@app.command("plan")
+def plan_command(
+    gpus: Annotated[int, typer.Option(help="Slots in the pool.")],
+    model: Annotated[str, typer.Option(help="Model of all four roles.")] = "llama-3.1-8b",
+    gpu: Annotated[str, typer.Option(help="Accelerator kind.")] = "h100-sxm",
+    gen_len: Annotated[int, typer.Option(help="Generated tokens per response.")] = 2048,
+    prompt_len: Annotated[int, typer.Option()] = 512,
+    global_batch: Annotated[int, typer.Option(help="Sequences per PPO step.")] = 256,
+    micro_batch: Annotated[int, typer.Option()] = 4,
+    ppo_epochs: Annotated[int, typer.Option()] = 1,
+    recompute: Annotated[bool, typer.Option(help="Full activation recomputation.")] = False,
+    catalog: Annotated[
+        str | None, typer.Option(help="YAML/JSON file of extra models/GPUs.")
+    ] = None,
+    alternatives: Annotated[int, typer.Option(min=0, max=20)] = 3,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+    show_rejected: Annotated[bool, typer.Option(help="List every rejected candidate.")] = False,
+) -> None:
+    """Plan every model-stage of a PPO job: layout, predicted time, memory, alternatives."""
+    from nereus.plan_cli import run_plan
+
+    raise typer.Exit(
+        code=run_plan(
+            model=model,
+            gpus=gpus,
+            gpu=gpu,
+            gen_len=gen_len,
+            prompt_len=prompt_len,
+            global_batch=global_batch,
+            micro_batch=micro_batch,
+            ppo_epochs=ppo_epochs,
+            recompute=recompute,
+            catalog_file=catalog,
+            alternatives=alternatives,
+            as_json=as_json,
+            show_rejected=show_rejected,
+        )
+    )
+
+
 def main() -> None:
     app()

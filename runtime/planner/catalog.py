@@ -1,0 +1,380 @@
+"""Catalogs of accelerators and models, built in and extendable from a YAML or JSON file.
+
+Accelerator figures are vendor peaks (dense bf16, HBM capacity and bandwidth, per-direction link
+bandwidth per GPU); the planner never trusts them as achieved rates: the cost model multiplies each
+operation class by an efficiency that calibration learns from the running job.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+GIB = 2**30
+GB = 10**9
+
+
+class CatalogError(ValueError):
+    """A catalog entry or file is malformed; the message names the field."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Accelerator:
+    """One kind of device slot and the links between slots."""
+
+    name: str
+    peak_flops: float
+    """Dense bf16 FLOP/s."""
+    memory_bytes: float
+    memory_bandwidth: float
+    """HBM bytes/s."""
+    intra_node_bandwidth: float
+    """Per-GPU, per-direction bytes/s inside a node (NVLink, Infinity Fabric)."""
+    intra_node_latency: float
+    """Seconds per message inside a node."""
+    inter_node_bandwidth: float
+    """Per-GPU, per-direction bytes/s between nodes (InfiniBand, RoCE)."""
+    inter_node_latency: float
+    gpus_per_node: int
+
+    def __post_init__(self) -> None:
+        for field in (
+            "peak_flops",
+            "memory_bytes",
+            "memory_bandwidth",
+            "intra_node_bandwidth",
+            "inter_node_bandwidth",
+        ):
+            if not getattr(self, field) > 0:
+                raise CatalogError(
+                    f"{self.name}.{field}: must be positive, got {getattr(self, field)}"
+                )
+        for field in ("intra_node_latency", "inter_node_latency"):
+            if getattr(self, field) < 0:
+                raise CatalogError(f"{self.name}.{field}: must not be negative")
+        n = self.gpus_per_node
+        if n < 1 or n & (n - 1):
+            raise CatalogError(f"{self.name}.gpus_per_node: must be a power of two, got {n}")
+
+    def link(self, num_slots_spanned: int) -> str:
+        """``intra`` when a group of this many consecutive slots fits in one node, else ``inter``."""
+        return "intra" if num_slots_spanned <= self.gpus_per_node else "inter"
+
+    def bandwidth(self, link: str) -> float:
+        return self.intra_node_bandwidth if link == "intra" else self.inter_node_bandwidth
+
+    def latency(self, link: str) -> float:
+        return self.intra_node_latency if link == "intra" else self.inter_node_latency
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class ModelConfig:
+    """A Llama-architecture decoder (grouped-query attention, SwiGLU MLP, RMSNorm)."""
+
+    name: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    tie_embeddings: bool = False
+    qkv_bias: bool = False
+
+    def __post_init__(self) -> None:
+        for field in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+        ):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise CatalogError(
+                    f"{self.name}.{field}: must be a positive integer, got {value!r}"
+                )
+        if self.hidden_size % self.num_heads:
+            raise CatalogError(
+                f"{self.name}.hidden_size: {self.hidden_size} is not divisible by num_heads={self.num_heads}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise CatalogError(
+                f"{self.name}.num_kv_heads: {self.num_kv_heads} does not divide num_heads={self.num_heads}"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def params_per_layer(self) -> int:
+        h, kv = self.hidden_size, self.kv_dim
+        attention = h * h + 2 * h * kv + h * h + (h + 2 * kv if self.qkv_bias else 0)
+        mlp = 3 * h * self.intermediate_size
+        return attention + mlp + 2 * h  # two RMSNorm weights
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    def head_params(self, *, scalar_head: bool = False) -> int:
+        """The output head: the LM head (vocab logits) or a scalar head (critic value, reward)."""
+        if scalar_head:
+            return self.hidden_size + 1
+        return 0 if self.tie_embeddings else self.embedding_params
+
+    def num_params(self, *, scalar_head: bool = False) -> int:
+        """Total parameters, derived from the configuration."""
+        return (
+            self.embedding_params
+            + self.num_layers * self.params_per_layer
+            + self.hidden_size  # final norm
+            + self.head_params(scalar_head=scalar_head)
+        )
+
+
+# Published figures used by the tests: parameter totals as the model cards and safetensors give them.
+_A100 = Accelerator(
+    name="a100-80gb",
+    peak_flops=312e12,
+    memory_bytes=80 * GIB,
+    memory_bandwidth=2.039e12,
+    intra_node_bandwidth=300 * GB,
+    intra_node_latency=3e-6,
+    inter_node_bandwidth=25 * GB,
+    inter_node_latency=8e-6,
+    gpus_per_node=8,
+)
+_H100 = Accelerator(
+    name="h100-sxm",
+    peak_flops=989e12,
+    memory_bytes=80 * GIB,
+    memory_bandwidth=3.35e12,
+    intra_node_bandwidth=450 * GB,
+    intra_node_latency=3e-6,
+    inter_node_bandwidth=50 * GB,
+    inter_node_latency=6e-6,
+    gpus_per_node=8,
+)
+_H200 = Accelerator(
+    name="h200",
+    peak_flops=989e12,
+    memory_bytes=141 * GB,
+    memory_bandwidth=4.8e12,
+    intra_node_bandwidth=450 * GB,
+    intra_node_latency=3e-6,
+    inter_node_bandwidth=50 * GB,
+    inter_node_latency=6e-6,
+    gpus_per_node=8,
+)
+_MI300X = Accelerator(
+    name="mi300x",
+    peak_flops=1307e12,
+    memory_bytes=192 * GB,
+    memory_bandwidth=5.3e12,
+    intra_node_bandwidth=224 * GB,
+    intra_node_latency=4e-6,
+    inter_node_bandwidth=50 * GB,
+    inter_node_latency=8e-6,
+    gpus_per_node=8,
+)
+# A CPU worker process standing in for a GPU on machines without one (the demo and the tests);
+# figures measured on a 2-core machine: see design/MACHINE_NOTES.md.
+_CPU_SLOT = Accelerator(
+    name="cpu-slot",
+    peak_flops=50e9,
+    memory_bytes=4 * GIB,
+    memory_bandwidth=14.6e9,
+    intra_node_bandwidth=3.5e9,
+    intra_node_latency=50e-6,
+    inter_node_bandwidth=1e9,
+    inter_node_latency=100e-6,
+    gpus_per_node=8,
+)
+
+ACCELERATORS: dict[str, Accelerator] = {
+    a.name: a for a in (_A100, _H100, _H200, _MI300X, _CPU_SLOT)
+}
+
+MODELS: dict[str, ModelConfig] = {
+    m.name: m
+    for m in (
+        ModelConfig(
+            name="llama-3.1-8b",
+            vocab_size=128256,
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_layers=32,
+            num_heads=32,
+            num_kv_heads=8,
+        ),
+        ModelConfig(
+            name="llama-3.1-70b",
+            vocab_size=128256,
+            hidden_size=8192,
+            intermediate_size=28672,
+            num_layers=80,
+            num_heads=64,
+            num_kv_heads=8,
+        ),
+        ModelConfig(
+            name="qwen2.5-7b",
+            vocab_size=152064,
+            hidden_size=3584,
+            intermediate_size=18944,
+            num_layers=28,
+            num_heads=28,
+            num_kv_heads=4,
+            qkv_bias=True,
+        ),
+        ModelConfig(
+            name="qwen2.5-32b",
+            vocab_size=152064,
+            hidden_size=5120,
+            intermediate_size=27648,
+            num_layers=64,
+            num_heads=40,
+            num_kv_heads=8,
+            qkv_bias=True,
+        ),
+        # The decoder of the CPU demo's SFT job (runtime/jobs/sft.py): 90,432 parameters.
+        ModelConfig(
+            name="tiny-sft",
+            vocab_size=64,
+            hidden_size=64,
+            intermediate_size=128,
+            num_layers=2,
+            num_heads=4,
+            num_kv_heads=4,
+        ),
+        ModelConfig(
+            name="tiny-llama",
+            vocab_size=512,
+            hidden_size=128,
+            intermediate_size=352,
+            num_layers=8,
+            num_heads=8,
+            num_kv_heads=4,
+        ),
+    )
+}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Catalog:
+    """The accelerators and models a planner call may name."""
+
+    accelerators: Mapping[str, Accelerator]
+    models: Mapping[str, ModelConfig]
+
+    def accelerator(self, name: str) -> Accelerator:
+        try:
+            return self.accelerators[name.lower()]
+        except KeyError:
+            raise CatalogError(
+                f"gpu: unknown accelerator {name!r}; choose one of {', '.join(sorted(self.accelerators))}"
+            ) from None
+
+    def model(self, name: str) -> ModelConfig:
+        try:
+            return self.models[name.lower()]
+        except KeyError:
+            raise CatalogError(
+                f"model: unknown model {name!r}; choose one of {', '.join(sorted(self.models))}"
+            ) from None
+
+    def extended(self, path: str | Path) -> Catalog:
+        """This catalog plus the entries of a YAML or JSON file (same names replace built-ins)."""
+        accelerators, models = load_catalog_file(path)
+        return Catalog(
+            accelerators={**self.accelerators, **accelerators}, models={**self.models, **models}
+        )
+
+
+def default_catalog() -> Catalog:
+    return Catalog(accelerators=dict(ACCELERATORS), models=dict(MODELS))
+
+
+def load_catalog_file(path: str | Path) -> tuple[dict[str, Accelerator], dict[str, ModelConfig]]:
+    """Read ``{"accelerators": {name: {...}}, "models": {name: {...}}}`` from YAML or JSON."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise CatalogError(f"catalog: cannot read {path}: {exc.strerror}") from exc
+    try:
+        if path.suffix.lower() in {".yaml", ".yml"}:
+            import yaml
+
+            data = yaml.safe_load(text)
+        else:
+            data = json.loads(text)
+    except Exception as exc:  # yaml.YAMLError and json.JSONDecodeError have no common base
+        raise CatalogError(
+            f"catalog: {path.name} is not valid {path.suffix[1:].upper()}: {exc}"
+        ) from exc
+    if not isinstance(data, dict):
+        raise CatalogError(
+            f"catalog: {path.name} must hold a mapping with 'accelerators' and/or 'models'"
+        )
+    unknown = sorted(set(data) - {"accelerators", "models"})
+    if unknown:
+        raise CatalogError(
+            f"catalog.{unknown[0]}: unknown section; expected 'accelerators' or 'models'"
+        )
+    accelerators = {
+        name.lower(): _build(Accelerator, f"accelerators.{name}", name, entry)
+        for name, entry in _section(data, "accelerators").items()
+    }
+    models = {
+        name.lower(): _build(ModelConfig, f"models.{name}", name, entry)
+        for name, entry in _section(data, "models").items()
+    }
+    return accelerators, models
+
+
+def _section(data: dict, key: str) -> dict:
+    section = data.get(key) or {}
+    if not isinstance(section, dict):
+        raise CatalogError(f"catalog.{key}: must be a mapping of name to entry")
+    return section
+
+
+def _build(cls, where: str, name: str, entry: Any):
+    if not isinstance(entry, dict):
+        raise CatalogError(f"{where}: must be a mapping of fields")
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "name"}
+    unknown = sorted(set(entry) - set(fields))
+    if unknown:
+        raise CatalogError(
+            f"{where}.{unknown[0]}: unknown field; valid fields: {', '.join(fields)}"
+        )
+    required = [n for n, f in fields.items() if f.default is dataclasses.MISSING]
+    missing = [n for n in required if n not in entry]
+    if missing:
+        raise CatalogError(f"{where}.{missing[0]}: required field is missing")
+    values = {}
+    for key, value in entry.items():
+        kind = fields[key].type
+        if kind == "int" and (isinstance(value, bool) or not isinstance(value, int)):
+            raise CatalogError(f"{where}.{key}: expected an integer, got {value!r}")
+        if kind == "float":
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise CatalogError(f"{where}.{key}: expected a number, got {value!r}")
+            value = float(value)
+        if kind == "bool" and not isinstance(value, bool):
+            raise CatalogError(f"{where}.{key}: expected true or false, got {value!r}")
+        values[key] = value
+    try:
+        return cls(name=str(name).lower(), **values)
+    except CatalogError as exc:
+        raise CatalogError(f"{where.split('.')[0]}.{exc}") from None

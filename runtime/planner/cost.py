@@ -1,0 +1,140 @@
+"""The cost model: seconds one model-stage spends per PPO step in one layout, by operation class.
+
+Every class is priced at hardware peak ("ideal" seconds) and divided by an efficiency for that class
+(and link type) that calibration learns from the running job. Classes inside the pipeline (GEMMs,
+attention, decode, tensor-parallel all-reduces, pipeline point-to-point) are per-slot times under
+perfect pipelining; the 1F1B bubble adds ``(pp - 1) / m`` of them for ``m`` micro-batches per flush.
+Data-parallel gradient all-reduce, the optimizer step and the weight sync to generation run outside
+the pipeline. Collectives follow the alpha-beta model of a ring: ``2(n-1)/n · bytes / bandwidth +
+2(n-1) · latency``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from runtime.planner.shapes import LayoutShape
+
+PIPELINED = ("gemm", "attention", "decode", "tp_allreduce", "pp_p2p")
+
+DEFAULT_EFFICIENCY: dict[str, float] = {
+    "gemm": 0.55,
+    "attention": 0.40,
+    "decode": 0.60,
+    "tp_allreduce:intra": 0.70,
+    "tp_allreduce:inter": 0.60,
+    "pp_p2p:intra": 0.70,
+    "pp_p2p:inter": 0.60,
+    "dp_allreduce:intra": 0.70,
+    "dp_allreduce:inter": 0.60,
+    "weight_sync:intra": 0.60,
+    "weight_sync:inter": 0.50,
+    "optimizer": 0.70,
+}
+OPERATION_CLASSES = tuple(DEFAULT_EFFICIENCY)
+OPTIMIZER_BYTES_PER_PARAM = 32  # read grads, master, moments; write master, moments, weights
+
+
+def _ring(n: int | np.ndarray, nbytes, bandwidth: float, latency: float):
+    """Seconds of one ring all-reduce among ``n`` ranks."""
+    n = np.asarray(n, dtype=float)
+    return np.where(n > 1, 2 * (n - 1) / n * nbytes / bandwidth + 2 * (n - 1) * latency, 0.0)
+
+
+def ideal_breakdown(
+    shape: LayoutShape, *, num_slots: int
+) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """Ideal seconds per operation class (keys as in DEFAULT_EFFICIENCY), and the micro-batches
+    per pipeline flush, for every dp in ``shape.dp``."""
+    w, ms, acc, model = shape.workload, shape.ms, shape.accelerator, shape.ms.model
+    tp, pp, b = shape.tp, shape.pp, w.bytes_per_value
+    slots = tp * pp
+    h, num_layers = model.hidden_size, model.num_layers
+    batch = shape.batch_per_unit
+    zeros = np.zeros_like(shape.dp)
+    out: dict[str, np.ndarray] = {}
+    # Placement keeps a tensor-parallel group inside a node; a unit spills over nodes only when
+    # tp * pp > gpus_per_node, and data-parallel replicas when dp * tp * pp does.
+    tp_link, pp_link = "intra", acc.link(slots)
+
+    def tp_allreduce(count, nbytes):
+        return count * _ring(tp, nbytes, acc.bandwidth(tp_link), acc.latency(tp_link))
+
+    def p2p(count, nbytes):
+        if pp == 1:
+            return zeros
+        return count * (nbytes / tp / acc.bandwidth(pp_link) + acc.latency(pp_link))
+
+    if ms.stage in ("training", "inference"):
+        seq = w.seq_len
+        passes = 3.0 + (1.0 if w.recompute else 0.0) if ms.stage == "training" else 1.0
+        epochs = w.ppo_epochs if ms.stage == "training" else 1
+        tokens = batch * seq * epochs
+        out["gemm"] = 2 * shape.dense_params * tokens * passes / (slots * acc.peak_flops)
+        attention_flops = 2 * num_layers * seq * seq * h * batch * epochs * passes
+        out["attention"] = attention_flops / (slots * acc.peak_flops)
+        micro = np.ceil(batch / w.micro_batch) * epochs
+        per_layer = (4 + (2 if w.recompute else 0)) if ms.stage == "training" else 2
+        activation = w.micro_batch * seq * h * b
+        out[f"tp_allreduce:{tp_link}"] = tp_allreduce(
+            micro * num_layers / pp * per_layer, activation
+        )
+        out[f"pp_p2p:{pp_link}"] = p2p(micro * (2 if ms.stage == "training" else 1), activation)
+        if ms.stage == "training":
+            flushes = w.ppo_epochs * w.ppo_minibatches
+            m = shape.micro_batches(w.micro_batch, per_flush=w.ppo_minibatches)
+            crosses_nodes = np.where(shape.dp * slots > acc.gpus_per_node, 1.0, 0.0)
+            grads = shape.params_per_slot * b
+            intra = _ring(shape.dp, grads, acc.intra_node_bandwidth, acc.intra_node_latency)
+            inter = _ring(shape.dp, grads, acc.inter_node_bandwidth, acc.inter_node_latency)
+            out["dp_allreduce:intra"] = flushes * intra * (1 - crosses_nodes)
+            out["dp_allreduce:inter"] = flushes * inter * crosses_nodes
+            shards = shape.dp if w.distributed_optimizer else 1.0
+            optimizer_bytes = shape.params_per_slot * OPTIMIZER_BYTES_PER_PARAM / shards
+            out["optimizer"] = flushes * optimizer_bytes / acc.memory_bandwidth + zeros
+        else:
+            m = shape.micro_batches(w.micro_batch)
+    else:  # generation: prefill the prompts, then decode gen_len tokens
+        prompt, gen = w.prompt_len, w.gen_len
+        m = shape.micro_batches(w.gen_micro_batch) if pp > 1 else np.ones_like(shape.dp)
+        seqs_per_micro = batch / m
+        prefill = 2 * shape.dense_params * batch * prompt
+        decode_flops = 2 * shape.dense_params * batch * gen
+        out["gemm"] = (prefill + decode_flops) / (slots * acc.peak_flops)
+        attention_flops = (
+            2 * num_layers * h * batch * (prompt * prompt + 2 * (prompt * gen + gen * gen / 2))
+        )
+        out["attention"] = attention_flops / (slots * acc.peak_flops)
+        kv_per_token = 2 * num_layers / pp * shape.kv_dim_per_slot * b
+        avg_context = prompt + gen / 2
+        weights = shape.params_per_slot * b
+        reads = gen * m * (weights + seqs_per_micro * avg_context * kv_per_token)
+        out["decode"] = reads / acc.memory_bandwidth
+        steps = gen * m  # decode steps each tensor-parallel group takes, all micro-batches
+        out[f"tp_allreduce:{tp_link}"] = tp_allreduce(
+            steps * 2 * num_layers / pp, seqs_per_micro * h * b
+        ) + tp_allreduce(2 * num_layers / pp * m, seqs_per_micro * prompt * h * b)
+        out[f"pp_p2p:{pp_link}"] = p2p(steps, seqs_per_micro * h * b)
+        sync_link = acc.link(num_slots)
+        sync_bytes = shape.params_per_slot * b
+        out[f"weight_sync:{sync_link}"] = (
+            sync_bytes / acc.bandwidth(sync_link) + acc.latency(sync_link) + zeros
+        )
+    return out, m
+
+
+def predict(
+    shape: LayoutShape, *, num_slots: int, efficiency: Mapping[str, float]
+) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """Calibrated seconds per step, and the breakdown by class plus ``pipeline_bubble``."""
+    ideal, micro_batches = ideal_breakdown(shape, num_slots=num_slots)
+    breakdown = {cls: seconds / efficiency[cls] for cls, seconds in ideal.items()}
+    pipelined = sum(
+        (t for cls, t in breakdown.items() if cls.split(":")[0] in PIPELINED),
+        start=np.zeros_like(shape.dp),
+    )
+    breakdown["pipeline_bubble"] = pipelined * (shape.pp - 1) / micro_batches
+    total = sum(breakdown.values(), start=np.zeros_like(shape.dp))
+    return total, breakdown

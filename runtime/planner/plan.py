@@ -1,0 +1,159 @@
+"""Plans as values: for every model-stage its layout, its units and their slots.
+
+A plan is frozen, hashable and round-trips through JSON; the planner produces plans and the
+transition compiler diffs them. A unit's slots are listed pipeline-stage-major: slots
+``[p * tp, (p + 1) * tp)`` of the tuple form pipeline stage ``p``'s tensor-parallel group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+class PlanError(ValueError):
+    """A plan value is malformed."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Layout:
+    """(dp, tp, pp): data-parallel units, each a tp × pp grid of slots."""
+
+    dp: int
+    tp: int
+    pp: int
+
+    def __post_init__(self) -> None:
+        for field in ("dp", "tp", "pp"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise PlanError(f"{field}: must be a positive integer, got {value!r}")
+
+    @property
+    def num_slots(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def __str__(self) -> str:
+        return f"({self.dp},{self.tp},{self.pp})"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class ModelStagePlan:
+    """One model-stage's part of a plan, with what the planner predicted for it."""
+
+    name: str
+    layout: Layout
+    units: tuple[tuple[int, ...], ...]
+    predicted_s: float
+    breakdown: tuple[tuple[str, float], ...]
+    """Seconds per step by operation class, calibrated."""
+    memory_per_slot: tuple[tuple[str, float], ...]
+    """Bytes per slot by component on the most loaded slot."""
+
+    def __post_init__(self) -> None:
+        if len(self.units) != self.layout.dp:
+            raise PlanError(f"{self.name}.units: {len(self.units)} units for dp={self.layout.dp}")
+        for unit in self.units:
+            if len(unit) != self.layout.tp * self.layout.pp or len(set(unit)) != len(unit):
+                raise PlanError(
+                    f"{self.name}.units: unit {unit} is not {self.layout.tp}×{self.layout.pp} slots"
+                )
+        every = [s for unit in self.units for s in unit]
+        if len(set(every)) != len(every):
+            raise PlanError(f"{self.name}.units: a slot is used by two units")
+
+    @property
+    def slots(self) -> frozenset[int]:
+        return frozenset(s for unit in self.units for s in unit)
+
+    @property
+    def memory_bytes(self) -> float:
+        return sum(v for _, v in self.memory_per_slot)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class StagePlan:
+    """How a stage's model-stages share the slots: ``disjoint`` (concurrently, each on its own
+    slots) or ``colocated`` (one after another, each on as many slots as it likes)."""
+
+    stage: str
+    mode: str
+    predicted_s: float
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("disjoint", "colocated"):
+            raise PlanError(
+                f"{self.stage}.mode: expected 'disjoint' or 'colocated', got {self.mode!r}"
+            )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Plan:
+    """A whole job's plan on a pool of ``num_slots`` slots of one accelerator."""
+
+    accelerator: str
+    num_slots: int
+    model_stages: tuple[ModelStagePlan, ...]
+    stages: tuple[StagePlan, ...]
+    predicted_step_s: float
+
+    def __post_init__(self) -> None:
+        for ms in self.model_stages:
+            outside = [s for s in ms.slots if not 0 <= s < self.num_slots]
+            if outside:
+                raise PlanError(
+                    f"{ms.name}.units: slot {outside[0]} outside the pool of {self.num_slots}"
+                )
+
+    def model_stage(self, name: str) -> ModelStagePlan:
+        for ms in self.model_stages:
+            if ms.name == name:
+                return ms
+        raise KeyError(name)
+
+    def layouts(self) -> dict[str, Layout]:
+        return {ms.name: ms.layout for ms in self.model_stages}
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "accelerator": self.accelerator,
+            "num_slots": self.num_slots,
+            "predicted_step_s": self.predicted_step_s,
+            "stages": [dataclasses.asdict(s) for s in self.stages],
+            "model_stages": [
+                {
+                    "name": ms.name,
+                    "layout": dataclasses.asdict(ms.layout),
+                    "units": [list(u) for u in ms.units],
+                    "predicted_s": ms.predicted_s,
+                    "breakdown": dict(ms.breakdown),
+                    "memory_per_slot": dict(ms.memory_per_slot),
+                }
+                for ms in self.model_stages
+            ],
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Plan:
+        try:
+            return cls(
+                accelerator=data["accelerator"],
+                num_slots=data["num_slots"],
+                predicted_step_s=float(data["predicted_step_s"]),
+                stages=tuple(StagePlan(**s) for s in data["stages"]),
+                model_stages=tuple(
+                    ModelStagePlan(
+                        name=ms["name"],
+                        layout=Layout(**ms["layout"]),
+                        units=tuple(tuple(u) for u in ms["units"]),
+                        predicted_s=float(ms["predicted_s"]),
+                        breakdown=tuple(ms["breakdown"].items()),
+                        memory_per_slot=tuple(ms["memory_per_slot"].items()),
+                    )
+                    for ms in data["model_stages"]
+                ),
+            )
+        except KeyError as exc:
+            raise PlanError(f"{exc.args[0]}: missing from the plan JSON") from None
+        except TypeError as exc:
+            raise PlanError(f"plan: malformed JSON ({exc})") from None

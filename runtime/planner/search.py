@@ -1,0 +1,374 @@
+"""The global plan search: the lowest predicted step latency whose every slot's memory holds.
+
+A PPO step runs its three stages one after another on the same pool, so the step latency is the sum
+of the stage latencies and each stage is planned on the whole pool. Inside a stage the model-stages
+either share it *disjointly* (concurrently, on separate slots: the stage takes as long as its
+slowest model-stage) or *colocated* (one after another, each on as many slots as it likes). The
+disjoint case is a min-max allocation of slots to model-stages, solved exactly by dynamic
+programming over model-stages and slot budgets (``min_max_allocation``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from runtime.planner import cost, memory
+from runtime.planner.catalog import GIB, Accelerator
+from runtime.planner.plan import Layout, ModelStagePlan, Plan, StagePlan
+from runtime.planner.shapes import LayoutShape
+from runtime.planner.space import Rejection, valid_layouts
+from runtime.planner.workload import STAGES, ModelStage, PpoWorkload
+
+
+class PlanningError(ValueError):
+    """No feasible plan: says which constraint binds, for which model-stage, and by how much."""
+
+    def __init__(self, message: str, *, constraint: str, model_stage: str, shortfall: float):
+        super().__init__(message)
+        self.constraint = constraint
+        self.model_stage = model_stage
+        self.shortfall = shortfall
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class PlanResult:
+    """The best plan, the next alternatives (each differing in some model-stage's layout), and
+    every candidate layout the planner did not take with its binding reason."""
+
+    best: Plan
+    alternatives: tuple[Plan, ...]
+    rejected: tuple[Rejection, ...]
+    elapsed_s: float
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Column:
+    """One model-stage's best option for every slot budget 0..N ("at most g slots")."""
+
+    model_stage: ModelStage
+    time: np.ndarray  # time[g]: best predicted seconds with at most g slots; inf if none fits
+    choice: np.ndarray  # choice[g] = (tp, pp, dp) index into options, -1 if none
+    options: list[tuple[int, int, int]]
+
+
+def min_max_allocation(times: Sequence[np.ndarray], budget: int) -> tuple[float, list[int]]:
+    """Split at most ``budget`` slots among model-stages so the slowest is as fast as possible.
+
+    ``times[k][g]`` is model-stage k's best time with at most g slots (non-increasing in g, inf
+    where nothing fits). The table is ``best[k][b]``: the lowest achievable max over model-stages
+    0..k of their times when together they use at most b slots, with ``give[k][b]`` the slots that
+    model-stage k gets in that optimum. ``best[k][b] = min_g max(times[k][g], best[k-1][b-g])``; the
+    first argument falls and the second rises with g, so the minimum sits where they cross, which a
+    bisection finds for all b at once. Returns the optimum and each model-stage's slot count.
+    """
+    budgets = np.arange(budget + 1)
+    best = times[0][: budget + 1].copy()
+    gives = [budgets.copy()]
+    for k in range(1, len(times)):
+        own, prev = times[k][: budget + 1], best
+        lo, hi = np.zeros(budget + 1, dtype=np.int64), budgets.copy()
+        while np.any(lo < hi):  # smallest g with own[g] <= prev[b - g]
+            active = lo < hi
+            mid = (lo + hi) // 2
+            ok = own[mid] <= prev[budgets - mid]
+            hi = np.where(active & ok, mid, hi)
+            lo = np.where(active & ~ok, mid + 1, lo)
+        at = np.maximum(own[lo], prev[budgets - lo])
+        before = np.maximum(own[np.maximum(lo - 1, 0)], prev[np.minimum(budgets - lo + 1, budget)])
+        take_before = (lo > 0) & (before < at)
+        gives.append(np.where(take_before, lo - 1, lo))
+        best = np.where(take_before, before, at)
+    allocation, remaining = [], budget
+    for k in range(len(times) - 1, -1, -1):
+        g = int(gives[k][remaining]) if k else remaining
+        allocation.append(g)
+        remaining -= g
+    allocation.reverse()
+    return float(best[budget]), allocation
+
+
+def _column(
+    ms: ModelStage,
+    workload: PpoWorkload,
+    acc: Accelerator,
+    num_slots: int,
+    efficiency: Mapping[str, float],
+    excluded: frozenset[tuple[str, int, int]],
+) -> _Column:
+    exact = np.full(num_slots + 1, np.inf)
+    exact_choice = np.full(num_slots + 1, -1, dtype=np.int64)
+    options: list[tuple[int, int, int]] = []
+    allowed, _ = valid_layouts(ms.model, acc, num_slots)
+    budget = memory.memory_budget(acc.memory_bytes)
+    for tp, pp in allowed:
+        if (ms.name, tp, pp) in excluded:
+            continue
+        max_dp = min(num_slots // (tp * pp), workload.global_batch)
+        dp = np.arange(1, max_dp + 1, dtype=float)
+        shape = LayoutShape(ms=ms, workload=workload, accelerator=acc, tp=tp, pp=pp, dp=dp)
+        total, _ = cost.predict(shape, num_slots=num_slots, efficiency=efficiency)
+        fits = memory.total_bytes(memory.memory_breakdown(shape, num_slots=num_slots)) <= budget
+        slots = (dp * tp * pp).astype(np.int64)
+        for i in np.nonzero(fits & (total < exact[slots]))[0]:
+            exact[slots[i]] = total[i]
+            exact_choice[slots[i]] = len(options)
+            options.append((tp, pp, int(dp[i])))
+    # "at most g slots": a running minimum over g
+    time_at_most = np.minimum.accumulate(exact)
+    choice = exact_choice.copy()
+    for g in range(1, num_slots + 1):
+        if exact[g] > time_at_most[g]:
+            choice[g] = choice[g - 1]
+    return _Column(model_stage=ms, time=time_at_most, choice=choice, options=options)
+
+
+def _infeasible(
+    column: _Column, workload: PpoWorkload, acc: Accelerator, num_slots: int
+) -> PlanningError:
+    """Explain why a model-stage fits nowhere: too few slots, or too little memory and by how much."""
+    ms = column.model_stage
+    allowed, _ = valid_layouts(ms.model, acc, num_slots)
+    if not allowed:
+        return PlanningError(
+            f"slots: {ms.name} has no layout that fits {num_slots} slots of {acc.name}",
+            constraint="slots",
+            model_stage=ms.name,
+            shortfall=1.0,
+        )
+    budget = memory.memory_budget(acc.memory_bytes)
+    least, where = np.inf, None
+    for tp, pp in allowed:
+        dp = np.arange(
+            1, max(1, min(num_slots // (tp * pp), workload.global_batch)) + 1, dtype=float
+        )
+        shape = LayoutShape(ms=ms, workload=workload, accelerator=acc, tp=tp, pp=pp, dp=dp)
+        need = memory.total_bytes(memory.memory_breakdown(shape, num_slots=num_slots))
+        i = int(np.argmin(need))
+        if need[i] < least:
+            least, where = float(need[i]), (int(dp[i]), tp, pp)
+    over = least - budget
+    return PlanningError(
+        f"memory: {ms.name} needs at least {least / GIB:.1f} GiB per slot (dp,tp,pp)="
+        f"({where[0]},{where[1]},{where[2]}), {over / GIB:.1f} GiB over the {budget / GIB:.1f} GiB "
+        f"budget of {acc.name} ({acc.memory_bytes / GIB:.0f} GiB less {memory.HEADROOM:.0%} headroom)",
+        constraint="memory",
+        model_stage=ms.name,
+        shortfall=over,
+    )
+
+
+def _model_stage_plan(
+    column: _Column,
+    option: int,
+    first_slot: int,
+    workload: PpoWorkload,
+    acc: Accelerator,
+    num_slots: int,
+    efficiency: Mapping[str, float],
+) -> ModelStagePlan:
+    tp, pp, dp = column.options[option]
+    shape = LayoutShape(
+        ms=column.model_stage,
+        workload=workload,
+        accelerator=acc,
+        tp=tp,
+        pp=pp,
+        dp=np.array([float(dp)]),
+    )
+    total, breakdown = cost.predict(shape, num_slots=num_slots, efficiency=efficiency)
+    mem = memory.memory_breakdown(shape, num_slots=num_slots)
+    size = tp * pp
+    return ModelStagePlan(
+        name=column.model_stage.name,
+        layout=Layout(dp=dp, tp=tp, pp=pp),
+        units=tuple(
+            tuple(range(first_slot + u * size, first_slot + (u + 1) * size)) for u in range(dp)
+        ),
+        predicted_s=float(total[0]),
+        breakdown=tuple((k, float(v[0])) for k, v in breakdown.items() if float(v[0]) > 0),
+        memory_per_slot=tuple((k, float(v[0])) for k, v in mem.items() if float(v[0]) > 0),
+    )
+
+
+def _plan_stage(columns: list[_Column], num_slots: int):
+    """Best mode and slot split for one stage: (seconds, mode, [(column, option, first_slot)])."""
+    if len(columns) == 1:
+        column = columns[0]
+        return (
+            float(column.time[num_slots]),
+            "disjoint",
+            [(column, int(column.choice[num_slots]), 0)],
+        )
+    disjoint_s, allocation = min_max_allocation([c.time for c in columns], num_slots)
+    colocated_s = float(sum(c.time[num_slots] for c in columns))
+    if colocated_s < disjoint_s:
+        return colocated_s, "colocated", [(c, int(c.choice[num_slots]), 0) for c in columns]
+    # Place the widest tensor-parallel groups first: every later start stays a multiple of its tp,
+    # so no tensor-parallel group straddles a node boundary.
+    picks = [(c, int(c.choice[g])) for c, g in zip(columns, allocation, strict=True)]
+    picks.sort(key=lambda pick: -pick[0].options[pick[1]][0])
+    placed, first = [], 0
+    for column, option in picks:
+        placed.append((column, option, first))
+        tp, pp, dp = column.options[option]
+        first += tp * pp * dp
+    return disjoint_s, "disjoint", placed
+
+
+def plan(
+    workload: PpoWorkload,
+    accelerator: Accelerator,
+    num_slots: int,
+    *,
+    efficiency: Mapping[str, float] | None = None,
+    num_alternatives: int = 3,
+    excluded: frozenset[tuple[str, int, int]] = frozenset(),
+) -> PlanResult:
+    """Plan every model-stage of a PPO step on ``num_slots`` slots; deterministic for its inputs."""
+    if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
+        raise ValueError(f"gpus: must be a positive whole number of slots, got {num_slots!r}")
+    started = time.perf_counter()
+    eff = {**cost.DEFAULT_EFFICIENCY, **(efficiency or {})}
+    columns = {
+        ms.name: _column(ms, workload, accelerator, num_slots, eff, excluded)
+        for ms in workload.model_stages()
+    }
+    for column in columns.values():
+        if not np.isfinite(column.time[num_slots]):
+            raise _infeasible(column, workload, accelerator, num_slots)
+    best = _assemble(columns, workload, accelerator, num_slots, eff)
+    alternatives = _alternatives(
+        best, workload, accelerator, num_slots, eff, excluded, num_alternatives
+    )
+    rejected = _rejections(best, columns, workload, accelerator, num_slots, eff)
+    return PlanResult(
+        best=best,
+        alternatives=alternatives,
+        rejected=rejected,
+        elapsed_s=time.perf_counter() - started,
+    )
+
+
+def _assemble(columns, workload, accelerator, num_slots, eff) -> Plan:
+    stage_plans, ms_plans = [], []
+    for stage in STAGES:
+        stage_columns = [columns[ms.name] for ms in workload.model_stages(stage)]
+        seconds, mode, placed = _plan_stage(stage_columns, num_slots)
+        stage_plans.append(StagePlan(stage=stage, mode=mode, predicted_s=seconds))
+        built = {
+            column.model_stage.name: _model_stage_plan(
+                column, option, first, workload, accelerator, num_slots, eff
+            )
+            for column, option, first in placed
+        }
+        ms_plans += [built[c.model_stage.name] for c in stage_columns]
+    return Plan(
+        accelerator=accelerator.name,
+        num_slots=num_slots,
+        model_stages=tuple(ms_plans),
+        stages=tuple(stage_plans),
+        predicted_step_s=sum(s.predicted_s for s in stage_plans),
+    )
+
+
+def _alternatives(best, workload, accelerator, num_slots, eff, excluded, count) -> tuple[Plan, ...]:
+    """The best plans that change one model-stage's (tp, pp): re-solve with that layout excluded."""
+    if count <= 0:
+        return ()
+    found: dict[tuple, Plan] = {}
+    for ms in best.model_stages:
+        ban = excluded | {(ms.name, ms.layout.tp, ms.layout.pp)}
+        columns = {
+            m.name: _column(m, workload, accelerator, num_slots, eff, ban)
+            for m in workload.model_stages()
+        }
+        if any(not np.isfinite(c.time[num_slots]) for c in columns.values()):
+            continue
+        candidate = _assemble(columns, workload, accelerator, num_slots, eff)
+        key = tuple(sorted((n, str(lay)) for n, lay in candidate.layouts().items()))
+        if candidate.layouts() != best.layouts():
+            found.setdefault(key, candidate)
+    ranked = sorted(
+        found.values(), key=lambda p: (p.predicted_step_s, str(sorted(p.layouts().items())))
+    )
+    return tuple(ranked[:count])
+
+
+def _rejections(best, columns, workload, accelerator, num_slots, eff) -> tuple[Rejection, ...]:
+    """Every (tp, pp) of every model-stage's grid that the best plan does not use, with its reason."""
+    out: list[Rejection] = []
+    budget = memory.memory_budget(accelerator.memory_bytes)
+    modes = {s.stage: s.mode for s in best.stages}
+    for ms_plan in best.model_stages:
+        column = columns[ms_plan.name]
+        ms = column.model_stage
+        shared = modes[ms.stage] == "disjoint" and len(workload.model_stages(ms.stage)) > 1
+        # Under a disjoint split a model-stage competes with the others for slots: compare layouts
+        # on the slots it was given; otherwise on the whole pool.
+        limit = ms_plan.layout.num_slots if shared else num_slots
+        allowed, refused = valid_layouts(ms.model, accelerator, num_slots)
+        out += [Rejection(model_stage=ms.name, tp=tp, pp=pp, reason=r) for tp, pp, r in refused]
+        chosen = (ms_plan.layout.tp, ms_plan.layout.pp)
+        for tp, pp in allowed:
+            if (tp, pp) == chosen:
+                continue
+            dp = np.arange(1, min(num_slots // (tp * pp), workload.global_batch) + 1, dtype=float)
+            shape = LayoutShape(
+                ms=ms, workload=workload, accelerator=accelerator, tp=tp, pp=pp, dp=dp
+            )
+            need = memory.total_bytes(memory.memory_breakdown(shape, num_slots=num_slots))
+            within = dp * tp * pp <= limit
+            if not np.any(need <= budget):
+                reason = (
+                    f"memory: needs {need.min() / GIB:.1f} GiB per slot at best "
+                    f"(dp={int(dp[np.argmin(need)])}), budget {budget / GIB:.1f} GiB"
+                )
+            elif not np.any((need <= budget) & within):
+                fewest = int(dp[np.argmax(need <= budget)]) * tp * pp
+                reason = (
+                    f"slots: its smallest configuration that fits in memory takes {fewest} "
+                    f"slots; {ms_plan.name} has {limit} in this plan"
+                )
+            else:
+                total, _ = cost.predict(shape, num_slots=num_slots, efficiency=eff)
+                total = np.where((need <= budget) & within, total, np.inf)
+                i = int(np.argmin(total))
+                reason = (
+                    f"slower: {total[i]:.3f} s at dp={int(dp[i])} on at most {limit} slots, "
+                    f"against {ms_plan.predicted_s:.3f} s for the chosen {ms_plan.layout}"
+                )
+            out.append(Rejection(model_stage=ms.name, tp=tp, pp=pp, reason=reason))
+    return tuple(out)
+
+
+def price_plan(
+    plan_: Plan,
+    workload: PpoWorkload,
+    accelerator: Accelerator,
+    *,
+    efficiency: Mapping[str, float] | None = None,
+) -> float:
+    """Predicted step seconds of an existing plan's layouts under a workload and efficiencies
+    (for comparing the running plan with a candidate under the same calibrated model)."""
+    eff = {**cost.DEFAULT_EFFICIENCY, **(efficiency or {})}
+    modes = {s.stage: s.mode for s in plan_.stages}
+    seconds = {stage: [] for stage in STAGES}
+    for ms in workload.model_stages():
+        layout = plan_.model_stage(ms.name).layout
+        shape = LayoutShape(
+            ms=ms,
+            workload=workload,
+            accelerator=accelerator,
+            tp=layout.tp,
+            pp=layout.pp,
+            dp=np.array([float(layout.dp)]),
+        )
+        total, _ = cost.predict(shape, num_slots=plan_.num_slots, efficiency=eff)
+        seconds[ms.stage].append(float(total[0]))
+    return sum(
+        (sum(ts) if modes[stage] == "colocated" else max(ts)) for stage, ts in seconds.items()
+    )

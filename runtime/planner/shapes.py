@@ -1,0 +1,62 @@
+"""Quantities shared by the cost and memory models for one model-stage in one (tp, pp) layout,
+vectorised over the data-parallel degree so that a whole column of the plan space is priced at once."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from runtime.planner.catalog import Accelerator
+from runtime.planner.workload import ModelStage, PpoWorkload
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class LayoutShape:
+    """One model-stage, one (tp, pp), and every dp in ``dp`` (a float array)."""
+
+    ms: ModelStage
+    workload: PpoWorkload
+    accelerator: Accelerator
+    tp: int
+    pp: int
+    dp: np.ndarray
+
+    @property
+    def unit_slots(self) -> int:
+        return self.tp * self.pp
+
+    @property
+    def batch_per_unit(self) -> np.ndarray:
+        """Sequences each data-parallel replica processes per step."""
+        return np.ceil(self.workload.global_batch / self.dp)
+
+    @property
+    def stage_params(self) -> float:
+        """Parameters of the largest pipeline stage (embedding on the first, head on the last)."""
+        model = self.ms.model
+        layers = model.num_layers / self.pp * model.params_per_layer
+        head = model.head_params(scalar_head=self.ms.scalar_head) + model.hidden_size
+        if self.pp == 1:
+            return model.embedding_params + layers + head
+        return max(model.embedding_params, head) + layers
+
+    @property
+    def params_per_slot(self) -> float:
+        """Parameters one slot holds: its pipeline stage split over tensor-parallel ranks."""
+        return self.stage_params / self.tp
+
+    @property
+    def kv_dim_per_slot(self) -> float:
+        """Key/value width one tensor-parallel rank caches (heads replicate when tp > kv heads)."""
+        model = self.ms.model
+        return model.kv_dim / min(self.tp, model.num_kv_heads)
+
+    def micro_batches(self, micro_batch: int, *, per_flush: int = 1) -> np.ndarray:
+        """Micro-batches between pipeline flushes."""
+        return np.maximum(1.0, np.ceil(self.batch_per_unit / (micro_batch * per_flush)))
+
+    @property
+    def dense_params(self) -> float:
+        """Parameters that do matrix multiplies for every token (all but the embedding table)."""
+        return self.ms.num_params - self.ms.model.embedding_params

@@ -1,0 +1,62 @@
+"""The plan space of one model-stage: which (tp, pp) a model and an accelerator allow, and why the
+others are refused."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from runtime.planner.catalog import Accelerator, ModelConfig
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Rejection:
+    """A candidate the planner did not take, and the constraint that ruled it out."""
+
+    model_stage: str
+    tp: int
+    pp: int
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.model_stage} tp={self.tp} pp={self.pp}: {self.reason}"
+
+
+def layout_rule(model: ModelConfig, accelerator: Accelerator, tp: int, pp: int) -> str | None:
+    """Why a model cannot take tensor degree ``tp`` and pipeline degree ``pp``; None if it can."""
+    if tp > accelerator.gpus_per_node:
+        return f"tp={tp} exceeds the {accelerator.gpus_per_node} GPUs of a node (TP stays inside a node)"
+    if model.num_heads % tp:
+        return f"{model.num_heads} attention heads are not divisible by tp={tp}"
+    if model.num_kv_heads % tp and tp % model.num_kv_heads:
+        return f"{model.num_kv_heads} KV heads neither divide nor are divisible by tp={tp}"
+    if model.num_layers % pp:
+        return f"{model.num_layers} layers are not divisible by pp={pp}"
+    return None
+
+
+def candidate_degrees(model: ModelConfig, accelerator: Accelerator, num_slots: int):
+    """The (tp, pp) grid the planner considers: tp a power of two up to twice a node, pp every
+    divisor of the layer count and every power of two, both bounded by the pool."""
+    tps, tp = [], 1
+    while tp <= min(2 * accelerator.gpus_per_node, max(num_slots, 1)):
+        tps.append(tp)
+        tp *= 2
+    limit = min(model.num_layers, num_slots)
+    pps = {p for p in range(1, limit + 1) if model.num_layers % p == 0}
+    p = 1
+    while p <= limit:
+        pps.add(p)
+        p *= 2
+    return [(t, p) for t in tps for p in sorted(pps) if t * p <= num_slots]
+
+
+def valid_layouts(model: ModelConfig, accelerator: Accelerator, num_slots: int):
+    """The (tp, pp) pairs allowed, and the rule-based rejections of the rest of the grid."""
+    allowed, refused = [], []
+    for tp, pp in candidate_degrees(model, accelerator, num_slots):
+        reason = layout_rule(model, accelerator, tp, pp)
+        if reason is None:
+            allowed.append((tp, pp))
+        else:
+            refused.append((tp, pp, reason))
+    return allowed, refused
