@@ -69,7 +69,12 @@ def run_demo(*, host: str, port: int, num_steps: int, num_slots: int) -> int:
             "RAY_ADDRESS": f"127.0.0.1:{ray_port}",
             **processes.ray_head_env(),
         }
-        group.start("celery-worker", processes.celery_worker_argv(concurrency=2), env=child_env)
+        group.start(
+            "celery-worker",
+            processes.celery_worker_argv(concurrency=2),
+            env=child_env,
+            stop_signal=processes.CELERY_STOP_SIGNAL,
+        )
         group.start("web", processes.asgi_server_argv(host=host, port=port), env=child_env)
         url = f"http://{host}:{port}/"
         processes.wait_until(
@@ -105,12 +110,13 @@ def run_demo(*, host: str, port: int, num_steps: int, num_slots: int) -> int:
         # A second Ctrl-C or SIGTERM must not abort the clean-up half way.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        stopping = time.monotonic()
         left = group.stop()
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        print(
-            "stopped: no process left behind" if not left else f"still running: {left}", flush=True
-        )
+        took = time.monotonic() - stopping
+        summary = "no process left behind" if not left else f"still running: {left}"
+        print(f"stopped in {took:.1f} s: {summary}", flush=True)
     return return_code
 
 

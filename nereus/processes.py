@@ -31,6 +31,7 @@ class Child:
     name: str
     popen: subprocess.Popen
     log_path: Path
+    stop_signal: int = signal.SIGTERM
 
 
 class ProcessGroup:
@@ -42,9 +43,15 @@ class ProcessGroup:
         log_dir.mkdir(parents=True, exist_ok=True)
 
     def start(
-        self, name: str, argv: Sequence[str], *, env: Mapping[str, str] | None = None
+        self,
+        name: str,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        stop_signal: int = signal.SIGTERM,
     ) -> Child:
-        """Start a child with exactly ``env`` as its environment (this process's when None)."""
+        """Start a child with exactly ``env`` as its environment (this process's when None);
+        ``stop_signal`` is what ``stop`` sends it first."""
         log_path = self.log_dir / f"{name}.log"
         log = log_path.open("ab")
         popen = subprocess.Popen(
@@ -57,7 +64,7 @@ class ProcessGroup:
             preexec_fn=_die_with_parent,
         )
         log.close()
-        child = Child(name=name, popen=popen, log_path=log_path)
+        child = Child(name=name, popen=popen, log_path=log_path, stop_signal=stop_signal)
         self.children.append(child)
         return child
 
@@ -73,7 +80,7 @@ class ProcessGroup:
         """Stop every child and its descendants; returns pids still alive afterwards (none)."""
         for child in reversed(self.children):
             with contextlib.suppress(ProcessLookupError):
-                child.popen.send_signal(signal.SIGTERM)
+                child.popen.send_signal(child.stop_signal)
         deadline = time.monotonic() + grace_s
         pgids = [c.popen.pid for c in self.children]
         while time.monotonic() < deadline and any(_group_members(p) for p in pgids):
@@ -184,6 +191,12 @@ def ray_head_env() -> dict[str, str]:
         # One machine: nothing to drain to, so stop at once instead of waiting 30 s.
         "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
     }
+
+
+# Celery's SIGTERM is a warm shutdown that waits for running tasks, which for a job driver can be
+# hours; SIGQUIT is its cold shutdown. The driver task was acknowledged late, so the broker hands
+# it to the next worker, which takes the job over with a new epoch.
+CELERY_STOP_SIGNAL = signal.SIGQUIT
 
 
 def celery_worker_argv(*, concurrency: int = 1, hostname: str = "worker@%h") -> list[str]:

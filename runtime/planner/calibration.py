@@ -60,7 +60,9 @@ class Calibrator:
             return None
         center = statistics.median(samples)
         spread = _MAD_SCALE * statistics.median(abs(s - center) for s in samples)
-        kept = [s for s in samples if spread == 0 or abs(s - center) <= _OUTLIER_MADS * spread]
+        # A floor on the spread (1% in log space) so that identical samples still reject outliers.
+        limit = _OUTLIER_MADS * max(spread, 0.01)
+        kept = [s for s in samples if abs(s - center) <= limit]
         return statistics.fmean(kept), spread
 
     def efficiency(self) -> dict[str, float]:

@@ -349,6 +349,18 @@ def _section(data: dict, key: str) -> dict:
     return section
 
 
+def _number(value: Any, where: str) -> float:
+    # YAML 1.1 (PyYAML) reads 2.25e15 without a '+' or a '.' as text: accept numeric text too.
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    elif isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    raise CatalogError(f"{where}: expected a number, got {value!r}")
+
+
 def _build(cls, where: str, name: str, entry: Any):
     if not isinstance(entry, dict):
         raise CatalogError(f"{where}: must be a mapping of fields")
@@ -358,22 +370,20 @@ def _build(cls, where: str, name: str, entry: Any):
         raise CatalogError(
             f"{where}.{unknown[0]}: unknown field; valid fields: {', '.join(fields)}"
         )
-    required = [n for n, f in fields.items() if f.default is dataclasses.MISSING]
-    missing = [n for n in required if n not in entry]
-    if missing:
-        raise CatalogError(f"{where}.{missing[0]}: required field is missing")
     values = {}
     for key, value in entry.items():
         kind = fields[key].type
         if kind == "int" and (isinstance(value, bool) or not isinstance(value, int)):
             raise CatalogError(f"{where}.{key}: expected an integer, got {value!r}")
         if kind == "float":
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                raise CatalogError(f"{where}.{key}: expected a number, got {value!r}")
-            value = float(value)
+            value = _number(value, f"{where}.{key}")
         if kind == "bool" and not isinstance(value, bool):
             raise CatalogError(f"{where}.{key}: expected true or false, got {value!r}")
         values[key] = value
+    required = [n for n, f in fields.items() if f.default is dataclasses.MISSING]
+    missing = [n for n in required if n not in entry]
+    if missing:
+        raise CatalogError(f"{where}.{missing[0]}: required field is missing")
     try:
         return cls(name=str(name).lower(), **values)
     except CatalogError as exc:

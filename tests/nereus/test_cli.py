@@ -2,6 +2,7 @@
 code 1), and the demo supervisor (serves, and leaves no process behind on Ctrl-C)."""
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -133,5 +134,34 @@ def test_demo_serves_and_ctrl_c_leaves_no_process_behind(tmp_path):
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, rest
-    assert "stopped: no process left behind" in rest
+    assert re.search(r"stopped in [0-9.]+ s: no process left behind", rest)
     assert [pid for pid in spawned if _alive(pid)] == []
+
+
+def test_plan_prints_a_plan_and_json_for_scripts(tmp_path):
+    env = live.service_env(tmp_path)
+    args = ["plan", "--model", "llama-3.1-8b", "--gpus", "64", "--gpu", "h100", "--gen-len", "4096"]
+    done = _run(args, env)
+    assert done.returncode == 2 and "gpu: unknown accelerator 'h100'; choose one of" in done.stderr
+    args[args.index("h100")] = "h100-sxm"
+    done = _run(args, env)
+    assert done.returncode == 0, done.stderr
+    assert "actor@training" in done.stdout and "predicted step:" in done.stdout
+    data = json.loads(_run([*args, "--json"], env).stdout)
+    stages = {ms["name"] for ms in data["plan"]["model_stages"]}
+    assert stages == {
+        "actor@generation",
+        "actor@inference",
+        "ref@inference",
+        "critic@inference",
+        "reward@inference",
+        "actor@training",
+        "critic@training",
+    }
+    assert data["plan"]["num_slots"] == 64 and data["rejected"]
+
+
+def test_plan_without_a_feasible_layout_names_the_constraint(tmp_path):
+    done = _run(["plan", "--model", "llama-3.1-70b", "--gpus", "8"], live.service_env(tmp_path))
+    assert done.returncode == 2
+    assert "nereus plan: memory: " in done.stderr and "GiB over the" in done.stderr

@@ -93,7 +93,12 @@ def celery_worker(env: dict[str, str], log_dir: Path) -> Iterator[processes.Proc
     """A Celery worker process (prefork, one child) consuming the service's broker."""
     group = processes.ProcessGroup(log_dir=log_dir)
     try:
-        group.start("celery", processes.celery_worker_argv(concurrency=1), env=env)
+        group.start(
+            "celery",
+            processes.celery_worker_argv(concurrency=1),
+            env=env,
+            stop_signal=processes.CELERY_STOP_SIGNAL,
+        )
         yield group
     finally:
         left = group.stop(grace_s=10)

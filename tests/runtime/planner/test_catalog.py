@@ -1,0 +1,146 @@
+"""Catalogs: parameter counts derive from the configs and match the published totals; user files
+extend them; bad entries name their field and list the valid choices."""
+
+import json
+
+import pytest
+
+from runtime.jobs.sft import TinyDecoder
+from runtime.planner.catalog import CatalogError, default_catalog
+
+# Totals as published (model cards; safetensors metadata where the card rounds differently).
+PUBLISHED = {
+    "llama-3.1-8b": 8.03e9,
+    "llama-3.1-70b": 70.6e9,
+    "qwen2.5-7b": 7.61e9,
+    "qwen2.5-32b": 32.8e9,
+}
+
+
+@pytest.mark.parametrize(("name", "total"), PUBLISHED.items())
+def test_parameter_counts_match_published_totals(name, total):
+    count = default_catalog().model(name).num_params()
+    assert abs(count / total - 1) < 0.005, f"{name}: {count:,} vs {total:,.0f}"
+
+
+def test_tiny_config_counts_the_demo_models_parameters():
+    """The catalog's tiny-sft is the decoder the CPU demo trains: same count, from two sources."""
+    cfg = default_catalog().model("tiny-sft")
+    model = TinyDecoder(
+        vocab_size=cfg.vocab_size,
+        hidden=cfg.hidden_size,
+        num_layers=cfg.num_layers,
+        num_heads=cfg.num_heads,
+    )
+    assert cfg.num_params() == sum(p.numel() for p in model.parameters())
+
+
+def test_scalar_head_replaces_the_vocabulary_head():
+    cfg = default_catalog().model("llama-3.1-8b")
+    assert cfg.num_params() - cfg.num_params(
+        scalar_head=True
+    ) == cfg.vocab_size * cfg.hidden_size - (cfg.hidden_size + 1)
+
+
+def test_unknown_names_list_the_choices():
+    catalog = default_catalog()
+    with pytest.raises(
+        CatalogError, match=r"model: unknown model 'gpt-5'; choose one of .*llama-3.1-8b"
+    ):
+        catalog.model("gpt-5")
+    with pytest.raises(
+        CatalogError, match=r"gpu: unknown accelerator 'v100'; choose one of .*h100-sxm"
+    ):
+        catalog.accelerator("v100")
+
+
+def test_user_file_adds_entries(tmp_path):
+    path = tmp_path / "extra.yaml"
+    path.write_text(
+        """
+accelerators:
+  b200:
+    peak_flops: 2.25e15
+    memory_bytes: 1.92e11
+    memory_bandwidth: 8.0e12
+    intra_node_bandwidth: 9.0e11
+    intra_node_latency: 3.0e-6
+    inter_node_bandwidth: 5.0e10
+    inter_node_latency: 6.0e-6
+    gpus_per_node: 8
+models:
+  my-1b:
+    vocab_size: 32000
+    hidden_size: 2048
+    intermediate_size: 5632
+    num_layers: 22
+    num_heads: 32
+    num_kv_heads: 4
+"""
+    )
+    catalog = default_catalog().extended(path)
+    assert catalog.accelerator("B200").gpus_per_node == 8
+    assert 1.0e9 < catalog.model("my-1b").num_params() < 1.2e9
+    assert catalog.model("llama-3.1-8b")  # built-ins stay
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ({"models": {"m": {"vocab_size": 10}}}, "models.m.hidden_size: required field is missing"),
+        (
+            {
+                "models": {
+                    "m": {
+                        "vocab_size": 10,
+                        "hidden_size": 64,
+                        "intermediate_size": 1,
+                        "num_layers": 2,
+                        "num_heads": 3,
+                        "num_kv_heads": 1,
+                    }
+                }
+            },
+            "m.hidden_size: 64 is not divisible",
+        ),
+        ({"models": {"m": {"vocab_size": "lots"}}}, "models.m.vocab_size: expected an integer"),
+        ({"models": {"m": {"colour": "blue"}}}, "models.m.colour: unknown field"),
+        ({"accelerators": {"x": {"peak_flops": 1}}}, "accelerators.x.memory_bytes: required"),
+        ({"gpus": {}}, "catalog.gpus: unknown section"),
+        ([1, 2], "must hold a mapping"),
+    ],
+)
+def test_malformed_files_name_the_field(tmp_path, content, message):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(content))
+    with pytest.raises(CatalogError) as info:
+        default_catalog().extended(path)
+    assert message in str(info.value)
+
+
+def test_unparseable_and_missing_files(tmp_path):
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("models: [unclosed")
+    with pytest.raises(CatalogError, match="is not valid YAML"):
+        default_catalog().extended(broken)
+    with pytest.raises(CatalogError, match="cannot read"):
+        default_catalog().extended(tmp_path / "missing.json")
+
+
+def test_gpus_per_node_must_be_a_power_of_two(tmp_path):
+    path = tmp_path / "odd.json"
+    entry = {
+        "peak_flops": 1e12,
+        "memory_bytes": 1e10,
+        "memory_bandwidth": 1e11,
+        "intra_node_bandwidth": 1e10,
+        "intra_node_latency": 0,
+        "inter_node_bandwidth": 1e9,
+        "inter_node_latency": 0,
+        "gpus_per_node": 6,
+    }
+    path.write_text(json.dumps({"accelerators": {"odd": entry}}))
+    with pytest.raises(
+        CatalogError, match=r"accelerators\.odd\.gpus_per_node: must be a power of two"
+    ):
+        default_catalog().extended(path)

@@ -1,0 +1,115 @@
+"""The memory and cost models: the seed's 16-GPU example, headroom, and the knobs that must move
+memory and time in the right direction."""
+
+import numpy as np
+import pytest
+
+from runtime.planner import PpoWorkload, cost, default_catalog, memory
+from runtime.planner.shapes import LayoutShape
+
+CATALOG = default_catalog()
+
+
+def _training_table(seq_len: int) -> dict[tuple[int, int, int], tuple[float, bool]]:
+    """actor@training of Llama-3.1-8B on 16 slots: (seconds, fits) for every layout using all 16."""
+    model, acc = CATALOG.model("llama-3.1-8b"), CATALOG.accelerator("a100-80gb")
+    workload = PpoWorkload.for_model(
+        model, prompt_len=512, gen_len=seq_len - 512, global_batch=256, micro_batch=4, ppo_epochs=1
+    )
+    ms = next(m for m in workload.model_stages("training") if m.role == "actor")
+    table = {}
+    for tp, pp in [
+        (1, 16),
+        (2, 8),
+        (2, 4),
+        (2, 2),
+        (2, 1),
+        (4, 4),
+        (4, 2),
+        (4, 1),
+        (8, 2),
+        (8, 1),
+        (1, 8),
+        (1, 4),
+        (1, 2),
+        (1, 1),
+    ]:
+        dp = 16 // (tp * pp)
+        shape = LayoutShape(
+            ms=ms, workload=workload, accelerator=acc, tp=tp, pp=pp, dp=np.array([dp * 1.0])
+        )
+        seconds = float(cost.predict(shape, num_slots=16, efficiency=cost.DEFAULT_EFFICIENCY)[0][0])
+        need = float(memory.total_bytes(memory.memory_breakdown(shape, num_slots=16))[0])
+        table[(dp, tp, pp)] = (seconds, need <= memory.memory_budget(acc.memory_bytes))
+    return table
+
+
+def test_seed_example_422_fastest_at_2k_out_of_memory_at_4k_441_still_fits():
+    """The seed's drift example, under stated settings: 16 × A100-80GB (two nodes), 256 sequences
+    per step (512-token prompts), micro-batch 4, one PPO epoch, no recomputation, default
+    efficiencies."""
+    at_2k, at_4k = _training_table(2048), _training_table(4096)
+    feasible_2k = {k: s for k, (s, fits) in at_2k.items() if fits}
+    assert min(feasible_2k, key=feasible_2k.get) == (4, 2, 2)
+    assert feasible_2k[(4, 2, 2)] < feasible_2k[(4, 4, 1)]  # (4,4,1) pays for more TP traffic at 2K
+    assert not at_4k[(4, 2, 2)][1]
+    assert at_4k[(4, 4, 1)][1]
+
+
+def _actor_training(**overrides):
+    workload = PpoWorkload.for_model(CATALOG.model("llama-3.1-8b"), **overrides)
+    ms = next(m for m in workload.model_stages("training") if m.role == "actor")
+    return LayoutShape(
+        ms=ms,
+        workload=workload,
+        accelerator=CATALOG.accelerator("h100-sxm"),
+        tp=2,
+        pp=2,
+        dp=np.array([1.0, 2.0, 4.0]),
+    )
+
+
+def test_recomputation_trades_memory_for_time():
+    plain, recompute = _actor_training(), _actor_training(recompute=True)
+    mem = lambda s: memory.memory_breakdown(s, num_slots=16)["activations"]  # noqa: E731
+    assert np.all(mem(recompute) < mem(plain) / 3)
+    t = lambda s: cost.predict(s, num_slots=16, efficiency=cost.DEFAULT_EFFICIENCY)[0]  # noqa: E731
+    assert np.all(t(recompute) > t(plain))
+
+
+def test_distributed_optimizer_shards_adam_state_over_dp():
+    plain = memory.memory_breakdown(_actor_training(), num_slots=16)["optimizer"]
+    sharded = memory.memory_breakdown(_actor_training(distributed_optimizer=True), num_slots=16)[
+        "optimizer"
+    ]
+    assert np.allclose(sharded, plain / np.array([1.0, 2.0, 4.0]))
+
+
+def test_longer_generation_costs_more_time_and_kv_cache():
+    workload = PpoWorkload.for_model(CATALOG.model("llama-3.1-8b"))
+    acc = CATALOG.accelerator("h100-sxm")
+
+    def gen(w):
+        ms = w.model_stages("generation")[0]
+        shape = LayoutShape(ms=ms, workload=w, accelerator=acc, tp=2, pp=1, dp=np.array([4.0]))
+        return (
+            float(cost.predict(shape, num_slots=8, efficiency=cost.DEFAULT_EFFICIENCY)[0][0]),
+            float(memory.memory_breakdown(shape, num_slots=8)["kv_cache"][0]),
+        )
+
+    (t1, kv1), (t2, kv2) = gen(workload.with_gen_len(1000)), gen(workload.with_gen_len(4000))
+    assert t2 > 2 * t1 and kv2 > 2 * kv1
+
+
+def test_budget_leaves_ten_percent_headroom():
+    assert memory.memory_budget(100.0) == pytest.approx(90.0)
+
+
+def test_workload_validates_fields():
+    model = CATALOG.model("tiny-llama")
+    with pytest.raises(ValueError, match="gen_len: must be a positive integer"):
+        PpoWorkload.for_model(model, gen_len=0)
+    with pytest.raises(ValueError, match="precision: expected one of"):
+        PpoWorkload.for_model(model, precision="int3")
+    with pytest.raises(ValueError, match=r"models\.critic: every role needs a model"):
+        PpoWorkload(models={"actor": model})

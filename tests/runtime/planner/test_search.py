@@ -1,0 +1,158 @@
+"""The global search: exact against exhaustive enumeration, deterministic, valid placements,
+alternatives, rejections with reasons, and infeasibility that says what binds."""
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from runtime.planner import PlanningError, PpoWorkload, default_catalog, min_max_allocation, plan
+from runtime.planner.catalog import Accelerator, ModelConfig
+from runtime.planner.plan import Plan
+from runtime.planner.search import price_plan
+from tests.runtime.planner.oracle import exhaustive_step_seconds
+
+CATALOG = default_catalog()
+
+
+@given(
+    tables=st.lists(
+        st.lists(st.one_of(st.floats(0.1, 100.0), st.just(math.inf)), min_size=9, max_size=9),
+        min_size=1,
+        max_size=4,
+    ),
+    budget=st.integers(0, 8),
+)
+def test_min_max_allocation_matches_brute_force(tables, budget):
+    times = [np.minimum.accumulate(np.array([math.inf, *t[1:]])) for t in tables]
+    value, allocation = min_max_allocation(times, budget)
+    brute = min(
+        (
+            max(t[g] for t, g in zip(times, split, strict=True))
+            for split in np.ndindex(*([budget + 1] * len(times)))
+            if sum(split) <= budget
+        ),
+        default=math.inf,
+    )
+    assert value == brute
+    assert sum(allocation) <= budget
+    assert max(t[g] for t, g in zip(times, allocation, strict=True)) == value
+
+
+@st.composite
+def small_instances(draw):
+    heads = draw(st.sampled_from([1, 2, 4, 8]))
+    model = ModelConfig(
+        name="rand",
+        vocab_size=draw(st.integers(16, 2000)),
+        hidden_size=heads * draw(st.sampled_from([8, 16, 32])),
+        intermediate_size=draw(st.integers(16, 512)),
+        num_layers=draw(st.integers(1, 8)),
+        num_heads=heads,
+        num_kv_heads=draw(st.sampled_from([h for h in (1, 2, 4, 8) if heads % h == 0])),
+    )
+    workload = PpoWorkload.for_model(
+        model,
+        global_batch=draw(st.integers(1, 64)),
+        prompt_len=draw(st.integers(1, 256)),
+        gen_len=draw(st.integers(1, 256)),
+        micro_batch=draw(st.integers(1, 8)),
+        gen_micro_batch=draw(st.integers(1, 16)),
+        ppo_epochs=draw(st.integers(1, 2)),
+    )
+    weights = model.num_params() * 2
+    acc = Accelerator(
+        name="rand-gpu",
+        peak_flops=draw(st.floats(1e9, 1e15)),
+        # from far too small to ample, so that memory binds in some instances and not others
+        memory_bytes=weights * draw(st.floats(2.0, 200.0)),
+        memory_bandwidth=draw(st.floats(1e9, 5e12)),
+        intra_node_bandwidth=draw(st.floats(1e9, 1e12)),
+        intra_node_latency=draw(st.floats(0, 1e-4)),
+        inter_node_bandwidth=draw(st.floats(1e8, 1e11)),
+        inter_node_latency=draw(st.floats(0, 1e-3)),
+        gpus_per_node=draw(st.sampled_from([1, 2, 4, 8])),
+    )
+    return workload, acc, draw(st.integers(1, 12))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(small_instances())
+def test_dp_equals_exhaustive_optimum(instance):
+    workload, acc, num_slots = instance
+    optimum = exhaustive_step_seconds(workload, acc, num_slots)
+    if not math.isfinite(optimum):
+        with pytest.raises(PlanningError):
+            plan(workload, acc, num_slots)
+        return
+    result = plan(workload, acc, num_slots)
+    assert result.best.predicted_step_s == pytest.approx(optimum, rel=1e-9)
+    assert price_plan(result.best, workload, acc) == pytest.approx(optimum, rel=1e-9)
+    _assert_valid_placement(result.best, acc)
+
+
+def _assert_valid_placement(best: Plan, acc: Accelerator) -> None:
+    by_stage: dict[str, list] = {}
+    for ms in best.model_stages:
+        by_stage.setdefault(ms.name.split("@")[1], []).append(ms)
+        for unit in ms.units:
+            for p in range(ms.layout.pp):
+                group = unit[p * ms.layout.tp : (p + 1) * ms.layout.tp]
+                assert len({s // acc.gpus_per_node for s in group}) == 1, "TP group straddles nodes"
+    for stage in best.stages:
+        if stage.mode == "disjoint":
+            used = [s for ms in by_stage[stage.stage] for s in ms.slots]
+            assert len(used) == len(set(used)), f"{stage.stage}: model-stages share a slot"
+
+
+def test_search_is_deterministic_and_round_trips_json():
+    workload = PpoWorkload.for_model(CATALOG.model("llama-3.1-8b"))
+    acc = CATALOG.accelerator("h100-sxm")
+    first, second = plan(workload, acc, 64), plan(workload, acc, 64)
+    assert first.best == second.best and first.alternatives == second.alternatives
+    assert Plan.from_json(first.best.to_json()) == first.best
+    _assert_valid_placement(first.best, acc)
+
+
+def test_alternatives_change_a_layout_and_are_not_better():
+    workload = PpoWorkload.for_model(CATALOG.model("qwen2.5-7b"), gen_len=1024)
+    result = plan(workload, CATALOG.accelerator("h200"), 32, num_alternatives=3)
+    assert 1 <= len(result.alternatives) <= 3
+    times = [a.predicted_step_s for a in result.alternatives]
+    assert times == sorted(times) and times[0] >= result.best.predicted_step_s
+    assert all(a.layouts() != result.best.layouts() for a in result.alternatives)
+
+
+def test_every_unused_candidate_has_a_reason():
+    workload = PpoWorkload.for_model(CATALOG.model("qwen2.5-7b"))
+    result = plan(workload, CATALOG.accelerator("h100-sxm"), 16)
+    reasons = {(r.model_stage, r.tp, r.pp): r.reason for r in result.rejected}
+    assert "28 attention heads are not divisible by tp=8" in reasons[("actor@training", 8, 1)]
+    assert reasons[("actor@training", 16, 1)].startswith("tp=16 exceeds the 8 GPUs of a node")
+    assert any(r.startswith("memory: needs") for r in reasons.values())
+    chosen = result.best.model_stage("actor@training").layout
+    assert ("actor@training", chosen.tp, chosen.pp) not in reasons
+
+
+def test_no_feasible_plan_says_what_binds_and_by_how_much():
+    workload = PpoWorkload.for_model(CATALOG.model("llama-3.1-70b"))
+    with pytest.raises(PlanningError) as info:
+        plan(workload, CATALOG.accelerator("h100-sxm"), 8)
+    error = info.value
+    assert error.constraint == "memory" and error.shortfall > 0
+    assert str(error).startswith(f"memory: {error.model_stage} needs at least")
+    assert "GiB over the 72.0 GiB budget" in str(error)
+    tiny = PpoWorkload.for_model(CATALOG.model("tiny-llama"))
+    with pytest.raises(ValueError, match="gpus: must be a positive whole number of slots, got 0"):
+        plan(tiny, CATALOG.accelerator("cpu-slot"), 0)
+
+
+def test_more_slots_never_predict_a_slower_step():
+    workload = PpoWorkload.for_model(CATALOG.model("llama-3.1-8b"))
+    acc = CATALOG.accelerator("h100-sxm")
+    times = [
+        plan(workload, acc, n, num_alternatives=0).best.predicted_step_s for n in (16, 32, 64, 128)
+    ]
+    assert times == sorted(times, reverse=True)
