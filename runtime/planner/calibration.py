@@ -31,6 +31,13 @@ class Calibrator:
     """Efficiency per operation class, from a sliding window of measurements."""
 
     def __init__(self, *, prior: Mapping[str, float] | None = None, window: int = 64):
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"window: must be a positive integer, got {window!r}")
+        for op_class, value in (prior or {}).items():
+            if op_class not in OPERATION_CLASSES:
+                raise ValueError(f"prior.{op_class}: unknown operation class")
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 1:
+                raise ValueError(f"prior.{op_class}: must be a number in (0, 1], got {value!r}")
         self.prior = {**DEFAULT_EFFICIENCY, **(prior or {})}
         self.window = window
         self._samples: dict[str, collections.deque[float]] = {}
@@ -47,8 +54,13 @@ class Calibrator:
             raise ValueError(
                 f"measured_s: times must be positive and finite, got {ideal_s}, {measured_s}"
             )
+        ratio = math.log(ideal_s) - math.log(measured_s)
+        if abs(ratio) > 50:  # an efficiency of e**±50 is a broken measurement, not a slow cluster
+            raise ValueError(
+                f"measured_s: {measured_s} s against {ideal_s} s ideal is not plausible"
+            )
         samples = self._samples.setdefault(op_class, collections.deque(maxlen=self.window))
-        samples.append(math.log(ideal_s / measured_s))
+        samples.append(ratio)
 
     def num_samples(self, op_class: str) -> int:
         return len(self._samples.get(op_class, ()))
@@ -106,13 +118,14 @@ class Calibrator:
     @classmethod
     def from_json(cls, data: Mapping) -> Calibrator:
         try:
-            calibrator = cls(prior=data["prior"], window=int(data["window"]))
+            calibrator = cls(prior=data["prior"], window=data["window"])
             for op_class, samples in data["samples"].items():
                 if op_class not in OPERATION_CLASSES:
                     raise ValueError(f"samples.{op_class}: unknown operation class")
-                calibrator._samples[op_class] = collections.deque(
-                    (float(s) for s in samples), maxlen=calibrator.window
-                )
+                values = [float(s) for s in samples]
+                if not all(math.isfinite(v) for v in values):
+                    raise ValueError(f"samples.{op_class}: values must be finite")
+                calibrator._samples[op_class] = collections.deque(values, maxlen=calibrator.window)
         except (KeyError, TypeError) as exc:
             raise ValueError(f"calibration: malformed file ({exc})") from None
         return calibrator

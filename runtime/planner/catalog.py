@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,26 @@ class Accelerator:
             "memory_bandwidth",
             "intra_node_bandwidth",
             "inter_node_bandwidth",
+            "intra_node_latency",
+            "inter_node_latency",
+        ):
+            value = getattr(self, field)
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not math.isfinite(value)
+            ):
+                raise CatalogError(f"{self.name}.{field}: must be a finite number, got {value!r}")
+        if isinstance(self.gpus_per_node, bool) or not isinstance(self.gpus_per_node, int):
+            raise CatalogError(
+                f"{self.name}.gpus_per_node: must be an integer, got {self.gpus_per_node!r}"
+            )
+        for field in (
+            "peak_flops",
+            "memory_bytes",
+            "memory_bandwidth",
+            "intra_node_bandwidth",
+            "inter_node_bandwidth",
         ):
             if not getattr(self, field) > 0:
                 raise CatalogError(
@@ -60,8 +81,13 @@ class Accelerator:
             raise CatalogError(f"{self.name}.gpus_per_node: must be a power of two, got {n}")
 
     def link(self, num_slots_spanned: int) -> str:
-        """``intra`` when a group of this many consecutive slots fits in one node, else ``inter``."""
-        return "intra" if num_slots_spanned <= self.gpus_per_node else "inter"
+        """``intra`` when a group of this many slots is placed inside one node, else ``inter``.
+
+        Placement aligns a group whose size is a power of two up to a node to a multiple of its
+        size, so such a group never straddles nodes; any other size may, and is priced as inter-node.
+        """
+        n = num_slots_spanned
+        return "intra" if n <= self.gpus_per_node and n & (n - 1) == 0 else "inter"
 
     def bandwidth(self, link: str) -> float:
         return self.intra_node_bandwidth if link == "intra" else self.inter_node_bandwidth
@@ -278,7 +304,7 @@ class Catalog:
 
     def accelerator(self, name: str) -> Accelerator:
         try:
-            return self.accelerators[name.lower()]
+            return self.accelerators[str(name).lower()]
         except KeyError:
             raise CatalogError(
                 f"gpu: unknown accelerator {name!r}; choose one of {', '.join(sorted(self.accelerators))}"
@@ -286,7 +312,7 @@ class Catalog:
 
     def model(self, name: str) -> ModelConfig:
         try:
-            return self.models[name.lower()]
+            return self.models[str(name).lower()]
         except KeyError:
             raise CatalogError(
                 f"model: unknown model {name!r}; choose one of {', '.join(sorted(self.models))}"
@@ -332,11 +358,11 @@ def load_catalog_file(path: str | Path) -> tuple[dict[str, Accelerator], dict[st
             f"catalog.{unknown[0]}: unknown section; expected 'accelerators' or 'models'"
         )
     accelerators = {
-        name.lower(): _build(Accelerator, f"accelerators.{name}", name, entry)
+        str(name).lower(): _build(Accelerator, f"accelerators.{name}", name, entry)
         for name, entry in _section(data, "accelerators").items()
     }
     models = {
-        name.lower(): _build(ModelConfig, f"models.{name}", name, entry)
+        str(name).lower(): _build(ModelConfig, f"models.{name}", name, entry)
         for name, entry in _section(data, "models").items()
     }
     return accelerators, models

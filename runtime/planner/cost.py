@@ -55,8 +55,8 @@ def ideal_breakdown(
     batch = shape.batch_per_unit
     zeros = np.zeros_like(shape.dp)
     out: dict[str, np.ndarray] = {}
-    # Placement keeps a tensor-parallel group inside a node; a unit spills over nodes only when
-    # tp * pp > gpus_per_node, and data-parallel replicas when dp * tp * pp does.
+    # Placement keeps a tensor-parallel group inside a node, and a unit or a model-stage's whole
+    # block inside one when its size is a power of two up to a node (see Accelerator.link).
     tp_link, pp_link = "intra", acc.link(slots)
 
     def tp_allreduce(count, nbytes):
@@ -85,7 +85,9 @@ def ideal_breakdown(
         if ms.stage == "training":
             flushes = w.ppo_epochs * w.ppo_minibatches
             m = shape.micro_batches(w.micro_batch, per_flush=w.ppo_minibatches)
-            crosses_nodes = np.where(shape.dp * slots > acc.gpus_per_node, 1.0, 0.0)
+            block = (shape.dp * slots).astype(np.int64)
+            inside = (block <= acc.gpus_per_node) & ((block & (block - 1)) == 0)
+            crosses_nodes = np.where(inside, 0.0, 1.0)
             grads = shape.params_per_slot * b
             intra = _ring(shape.dp, grads, acc.intra_node_bandwidth, acc.intra_node_latency)
             inter = _ring(shape.dp, grads, acc.inter_node_bandwidth, acc.inter_node_latency)

@@ -104,6 +104,19 @@ class Plan:
                 raise PlanError(
                     f"{ms.name}.units: slot {outside[0]} outside the pool of {self.num_slots}"
                 )
+        for stage in self.stages:
+            if stage.mode != "disjoint":
+                continue
+            seen: dict[int, str] = {}
+            for ms in self.model_stages:
+                if ms.name.endswith(f"@{stage.stage}"):
+                    for slot in ms.slots:
+                        if slot in seen:
+                            raise PlanError(
+                                f"{ms.name}.units: slot {slot} is also used by {seen[slot]} "
+                                f"in the disjoint {stage.stage} stage"
+                            )
+                        seen[slot] = ms.name
 
     def model_stage(self, name: str) -> ModelStagePlan:
         for ms in self.model_stages:
@@ -155,5 +168,7 @@ class Plan:
             )
         except KeyError as exc:
             raise PlanError(f"{exc.args[0]}: missing from the plan JSON") from None
-        except TypeError as exc:
+        except PlanError:
+            raise
+        except (TypeError, ValueError, AttributeError) as exc:
             raise PlanError(f"plan: malformed JSON ({exc})") from None

@@ -50,6 +50,7 @@ class _Column:
     """One model-stage's best option for every slot budget 0..N ("at most g slots")."""
 
     model_stage: ModelStage
+    gpus_per_node: int
     time: np.ndarray  # time[g]: best predicted seconds with at most g slots; inf if none fits
     choice: np.ndarray  # choice[g] = (tp, pp, dp) index into options, -1 if none
     options: list[tuple[int, int, int]]
@@ -123,11 +124,21 @@ def _column(
     for g in range(1, num_slots + 1):
         if exact[g] > time_at_most[g]:
             choice[g] = choice[g - 1]
-    return _Column(model_stage=ms, time=time_at_most, choice=choice, options=options)
+    return _Column(
+        model_stage=ms,
+        gpus_per_node=acc.gpus_per_node,
+        time=time_at_most,
+        choice=choice,
+        options=options,
+    )
 
 
 def _infeasible(
-    column: _Column, workload: PpoWorkload, acc: Accelerator, num_slots: int
+    column: _Column,
+    workload: PpoWorkload,
+    acc: Accelerator,
+    num_slots: int,
+    excluded: frozenset[tuple[str, int, int]] = frozenset(),
 ) -> PlanningError:
     """Explain why a model-stage fits nowhere: too few slots, or too little memory and by how much."""
     ms = column.model_stage
@@ -151,6 +162,14 @@ def _infeasible(
         if need[i] < least:
             least, where = float(need[i]), (int(dp[i]), tp, pp)
     over = least - budget
+    if over <= 0:  # memory is not what binds: the caller excluded every layout that fits
+        banned = sorted((tp, pp) for name, tp, pp in excluded if name == ms.name)
+        return PlanningError(
+            f"excluded: every layout of {ms.name} that fits is excluded (tp, pp) in {banned}",
+            constraint="excluded",
+            model_stage=ms.name,
+            shortfall=0.0,
+        )
     return PlanningError(
         f"memory: {ms.name} needs at least {least / GIB:.1f} GiB per slot (dp,tp,pp)="
         f"({where[0]},{where[1]},{where[2]}), {over / GIB:.1f} GiB over the {budget / GIB:.1f} GiB "
@@ -194,6 +213,20 @@ def _model_stage_plan(
     )
 
 
+def _alignment(tp: int, pp: int, dp: int, gpus_per_node: int) -> int:
+    """The slot multiple a model-stage's block must start on for the links its cost assumed:
+    the whole block if it is priced inside a node, else each unit if that is, else each TP group."""
+
+    def inside(n: int) -> bool:
+        return n <= gpus_per_node and n & (n - 1) == 0
+
+    if inside(tp * pp * dp):
+        return tp * pp * dp
+    if inside(tp * pp):
+        return tp * pp
+    return tp
+
+
 def _plan_stage(columns: list[_Column], num_slots: int):
     """Best mode and slot split for one stage: (seconds, mode, [(column, option, first_slot)])."""
     if len(columns) == 1:
@@ -207,10 +240,11 @@ def _plan_stage(columns: list[_Column], num_slots: int):
     colocated_s = float(sum(c.time[num_slots] for c in columns))
     if colocated_s < disjoint_s:
         return colocated_s, "colocated", [(c, int(c.choice[num_slots]), 0) for c in columns]
-    # Place the widest tensor-parallel groups first: every later start stays a multiple of its tp,
-    # so no tensor-parallel group straddles a node boundary.
+    # Buddy placement: blocks in decreasing order of the alignment they need. Every block's size is
+    # a multiple of its alignment, and every alignment is a power of two dividing the ones before,
+    # so each block starts on a multiple of its own alignment with no gap.
     picks = [(c, int(c.choice[g])) for c, g in zip(columns, allocation, strict=True)]
-    picks.sort(key=lambda pick: -pick[0].options[pick[1]][0])
+    picks.sort(key=lambda pick: -_alignment(*pick[0].options[pick[1]], pick[0].gpus_per_node))
     placed, first = [], 0
     for column, option in picks:
         placed.append((column, option, first))
@@ -229,22 +263,24 @@ def plan(
     excluded: frozenset[tuple[str, int, int]] = frozenset(),
 ) -> PlanResult:
     """Plan every model-stage of a PPO step on ``num_slots`` slots; deterministic for its inputs."""
+    if isinstance(num_slots, np.integer):
+        num_slots = int(num_slots)
     if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
         raise ValueError(f"gpus: must be a positive whole number of slots, got {num_slots!r}")
     started = time.perf_counter()
-    eff = {**cost.DEFAULT_EFFICIENCY, **(efficiency or {})}
+    eff = _efficiencies(efficiency)
     columns = {
         ms.name: _column(ms, workload, accelerator, num_slots, eff, excluded)
         for ms in workload.model_stages()
     }
     for column in columns.values():
         if not np.isfinite(column.time[num_slots]):
-            raise _infeasible(column, workload, accelerator, num_slots)
+            raise _infeasible(column, workload, accelerator, num_slots, excluded)
     best = _assemble(columns, workload, accelerator, num_slots, eff)
     alternatives = _alternatives(
         best, workload, accelerator, num_slots, eff, excluded, num_alternatives
     )
-    rejected = _rejections(best, columns, workload, accelerator, num_slots, eff)
+    rejected = _rejections(best, columns, workload, accelerator, num_slots, eff, excluded)
     return PlanResult(
         best=best,
         alternatives=alternatives,
@@ -298,7 +334,9 @@ def _alternatives(best, workload, accelerator, num_slots, eff, excluded, count) 
     return tuple(ranked[:count])
 
 
-def _rejections(best, columns, workload, accelerator, num_slots, eff) -> tuple[Rejection, ...]:
+def _rejections(
+    best, columns, workload, accelerator, num_slots, eff, excluded
+) -> tuple[Rejection, ...]:
     """Every (tp, pp) of every model-stage's grid that the best plan does not use, with its reason."""
     out: list[Rejection] = []
     budget = memory.memory_budget(accelerator.memory_bytes)
@@ -315,6 +353,11 @@ def _rejections(best, columns, workload, accelerator, num_slots, eff) -> tuple[R
         chosen = (ms_plan.layout.tp, ms_plan.layout.pp)
         for tp, pp in allowed:
             if (tp, pp) == chosen:
+                continue
+            if (ms.name, tp, pp) in excluded:
+                out.append(
+                    Rejection(model_stage=ms.name, tp=tp, pp=pp, reason="excluded by the caller")
+                )
                 continue
             dp = np.arange(1, min(num_slots // (tp * pp), workload.global_batch) + 1, dtype=float)
             shape = LayoutShape(
@@ -345,6 +388,19 @@ def _rejections(best, columns, workload, accelerator, num_slots, eff) -> tuple[R
     return tuple(out)
 
 
+def _efficiencies(efficiency: Mapping[str, float] | None) -> dict[str, float]:
+    """Defaults overridden by ``efficiency``; every value must be a known class in (0, 1]."""
+    for op_class, value in (efficiency or {}).items():
+        if op_class not in cost.DEFAULT_EFFICIENCY:
+            raise ValueError(
+                f"efficiency.{op_class}: unknown operation class; valid: "
+                f"{', '.join(cost.OPERATION_CLASSES)}"
+            )
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 1:
+            raise ValueError(f"efficiency.{op_class}: must be a number in (0, 1], got {value!r}")
+    return {**cost.DEFAULT_EFFICIENCY, **(efficiency or {})}
+
+
 def price_plan(
     plan_: Plan,
     workload: PpoWorkload,
@@ -354,7 +410,7 @@ def price_plan(
 ) -> float:
     """Predicted step seconds of an existing plan's layouts under a workload and efficiencies
     (for comparing the running plan with a candidate under the same calibrated model)."""
-    eff = {**cost.DEFAULT_EFFICIENCY, **(efficiency or {})}
+    eff = _efficiencies(efficiency)
     modes = {s.stage: s.mode for s in plan_.stages}
     seconds = {stage: [] for stage in STAGES}
     for ms in workload.model_stages():

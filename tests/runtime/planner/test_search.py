@@ -2,6 +2,9 @@
 alternatives, rejections with reasons, and infeasibility that says what binds."""
 
 import math
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -10,7 +13,7 @@ from hypothesis import strategies as st
 
 from runtime.planner import PlanningError, PpoWorkload, default_catalog, min_max_allocation, plan
 from runtime.planner.catalog import Accelerator, ModelConfig
-from runtime.planner.plan import Plan
+from runtime.planner.plan import Plan, PlanError
 from runtime.planner.search import price_plan
 from tests.runtime.planner.oracle import exhaustive_step_seconds
 
@@ -94,13 +97,25 @@ def test_dp_equals_exhaustive_optimum(instance):
 
 
 def _assert_valid_placement(best: Plan, acc: Accelerator) -> None:
+    """TP groups inside a node; links priced as intra-node really are; disjoint means disjoint."""
+
+    def nodes(slots) -> set[int]:
+        return {s // acc.gpus_per_node for s in slots}
+
     by_stage: dict[str, list] = {}
     for ms in best.model_stages:
         by_stage.setdefault(ms.name.split("@")[1], []).append(ms)
+        priced = dict(ms.breakdown)
         for unit in ms.units:
             for p in range(ms.layout.pp):
                 group = unit[p * ms.layout.tp : (p + 1) * ms.layout.tp]
-                assert len({s // acc.gpus_per_node for s in group}) == 1, "TP group straddles nodes"
+                assert len(nodes(group)) == 1, f"{ms.name}: TP group {group} straddles nodes"
+            if "pp_p2p:intra" in priced:
+                assert len(nodes(unit)) == 1, (
+                    f"{ms.name}: unit {unit} priced intra-node spans nodes"
+                )
+        if "dp_allreduce:intra" in priced:
+            assert len(nodes(ms.slots)) == 1, f"{ms.name}: DP group priced intra-node spans nodes"
     for stage in best.stages:
         if stage.mode == "disjoint":
             used = [s for ms in by_stage[stage.stage] for s in ms.slots]
@@ -156,3 +171,76 @@ def test_more_slots_never_predict_a_slower_step():
         plan(workload, acc, n, num_alternatives=0).best.predicted_step_s for n in (16, 32, 64, 128)
     ]
     assert times == sorted(times, reverse=True)
+
+
+def test_links_priced_inside_a_node_are_placed_inside_one():
+    """A disjoint stage with units whose sizes are not powers of two (found by review: a (3,1,2)
+    critic once landed across two nodes while priced as intra-node)."""
+    workload = PpoWorkload.for_model(CATALOG.model("qwen2.5-7b"), gen_len=256)
+    acc = CATALOG.accelerator("h100-sxm")
+    for n in (6, 12, 14, 24, 40):
+        _assert_valid_placement(plan(workload, acc, n, num_alternatives=0).best, acc)
+
+
+def test_efficiencies_are_validated():
+    workload = PpoWorkload.for_model(CATALOG.model("tiny-llama"))
+    acc = CATALOG.accelerator("cpu-slot")
+    for bad, message in [
+        ({"gemm": 0}, "efficiency.gemm: must be a number in (0, 1]"),
+        ({"gemm": -0.5}, "efficiency.gemm: must be"),
+        ({"gemm": "0.5"}, "efficiency.gemm: must be"),
+        ({"gem": 0.5}, "efficiency.gem: unknown operation class"),
+    ]:
+        with pytest.raises(ValueError) as info:
+            plan(workload, acc, 4, efficiency=bad)
+        assert str(info.value).startswith(message)
+
+
+def test_excluding_every_fitting_layout_says_so():
+    workload = PpoWorkload.for_model(CATALOG.model("tiny-llama"))
+    acc = CATALOG.accelerator("cpu-slot")
+    banned = frozenset(("actor@generation", tp, pp) for tp in (1, 2, 4, 8) for pp in (1, 2, 4, 8))
+    with pytest.raises(PlanningError) as info:
+        plan(workload, acc, 8, excluded=banned)
+    assert info.value.constraint == "excluded" and info.value.model_stage == "actor@generation"
+    one = frozenset({("actor@training", 1, 1)})
+    result = plan(workload, acc, 8, excluded=one)
+    reasons = {(r.model_stage, r.tp, r.pp): r.reason for r in result.rejected}
+    assert reasons.get(("actor@training", 1, 1)) == "excluded by the caller"
+
+
+def test_plan_json_with_overlapping_disjoint_model_stages_is_refused():
+    workload = PpoWorkload.for_model(CATALOG.model("llama-3.1-8b"))
+    best = plan(workload, CATALOG.accelerator("h100-sxm"), 64, num_alternatives=0).best
+    data = best.to_json()
+    disjoint = next(s["stage"] for s in data["stages"] if s["mode"] == "disjoint")
+    members = [ms for ms in data["model_stages"] if ms["name"].endswith("@" + disjoint)]
+    if len(members) > 1:
+        members[1]["units"][0][0] = members[0]["units"][0][0]
+        with pytest.raises(PlanError, match="is also used by"):
+            Plan.from_json(data)
+    data = best.to_json()
+    data["model_stages"][0]["breakdown"] = []
+    with pytest.raises(PlanError, match="malformed"):
+        Plan.from_json(data)
+
+
+def test_same_plan_under_another_hash_seed():
+    code = (
+        "from runtime.planner import *; c = default_catalog(); "
+        "w = PpoWorkload.for_model(c.model('qwen2.5-7b')); "
+        "import json; best = plan(w, c.accelerator('h100-sxm'), 48).best; "
+        "print(json.dumps(best.to_json(), sort_keys=True))"
+    )
+    outputs = {
+        subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=120,
+            env={**os.environ, "PYTHONHASHSEED": seed},
+        ).stdout
+        for seed in ("1", "2")
+    }
+    assert len(outputs) == 1

@@ -1,0 +1,184 @@
+"""The driver's side of the primitives: validate, run on the slots, verify, then release.
+
+Every primitive is two-phase: the destination units are built while the source is intact, their
+logical checksums are compared with the source's, and only then is the source released (so a
+failure part-way leaves a usable unit behind). Each returns a ``PrimitiveReport``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from runtime.emu import slot_ops
+from runtime.emu.integrity import combine
+from runtime.emu.primitives import Destroy, Extend, Merge, Split, TransitionError, Unit, check_slots
+from runtime.engine.slots import SlotPool
+
+
+class IntegrityError(RuntimeError):
+    """A destination unit's logical state differs from its source's."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class PrimitiveReport:
+    kind: str
+    source: tuple[str, ...]
+    target: tuple[str, ...]
+    bytes_moved: int
+    """Bytes received over the network by all slots together."""
+    duration_s: float
+    group_setup_s: float
+    groups_created: int
+    peak_bytes: dict[int, int]
+    """Per slot: the most state and buffer bytes held during the primitive."""
+    freed_bytes: int = 0
+
+
+class UnitEngine:
+    """Units of model-stages on a pool of slots, and the four primitives over them."""
+
+    def __init__(self, pool: SlotPool):
+        self.pool = pool
+        self.units: dict[str, Unit] = {}
+
+    # --- units ------------------------------------------------------------------------------------
+
+    def create(self, unit: Unit, *, seed: int = 0) -> Unit:
+        """Materialise a unit with deterministic state (a stand-in for loading a checkpoint)."""
+        self._check_new([unit])
+        self.pool.run(slot_ops.fill_unit, unit=unit, seed=seed)
+        self.units[unit.unit_id] = unit
+        return unit
+
+    def checksum(self, unit: Unit) -> int:
+        return combine(*self.pool.run(slot_ops.unit_checksum, unit=self._known(unit)))
+
+    def read(self, unit: Unit) -> dict:
+        """The unit's shards gathered to the driver: {key: [(ShardSpec, tensor), ...]}."""
+        out: dict = {}
+        for held in self.pool.run(slot_ops.read_unit, unit=self._known(unit)):
+            for key, pair in held.items():
+                out.setdefault(key, []).append(pair)
+        return out
+
+    # --- primitives -------------------------------------------------------------------------------
+
+    def split(self, spec: Split) -> tuple[list[Unit], PrimitiveReport]:
+        self._known(spec.unit)
+        targets = spec.targets()
+        self._check_new(targets, replacing=[spec.unit])
+        report = self._run(
+            "split", [spec.unit], targets, spec.peer_groups(), slot_ops.split, spec=spec
+        )
+        return targets, report
+
+    def merge(self, spec: Merge) -> tuple[Unit, PrimitiveReport]:
+        for unit in spec.units:
+            self._known(unit)
+        target = spec.target()
+        self._check_new([target], replacing=list(spec.units))
+        self._check_local_merge(spec, target)
+        report = self._run("merge", list(spec.units), [target], [], slot_ops.merge, spec=spec)
+        return target, report
+
+    def extend(self, spec: Extend) -> tuple[Unit, PrimitiveReport]:
+        self._known(spec.source)
+        target = spec.target()
+        self._check_new([target])
+        report = self._run(
+            "extend",
+            [spec.source],
+            [target],
+            spec.broadcast_groups(),
+            slot_ops.extend,
+            spec=spec,
+            release_source=False,
+        )
+        return target, report
+
+    def destroy(self, spec: Destroy) -> PrimitiveReport:
+        unit = self._known(spec.unit)
+        started = time.perf_counter()
+        results = self.pool.run(slot_ops.release, unit_ids=[unit.unit_id])
+        del self.units[unit.unit_id]
+        leaked = sum(r["still_referenced"] for r in results)
+        if leaked:
+            raise RuntimeError(f"{unit.unit_id}: {leaked} tensors outlived their release")
+        return PrimitiveReport(
+            kind="destroy",
+            source=(unit.unit_id,),
+            target=(),
+            bytes_moved=0,
+            duration_s=time.perf_counter() - started,
+            group_setup_s=0.0,
+            groups_created=0,
+            peak_bytes={},
+            freed_bytes=sum(r["freed_bytes"] for r in results),
+        )
+
+    # --- helpers ----------------------------------------------------------------------------------
+
+    def _run(
+        self, kind, sources, targets, groups, fn, *, spec, release_source=True
+    ) -> PrimitiveReport:
+        started = time.perf_counter()
+        setup = self.pool.run(slot_ops.ensure_groups, groups=[tuple(g) for g in groups])
+        results = self.pool.run(fn, spec=spec)
+        expected = self.checksum(sources[0])
+        for target in targets:
+            self.units[target.unit_id] = target
+            got = self.checksum(target)
+            if got != expected:
+                self.pool.run(slot_ops.release, unit_ids=[t.unit_id for t in targets])
+                for t in targets:
+                    self.units.pop(t.unit_id, None)
+                raise IntegrityError(
+                    f"{kind}: {target.unit_id} checksum {got:#x} != source {expected:#x}"
+                )
+        freed = 0
+        if release_source:
+            released = self.pool.run(slot_ops.release, unit_ids=[u.unit_id for u in sources])
+            freed = sum(r["freed_bytes"] for r in released)
+            for unit in sources:
+                del self.units[unit.unit_id]
+        return PrimitiveReport(
+            kind=kind,
+            source=tuple(u.unit_id for u in sources),
+            target=tuple(t.unit_id for t in targets),
+            bytes_moved=sum(r["bytes_received"] for r in results),
+            duration_s=time.perf_counter() - started,
+            group_setup_s=max(s["seconds"] for s in setup),
+            groups_created=max(s["created"] for s in setup),
+            peak_bytes={
+                rank: r.get("peak_bytes", 0)
+                for rank, r in enumerate(results)
+                if r.get("peak_bytes")
+            },
+            freed_bytes=freed,
+        )
+
+    def _known(self, unit: Unit) -> Unit:
+        if self.units.get(unit.unit_id) != unit:
+            raise TransitionError(f"unit: {unit.unit_id} does not exist on this engine")
+        return unit
+
+    def _check_new(self, units: list[Unit], replacing: list[Unit] = ()) -> None:
+        check_slots(units, range(self.pool.num_slots))
+        for unit in units:
+            if unit.unit_id in self.units:
+                raise TransitionError(f"unit: {unit.unit_id} already exists")
+
+    @staticmethod
+    def _check_local_merge(spec: Merge, target: Unit) -> None:
+        """Merge moves nothing: every slot must already hold what its new position owns."""
+        from runtime.emu.reshard import plan_copies
+
+        for slot in target.slots:
+            source = next(u for u in spec.units if slot in u.slots)
+            copies = plan_copies(
+                {slot: source.layout.shards(source.position_of(slot))},
+                {slot: target.layout.shards(target.position_of(slot))},
+            )
+            if any(not c.local for c in copies):
+                raise TransitionError(f"merge: slot {slot} would need data from another slot")
