@@ -122,7 +122,11 @@ def check_redis() -> Finding:
             detail=found.detail,
             hint="check REDIS_URL and that redis-server is running, or unset it",
         )
-    return Finding(name="redis", status=OK, detail=f"reachable at {settings.CONFIG.redis_url}")
+    from webapp.config import redact
+
+    return Finding(
+        name="redis", status=OK, detail=f"reachable at {redact(settings.CONFIG.redis_url)}"
+    )
 
 
 def check_kernels() -> Finding:

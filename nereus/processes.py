@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import functools
 import os
 import signal
 import socket
@@ -53,17 +54,16 @@ class ProcessGroup:
         """Start a child with exactly ``env`` as its environment (this process's when None);
         ``stop_signal`` is what ``stop`` sends it first."""
         log_path = self.log_dir / f"{name}.log"
-        log = log_path.open("ab")
-        popen = subprocess.Popen(
-            list(argv),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=dict(os.environ if env is None else env),
-            start_new_session=True,
-            preexec_fn=_die_with_parent,
-        )
-        log.close()
+        with log_path.open("ab") as log:
+            popen = subprocess.Popen(
+                list(argv),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=dict(os.environ if env is None else env),
+                start_new_session=True,
+                preexec_fn=functools.partial(_die_with_parent, stop_signal, os.getpid()),
+            )
         child = Child(name=name, popen=popen, log_path=log_path, stop_signal=stop_signal)
         self.children.append(child)
         return child
@@ -96,13 +96,17 @@ class ProcessGroup:
         return [pid for pgid in pgids for pid in _group_members(pgid)]
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: ask the kernel for SIGTERM when the supervisor dies."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+def _die_with_parent(stop_signal: int, parent: int) -> None:
+    """In the child before exec: ask the kernel for the child's stop signal when the supervisor
+    dies, and stop at once if it already has (it may have died between fork and here)."""
+    _LIBC.prctl(_PR_SET_PDEATHSIG, int(stop_signal))
+    if os.getppid() != parent:
+        os._exit(1)
 
 
 _PR_SET_PDEATHSIG = 1
+# Loaded in the parent: dlopen after fork in a threaded parent can deadlock the child.
+_LIBC = ctypes.CDLL(None, use_errno=True)
 
 
 def _signal_group(pgid: int, sig: int) -> None:

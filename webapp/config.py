@@ -53,6 +53,15 @@ class ServiceConfig:
         return self.redis_url is None
 
 
+def redact(url: str) -> str:
+    """A URL with its password replaced, for messages and logs."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return parts._replace(netloc=netloc).geturl()
+
+
 def parse_bool(variable: str, value: str | None, *, default: bool) -> bool:
     """Read an on/off variable; anything but the usual spellings is an error."""
     if value is None:
@@ -62,7 +71,9 @@ def parse_bool(variable: str, value: str | None, *, default: bool) -> bool:
         return True
     if text in _FALSE:
         return False
-    raise ConfigError(variable, f"expected one of 1/0, true/false, yes/no, on/off; got {value!r}")
+    raise ConfigError(
+        variable, f"expected one of 1/0, true/false, yes/no, on/off; got {redact(value)!r}"
+    )
 
 
 def parse_database_url(value: str, *, variable: str = "DATABASE_URL") -> dict:
@@ -75,7 +86,7 @@ def parse_database_url(value: str, *, variable: str = "DATABASE_URL") -> dict:
     scheme = parts.scheme.lower()
     if not scheme:
         raise ConfigError(
-            variable, f"not a URL (expected sqlite:///PATH or postgresql://...): {value!r}"
+            variable, f"not a URL (expected sqlite:///PATH or postgresql://...): {redact(value)!r}"
         )
     options = dict(parse_qsl(parts.query, keep_blank_values=True))
     if scheme == "sqlite":
@@ -110,7 +121,7 @@ def parse_database_url(value: str, *, variable: str = "DATABASE_URL") -> dict:
         try:
             port = parts.port
         except ValueError as exc:
-            raise ConfigError(variable, f"the port is not a number in {value!r}") from exc
+            raise ConfigError(variable, f"the port is not a number in {redact(value)!r}") from exc
         if not parts.hostname:
             raise ConfigError(
                 variable, "a PostgreSQL URL needs a host: postgresql://HOST:PORT/NAME"
@@ -142,14 +153,15 @@ def parse_redis_url(value: str | None, *, variable: str = "REDIS_URL") -> str | 
     parts = urlsplit(text)
     if parts.scheme not in {"redis", "rediss", "unix"}:
         raise ConfigError(
-            variable, f"expected redis://HOST:PORT/DB (or rediss://, unix://), got {value!r}"
+            variable,
+            f"expected redis://HOST:PORT/DB (or rediss://, unix://), got {redact(value)!r}",
         )
     if parts.scheme != "unix" and not parts.hostname:
-        raise ConfigError(variable, f"no host in {value!r}")
+        raise ConfigError(variable, f"no host in {redact(value)!r}")
     try:
         parts.port  # noqa: B018 - evaluating it validates the port
     except ValueError as exc:
-        raise ConfigError(variable, f"the port is not a number in {value!r}") from exc
+        raise ConfigError(variable, f"the port is not a number in {redact(value)!r}") from exc
     db = parts.path.lstrip("/")
     if db and not db.isdigit():
         raise ConfigError(variable, f"the database index must be a number, got {db!r}")
@@ -167,7 +179,7 @@ def parse_ray_address(value: str | None, *, variable: str = "RAY_ADDRESS") -> st
     host, sep, port = hostport.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ConfigError(
-            variable, f"expected HOST:PORT, ray://HOST:PORT, 'auto' or unset; got {value!r}"
+            variable, f"expected HOST:PORT, ray://HOST:PORT, 'auto' or unset; got {redact(value)!r}"
         )
     return text
 
@@ -184,6 +196,12 @@ def load(environ: Mapping[str, str] | None = None) -> ServiceConfig:
     var_dir = Path(env.get("NEREUS_VAR_DIR") or REPO_ROOT / "var")
     if not var_dir.is_absolute():
         var_dir = REPO_ROOT / var_dir
+    try:
+        var_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(
+            "NEREUS_VAR_DIR", f"cannot use {str(var_dir)!r}: {exc.strerror}"
+        ) from None
 
     database_url = env.get("DATABASE_URL")
     if database_url is None or not database_url.strip():

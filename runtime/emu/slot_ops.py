@@ -55,21 +55,23 @@ def _group(ctx: SlotContext, ranks) -> dist.ProcessGroup:
     return ctx.state["groups"][tuple(sorted(ranks))]
 
 
-def fill_unit(ctx: SlotContext, *, unit: Unit, seed: int) -> int:
-    """Give this slot's shards of ``unit`` deterministic values that depend only on the element's
-    global index, the tensor and the seed (so any layout holds the same logical state)."""
-    if ctx.rank not in unit.slots:
-        return 0
+def reference_values(shard: ShardSpec, seed: int) -> torch.Tensor:
+    """Deterministic values for a shard that depend only on each element's global index, the
+    tensor's key and the seed, so every layout of a unit holds the same logical state."""
     from runtime.emu.integrity import _global_indices, _mix
 
-    state = {}
-    for shard in _my_shards(unit, ctx.rank):
-        salt = (
-            zlib.crc32(shard.key.encode()) ^ seed
-        ) & 0x7FFFFFFF  # not hash(): salted per process
-        bits = _mix(_global_indices(shard) * 6364136223846793005 + salt)
-        values = ((bits >> 11) & ((1 << 24) - 1)).to(torch.float64) / float(1 << 23) - 1.0
-        state[shard.key] = values.to(_DTYPES[shard.dtype]).to(ctx.device)
+    salt = (zlib.crc32(shard.key.encode()) ^ seed) & 0x7FFFFFFF  # not hash(): salted per process
+    bits = _mix(_global_indices(shard) * 6364136223846793005 + salt)
+    values = ((bits >> 11) & ((1 << 24) - 1)).to(torch.float64) / float(1 << 23) - 1.0
+    return values.to(_DTYPES[shard.dtype])
+
+
+def fill_unit(ctx: SlotContext, *, unit: Unit, seed: int) -> int:
+    """Give this slot's shards of ``unit`` their reference values (a stand-in for loading a
+    checkpoint, so tests and benchmarks know what every element must be)."""
+    if ctx.rank not in unit.slots:
+        return 0
+    state = {s.key: reference_values(s, seed).to(ctx.device) for s in _my_shards(unit, ctx.rank)}
     _units(ctx)[unit.unit_id] = state
     return sum(t.numel() * t.element_size() for t in state.values())
 

@@ -132,20 +132,24 @@ class SlotPool:
         remote_cls = ray.remote(**resources)(SlotWorker)
         actors = [remote_cls.remote(slot_index=i) for i in range(num_slots)]
         pool = cls(actors, backend="nccl" if use_gpus else "gloo", call_timeout_s=call_timeout_s)
-        port = pool._get(actors[0].reserve_port.remote(master_addr))
-        pool._get_all(
-            [
-                actor.join_group.remote(
-                    rank=rank,
-                    world_size=num_slots,
-                    master_addr=master_addr,
-                    master_port=port,
-                    backend=pool.backend,
-                    timeout_s=call_timeout_s,
-                )
-                for rank, actor in enumerate(actors)
-            ]
-        )
+        try:
+            port = pool._get(actors[0].reserve_port.remote(master_addr))
+            pool._get_all(
+                [
+                    actor.join_group.remote(
+                        rank=rank,
+                        world_size=num_slots,
+                        master_addr=master_addr,
+                        master_port=port,
+                        backend=pool.backend,
+                        timeout_s=call_timeout_s,
+                    )
+                    for rank, actor in enumerate(actors)
+                ]
+            )
+        except BaseException:
+            pool.close()  # no half-made pool keeps its actors
+            raise
         pool.setup_s = time.perf_counter() - started
         return pool
 

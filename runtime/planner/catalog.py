@@ -154,8 +154,8 @@ class ModelConfig:
 
     def head_params(self, *, scalar_head: bool = False) -> int:
         """The output head: the LM head (vocab logits) or a scalar head (critic value, reward)."""
-        if scalar_head:
-            return self.hidden_size + 1
+        if scalar_head:  # Hugging Face's ``score``: Linear(hidden, 1, bias=False)
+            return self.hidden_size
         return 0 if self.tie_embeddings else self.embedding_params
 
     def num_params(self, *, scalar_head: bool = False) -> int:

@@ -180,3 +180,19 @@ def test_production_settings_pass_the_deploy_check(tmp_path):
         timeout=120,
     )
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_errors_never_echo_a_password(tmp_path):
+    with pytest.raises(ConfigError) as info:
+        config.load(
+            {"DATABASE_URL": "postgresql://bob:hunter2@db:port/x", "NEREUS_VAR_DIR": str(tmp_path)}
+        )
+    assert "hunter2" not in str(info.value) and "bob:***@db" in str(info.value)
+
+
+def test_var_dir_that_cannot_be_a_directory_is_named(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(ConfigError) as info:
+        config.load({"NEREUS_VAR_DIR": str(blocker / "var")})
+    assert info.value.variable == "NEREUS_VAR_DIR"

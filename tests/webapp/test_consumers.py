@@ -7,15 +7,17 @@ import asyncio
 import pytest
 from asgiref.sync import sync_to_async
 from channels.auth import AuthMiddlewareStack
+from channels.layers import get_channel_layer
 from channels.routing import URLRouter
 from channels.testing import WebsocketCommunicator
 from django.conf import settings
 from django.contrib.auth import BACKEND_SESSION_KEY, HASH_SESSION_KEY, SESSION_KEY, get_user_model
 from django.contrib.sessions.backends.db import SessionStore
+from django.utils import timezone
 
 from webapp.jobs import services
 from webapp.jobs.consumers import CLOSE_NOT_FOUND, CLOSE_UNAUTHENTICATED
-from webapp.jobs.models import Job
+from webapp.jobs.models import Job, JobEvent
 from webapp.jobs.routing import websocket_urlpatterns
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.asyncio]
@@ -100,8 +102,9 @@ async def test_malformed_messages_get_an_error_frame_and_the_socket_stays_open()
     await ws.send_json_to({"type": "resume", "after": "yesterday"})
     error = await ws.receive_json_from(timeout=5)
     assert error["code"] == "bad_after" and error["message"].startswith("after:")
-    await ws.send_json_to({"type": "resume", "after": -4})
-    assert (await ws.receive_json_from(timeout=5))["code"] == "bad_after"
+    for bad in (-4, 1e999, True, 3.9, 2**64, "-1", "١٢"):
+        await ws.send_json_to({"type": "resume", "after": bad})
+        assert (await ws.receive_json_from(timeout=5))["code"] == "bad_after", bad
     event_id = await _append(job, "still.open")
     assert (await ws.receive_json_from(timeout=5))["event"]["id"] == event_id
     await ws.disconnect()
@@ -119,4 +122,24 @@ async def test_bad_after_in_the_url_is_reported_and_streams_from_the_start():
     assert (await ws.receive_json_from(timeout=5))["code"] == "bad_after"
     assert (await ws.receive_json_from(timeout=5))["event"]["kind"] == "a"
     await asyncio.sleep(0)
+    await ws.disconnect()
+
+
+async def test_an_event_that_overtakes_an_earlier_one_does_not_hide_it():
+    """Live messages may arrive out of order; the consumer reads the log, so none is skipped."""
+    job, session, _ = await _setup()
+    ws = _communicator(job.pk, session)
+    assert (await ws.connect())[0]
+    first = await sync_to_async(
+        lambda: JobEvent.objects.create(job=job, epoch=0, kind="a", data={}, at=timezone.now())
+    )()
+    second = await sync_to_async(
+        lambda: JobEvent.objects.create(job=job, epoch=0, kind="b", data={}, at=timezone.now())
+    )()
+    layer = get_channel_layer()
+    await layer.group_send(job.group_name, {"type": "job.event", "event": second.as_message()})
+    got = [(await ws.receive_json_from(timeout=5))["event"]["id"] for _ in range(2)]
+    await layer.group_send(job.group_name, {"type": "job.event", "event": first.as_message()})
+    assert got == [first.pk, second.pk]
+    assert await ws.receive_nothing(timeout=0.3)
     await ws.disconnect()

@@ -156,3 +156,29 @@ def test_detail_page_loads_plotly_from_static_and_labels_the_engine(client, alic
     assert "engine: Ray, real slots" in page
     static = client.get("/static/vendor/plotly/plotly.min.js")
     assert static.status_code == 200
+
+
+def test_a_cancel_during_the_last_step_ends_cancelled_not_stuck(job):
+    _, epoch = services._claim_driver(job.pk)
+    services.job_cancel(job_id=job.pk)
+    assert services._finish(job.pk, epoch, JobState.SUCCEEDED) == JobState.CANCELLED
+
+
+def test_a_driver_takes_over_a_job_caught_mid_transition(job):
+    services._claim_driver(job.pk)
+    Job.objects.filter(pk=job.pk).update(state=JobState.TRANSITIONING)
+    claimed = services._claim_driver(job.pk)
+    assert claimed is not None and claimed[0].state == JobState.RUNNING and claimed[1] == 2
+
+
+def test_a_broker_that_refuses_the_task_fails_the_job_with_a_reason(job, monkeypatch):
+    from webapp.jobs import tasks
+
+    def refuse(*args, **kwargs):
+        raise ConnectionRefusedError("broker down")
+
+    monkeypatch.setattr(tasks.job_drive, "delay", refuse)
+    services._enqueue_driver(job.pk)
+    job.refresh_from_db()
+    assert job.state == JobState.FAILED and job.failure_reason == FailureReason.QUEUE_UNAVAILABLE
+    assert "broker down" in job.failure_detail

@@ -1,12 +1,14 @@
 """The database-backed channel layer of the embedded default, in one process and across two."""
 
 import asyncio
+import random
 import sys
 import textwrap
 
 import pytest
 from channels.exceptions import ChannelFull
 from django.conf import settings
+from django.db import OperationalError
 
 from webapp.realtime.layers import DatabaseChannelLayer
 from webapp.realtime.models import ChannelMessage
@@ -104,3 +106,42 @@ async def test_message_sent_by_another_process_is_received(layer):
     assert await asyncio.wait_for(proc.wait(), 60) == 0
     message = await asyncio.wait_for(layer.receive(channel), 10)
     assert message["type"] == "from.pid" and message["pid"] == proc.pid
+
+
+async def test_no_message_is_lost_while_the_receiver_is_busy():
+    """Found by review: a queue dropped between receives lost the messages claimed meanwhile."""
+    layer = DatabaseChannelLayer(capacity=1000, poll_interval=0.005)
+    channel = await layer.new_channel()
+    rng = random.Random(7)
+
+    async def sender():
+        for n in range(40):
+            await layer.send(channel, {"type": "t", "n": n})
+            await asyncio.sleep(0.002)
+
+    task = asyncio.create_task(sender())
+    got = []
+    while len(got) < 40:
+        got.append((await asyncio.wait_for(layer.receive(channel), 10))["n"])
+        await asyncio.sleep(rng.uniform(0, 0.02))  # a slow handler between receives
+    await task
+    assert got == list(range(40))
+
+
+async def test_a_database_error_does_not_stop_delivery(monkeypatch):
+    layer = DatabaseChannelLayer(poll_interval=0.01)
+    real, calls = layer._claim, {"n": 0}
+
+    def flaky(channels):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise OperationalError("database is locked")
+        return real(channels)
+
+    monkeypatch.setattr(layer, "_claim", flaky)
+    channel = await layer.new_channel()
+    await layer.send(channel, {"type": "a"})
+    assert (await asyncio.wait_for(layer.receive(channel), 5))["type"] == "a"
+    await layer.send(channel, {"type": "b"})
+    assert (await asyncio.wait_for(layer.receive(channel), 5))["type"] == "b"
+    assert calls["n"] >= 3

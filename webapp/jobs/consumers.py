@@ -43,9 +43,8 @@ class JobEventsConsumer(AsyncJsonWebsocketConsumer):
         await self.channel_layer.group_add(self.job.group_name, self.channel_name)
         await self.accept()
         try:
-            after = _parse_after(
-                parse_qs(self.scope.get("query_string", b"").decode()).get("after", ["0"])[0]
-            )
+            query = parse_qs(self.scope.get("query_string", b"").decode("utf-8", errors="replace"))
+            after = _parse_after(query.get("after", ["0"])[0])
         except ClientError as exc:
             await self._send_error(exc)
             after = 0
@@ -107,16 +106,20 @@ class JobEventsConsumer(AsyncJsonWebsocketConsumer):
     # --- channel-layer handlers ------------------------------------------------------------
 
     async def job_event(self, message: dict) -> None:
-        await self._deliver(message["event"])
+        # Live messages from different writers can arrive out of order, but a job's events commit in
+        # id order (each append holds the job's row lock), so the log is read from the last id sent:
+        # an event that overtook an earlier one can never make the client skip it.
+        if message["event"]["id"] > self.last_id:
+            await self._send_backlog(self.last_id)
+
+
+_MAX_ID = 2**63 - 1
 
 
 def _parse_after(value) -> int:
-    try:
-        after = int(value)
-    except (TypeError, ValueError):
-        raise ClientError(
-            "bad_after", f"after: expected a non-negative event id, got {value!r}"
-        ) from None
-    if after < 0:
-        raise ClientError("bad_after", f"after: expected a non-negative event id, got {after}")
-    return after
+    """An event id: a whole number (or its digits, from a URL) in [0, 2**63)."""
+    if isinstance(value, str) and value.isascii() and value.isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _MAX_ID:
+        raise ClientError("bad_after", f"after: expected a non-negative event id, got {value!r}")
+    return value

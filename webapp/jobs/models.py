@@ -35,9 +35,18 @@ ALLOWED_MOVES: dict[str, frozenset[str]] = {
             JobState.STARTING,  # a new driver (higher epoch) takes over after a lost worker
         }
     ),
-    JobState.TRANSITIONING: frozenset({JobState.RUNNING, JobState.CANCELLING, JobState.FAILED}),
+    # STARTING from a running-like state: a new driver (higher epoch) takes over after a lost worker
+    JobState.TRANSITIONING: frozenset(
+        {JobState.RUNNING, JobState.CANCELLING, JobState.FAILED, JobState.STARTING}
+    ),
     JobState.AWAITING_APPROVAL: frozenset(
-        {JobState.TRANSITIONING, JobState.RUNNING, JobState.CANCELLING, JobState.FAILED}
+        {
+            JobState.TRANSITIONING,
+            JobState.RUNNING,
+            JobState.CANCELLING,
+            JobState.FAILED,
+            JobState.STARTING,
+        }
     ),
     JobState.CANCELLING: frozenset({JobState.CANCELLED, JobState.FAILED}),
     JobState.SUCCEEDED: frozenset(),
@@ -53,6 +62,7 @@ class FailureReason(models.TextChoices):
     SLOT_LOST = "slot_lost"
     DRIVER_LOST = "driver_lost"
     TOO_MANY_DELIVERIES = "too_many_deliveries"
+    QUEUE_UNAVAILABLE = "queue_unavailable"
 
 
 class Job(models.Model):

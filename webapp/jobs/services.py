@@ -40,7 +40,19 @@ def job_submit(*, user, name: str, spec: dict[str, Any]) -> Job:
 def _enqueue_driver(job_id: int) -> None:
     from webapp.jobs.tasks import job_drive
 
-    job_drive.delay(job_id)
+    try:
+        job_drive.delay(job_id)
+    except Exception as exc:  # kombu raises many types; the job must not wait forever for nothing
+        logger.exception("could not enqueue the driver of job %s", job_id)
+        with transaction.atomic():
+            job = Job.objects.select_for_update().get(pk=job_id)
+            if job.state == JobState.PENDING:
+                job_move(
+                    job=job,
+                    target=JobState.FAILED,
+                    reason=FailureReason.QUEUE_UNAVAILABLE,
+                    detail=f"{type(exc).__name__}: {exc}",
+                )
 
 
 def job_move(*, job: Job, target: str, reason: str = "", detail: str = "") -> Job:
@@ -194,6 +206,8 @@ def _finish(job_id: int, epoch: int, target: str, reason: str = "", detail: str 
     job = Job.objects.select_for_update().get(pk=job_id)
     if job.epoch != epoch or job.is_terminal:
         return job.state
+    if job.state == JobState.CANCELLING and target == JobState.SUCCEEDED:
+        target = JobState.CANCELLED  # cancelled during its last step: the user asked it to stop
     if target == JobState.CANCELLED and job.state != JobState.CANCELLING:
         job_move(job=job, target=JobState.CANCELLING)
     job_move(job=job, target=target, reason=reason, detail=detail)

@@ -18,17 +18,20 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import uuid
 from datetime import timedelta
 
 from channels.db import database_sync_to_async
 from channels.exceptions import ChannelFull
 from channels.layers import BaseChannelLayer
-from django.db import connection, transaction
+from django.db import DatabaseError, connection, transaction
 from django.db.models import Count
 from django.utils import timezone
 
 from webapp.realtime.models import ChannelMessage, GroupMembership
+
+logger = logging.getLogger(__name__)
 
 _CLAIM_BATCH = 200
 _SWEEP_EVERY_POLLS = 200
@@ -52,6 +55,8 @@ class DatabaseChannelLayer(BaseChannelLayer):
         self.poll_interval = poll_interval
         self.client_prefix = uuid.uuid4().hex
         self._queues: dict[str, asyncio.Queue] = {}
+        self._waiting: dict[str, int] = {}
+        self._last_wait: dict[str, float] = {}
         self._poller: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._polls = 0
@@ -112,22 +117,46 @@ class DatabaseChannelLayer(BaseChannelLayer):
         if self._loop is not loop:
             # A new event loop (e.g. a fresh async_to_sync): queues of the old one are unusable.
             self._loop, self._queues, self._poller = loop, {}, None
+            self._waiting, self._last_wait = {}, {}
         queue = self._queues.setdefault(channel, asyncio.Queue())
+        self._waiting[channel] = self._waiting.get(channel, 0) + 1
         if self._poller is None or self._poller.done():
             self._poller = loop.create_task(self._poll_forever())
         try:
             return await queue.get()
         finally:
-            if queue.empty() and self._queues.get(channel) is queue:
+            self._waiting[channel] -= 1
+            self._last_wait[channel] = loop.time()
+
+    def _polled_channels(self, now: float) -> list[str]:
+        """Channels with a waiting receiver, queued messages, or a receiver that left recently.
+
+        A queue outlives a finished ``receive`` for ``expiry`` seconds: a message the poller claimed
+        in the meantime waits there for the next ``receive`` instead of being lost.
+        """
+        for channel in list(self._queues):
+            idle = self._waiting.get(channel, 0) == 0 and self._queues[channel].empty()
+            if idle and now - self._last_wait.get(channel, now) > self.expiry:
                 del self._queues[channel]
+                self._waiting.pop(channel, None)
+                self._last_wait.pop(channel, None)
+        return list(self._queues)
 
     async def _poll_forever(self) -> None:
-        while self._queues:
-            batch = await database_sync_to_async(self._claim)(list(self._queues))
+        loop = asyncio.get_running_loop()
+        failures = 0
+        while channels := self._polled_channels(loop.time()):
+            try:
+                batch = await database_sync_to_async(self._claim)(channels)
+            except DatabaseError:
+                # A locked SQLite file or a database failover: retry, never stop delivering.
+                failures += 1
+                logger.warning("channel layer poll failed (%d in a row)", failures, exc_info=True)
+                await asyncio.sleep(min(5.0, self.poll_interval * 2**failures))
+                continue
+            failures = 0
             for channel, message in batch:
-                queue = self._queues.get(channel)
-                if queue is not None:
-                    queue.put_nowait(message)
+                self._queues.setdefault(channel, asyncio.Queue()).put_nowait(message)
             if len(batch) < _CLAIM_BATCH:
                 await asyncio.sleep(self.poll_interval)
 

@@ -37,9 +37,11 @@ def test_tiny_config_counts_the_demo_models_parameters():
 
 def test_scalar_head_replaces_the_vocabulary_head():
     cfg = default_catalog().model("llama-3.1-8b")
-    assert cfg.num_params() - cfg.num_params(
-        scalar_head=True
-    ) == cfg.vocab_size * cfg.hidden_size - (cfg.hidden_size + 1)
+    lm_head, score = (
+        cfg.vocab_size * cfg.hidden_size,
+        cfg.hidden_size,
+    )  # score: Linear(h, 1, bias=False)
+    assert cfg.num_params() - cfg.num_params(scalar_head=True) == lm_head - score
 
 
 def test_unknown_names_list_the_choices():
