@@ -1,0 +1,97 @@
+"""A unit's state through torch.distributed.checkpoint (DCP): the checkpoint/restart path.
+
+Each slot wraps its shards as DTensors on its pipeline stage's tensor-parallel mesh (the placements
+of ``layout.placement``), so DCP records global shapes and offsets and reshards on load into any
+other layout. It is the baseline the primitives are measured against, and the oracle that their
+resulting shards are checked with.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from runtime.emu.layout import UnitLayout, placement
+from runtime.emu.primitives import Unit
+from runtime.emu.slot_ops import _DTYPES, _units
+from runtime.engine.slots import SlotContext
+
+
+def unit_groups(unit: Unit) -> list[tuple[int, ...]]:
+    """Groups DCP needs: the whole unit (coordination) and each pipeline stage's TP ranks (meshes)."""
+    tp = unit.layout.tp
+    stages = [tuple(unit.slots[p * tp : (p + 1) * tp]) for p in range(unit.layout.pp)]
+    return [tuple(unit.slots), *stages]
+
+
+def _mesh(ctx: SlotContext, unit: Unit) -> DeviceMesh:
+    tp = unit.layout.tp
+    position = unit.position_of(ctx.rank)
+    stage = tuple(unit.slots[(position // tp) * tp : (position // tp + 1) * tp])
+    return DeviceMesh.from_group(_group(ctx, stage), ctx.device.type)
+
+
+def _group(ctx: SlotContext, ranks: tuple[int, ...]):
+    return ctx.state["dcp_groups"][tuple(sorted(ranks))]
+
+
+def ensure_unit_groups(ctx: SlotContext, *, units: list[Unit]) -> int:
+    """Create (collectively, on every slot) the groups of ``unit_groups`` not yet made."""
+    import torch.distributed as dist
+
+    cache = ctx.state.setdefault("dcp_groups", {})
+    created = 0
+    for unit in units:
+        for ranks in unit_groups(unit):
+            key = tuple(sorted(ranks))
+            if key not in cache:
+                cache[key] = dist.new_group(list(key))
+                created += 1
+    return created
+
+
+def _dtensors(ctx: SlotContext, unit: Unit, layout: UnitLayout, local: dict[str, torch.Tensor]):
+    mesh = _mesh(ctx, unit)
+    tensors = {t.key: t for t in layout.tensors()}
+    out = {}
+    for shard in layout.shards(unit.position_of(ctx.rank)):
+        spec = tensors[shard.key]
+        full = torch.empty(spec.global_shape, dtype=_DTYPES[spec.dtype], device="meta")
+        out[shard.key] = DTensor.from_local(
+            local[shard.key],
+            mesh,
+            [placement(spec)],
+            run_check=False,
+            shape=full.shape,
+            stride=full.stride(),
+        )
+    return out
+
+
+def save_unit(ctx: SlotContext, *, unit: Unit, path: str) -> float:
+    """Every slot of the unit writes its shards; returns the seconds this slot spent."""
+    if ctx.rank not in unit.slots:
+        return 0.0
+    started = time.perf_counter()
+    state = _dtensors(ctx, unit, unit.layout, _units(ctx)[unit.unit_id])
+    dcp.save(state, checkpoint_id=path, process_group=_group(ctx, tuple(unit.slots)))
+    return time.perf_counter() - started
+
+
+def load_unit(ctx: SlotContext, *, unit: Unit, path: str) -> float:
+    """Every slot of ``unit`` reads its shards in the unit's layout (DCP reshards); returns seconds."""
+    if ctx.rank not in unit.slots:
+        return 0.0
+    started = time.perf_counter()
+    local = {
+        s.key: torch.empty(s.local_shape, dtype=_DTYPES[s.dtype], device=ctx.device)
+        for s in unit.layout.shards(unit.position_of(ctx.rank))
+    }
+    state = _dtensors(ctx, unit, unit.layout, local)
+    dcp.load(state, checkpoint_id=path, process_group=_group(ctx, tuple(unit.slots)))
+    _units(ctx)[unit.unit_id] = {key: tensor.to_local() for key, tensor in state.items()}
+    return time.perf_counter() - started
