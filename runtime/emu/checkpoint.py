@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from runtime.emu.layout import UnitLayout, placement
 from runtime.emu.primitives import Unit
-from runtime.emu.slot_ops import _DTYPES, _units
+from runtime.emu.slot_ops import _DTYPES, _allocate, _units
 from runtime.engine.slots import SlotContext
 
 
@@ -32,7 +32,7 @@ def _mesh(ctx: SlotContext, unit: Unit) -> DeviceMesh:
     tp = unit.layout.tp
     position = unit.position_of(ctx.rank)
     stage = tuple(unit.slots[(position // tp) * tp : (position // tp + 1) * tp])
-    return DeviceMesh.from_group(_group(ctx, stage), ctx.device.type)
+    return ctx.state["dcp_meshes"][stage]
 
 
 def _group(ctx: SlotContext, ranks: tuple[int, ...]):
@@ -44,12 +44,19 @@ def ensure_unit_groups(ctx: SlotContext, *, units: list[Unit]) -> int:
     import torch.distributed as dist
 
     cache = ctx.state.setdefault("dcp_groups", {})
+    meshes = ctx.state.setdefault("dcp_meshes", {})
     created = 0
     for unit in units:
-        for ranks in unit_groups(unit):
-            key = tuple(sorted(ranks))
-            if key not in cache:
-                cache[key] = dist.new_group(list(key))
+        whole, *stages = unit_groups(unit)
+        key = tuple(sorted(whole))
+        if key not in cache:
+            cache[key] = dist.new_group(list(key))
+            created += 1
+        for stage in stages:
+            # A mesh lists a stage's slots in tensor-rank order, which need not be ascending (a
+            # merged unit's are not); building one is collective over the pool, like new_group.
+            if stage not in meshes:
+                meshes[stage] = DeviceMesh(ctx.device.type, torch.tensor(stage))
                 created += 1
     return created
 
@@ -87,10 +94,7 @@ def load_unit(ctx: SlotContext, *, unit: Unit, path: str) -> float:
     if ctx.rank not in unit.slots:
         return 0.0
     started = time.perf_counter()
-    local = {
-        s.key: torch.empty(s.local_shape, dtype=_DTYPES[s.dtype], device=ctx.device)
-        for s in unit.layout.shards(unit.position_of(ctx.rank))
-    }
+    local = _allocate(unit.layout.shards(unit.position_of(ctx.rank)), ctx.device)
     state = _dtensors(ctx, unit, unit.layout, local)
     dcp.load(state, checkpoint_id=path, process_group=_group(ctx, tuple(unit.slots)))
     _units(ctx)[unit.unit_id] = {key: tensor.to_local() for key, tensor in state.items()}

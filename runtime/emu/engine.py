@@ -27,12 +27,18 @@ class PrimitiveReport:
     target: tuple[str, ...]
     bytes_moved: int
     """Bytes received over the network by all slots together."""
+    bytes_per_slot: dict[int, int]
     duration_s: float
+    """All of it: groups, movement, verification and release."""
     group_setup_s: float
     groups_created: int
     peak_bytes: dict[int, int]
     """Per slot: the most state and buffer bytes held during the primitive."""
     freed_bytes: int = 0
+    move_s: float = 0.0
+    """Group setup and data movement, before verification."""
+    verify_s: float = 0.0
+    """Computing and comparing the destinations' logical checksums."""
 
 
 class UnitEngine:
@@ -41,6 +47,8 @@ class UnitEngine:
     def __init__(self, pool: SlotPool):
         self.pool = pool
         self.units: dict[str, Unit] = {}
+        self.verified: dict[str, int] = {}
+        """Each unit's logical checksum as last verified: a source is not re-hashed."""
 
     # --- units ------------------------------------------------------------------------------------
 
@@ -49,10 +57,21 @@ class UnitEngine:
         self._check_new([unit])
         self.pool.run(slot_ops.fill_unit, unit=unit, seed=seed)
         self.units[unit.unit_id] = unit
+        self.verified[unit.unit_id] = self.checksum(unit)
         return unit
 
     def checksum(self, unit: Unit) -> int:
-        return combine(*self.pool.run(slot_ops.unit_checksum, unit=self._known(unit)))
+        """The unit's logical checksum, computed now on its slots."""
+        return self._checksums([self._known(unit)])[0]
+
+    def _checksums(self, units: list[Unit]) -> list[int]:
+        per_slot = self.pool.run(slot_ops.units_checksums, units=units)
+        return [combine(*(slot[i] for slot in per_slot)) for i in range(len(units))]
+
+    def _verified_checksum(self, unit: Unit) -> int:
+        if unit.unit_id not in self.verified:
+            self.verified[unit.unit_id] = self.checksum(unit)
+        return self.verified[unit.unit_id]
 
     def read(self, unit: Unit) -> dict:
         """The unit's shards gathered to the driver: {key: [(ShardSpec, tensor), ...]}."""
@@ -102,6 +121,7 @@ class UnitEngine:
         started = time.perf_counter()
         results = self.pool.run(slot_ops.release, unit_ids=[unit.unit_id])
         del self.units[unit.unit_id]
+        self.verified.pop(unit.unit_id, None)
         leaked = sum(r["still_referenced"] for r in results)
         if leaked:
             raise RuntimeError(f"{unit.unit_id}: {leaked} tensors outlived their release")
@@ -110,6 +130,7 @@ class UnitEngine:
             source=(unit.unit_id,),
             target=(),
             bytes_moved=0,
+            bytes_per_slot={},
             duration_s=time.perf_counter() - started,
             group_setup_s=0.0,
             groups_created=0,
@@ -125,29 +146,37 @@ class UnitEngine:
         started = time.perf_counter()
         setup = self.pool.run(slot_ops.ensure_groups, groups=[tuple(g) for g in groups])
         results = self.pool.run(fn, spec=spec)
-        expected = self.checksum(sources[0])
+        moved = time.perf_counter()
+        expected = self._verified_checksum(sources[0])
+        got = self._checksums(targets)
+        for target, value in zip(targets, got, strict=True):
+            if value != expected:
+                self.pool.run(slot_ops.release, unit_ids=[t.unit_id for t in targets])
+                raise IntegrityError(
+                    f"{kind}: {target.unit_id} checksum {value:#x} != source {expected:#x}"
+                )
         for target in targets:
             self.units[target.unit_id] = target
-            got = self.checksum(target)
-            if got != expected:
-                self.pool.run(slot_ops.release, unit_ids=[t.unit_id for t in targets])
-                for t in targets:
-                    self.units.pop(t.unit_id, None)
-                raise IntegrityError(
-                    f"{kind}: {target.unit_id} checksum {got:#x} != source {expected:#x}"
-                )
+            self.verified[target.unit_id] = expected
+        verified = time.perf_counter()
         freed = 0
         if release_source:
             released = self.pool.run(slot_ops.release, unit_ids=[u.unit_id for u in sources])
             freed = sum(r["freed_bytes"] for r in released)
             for unit in sources:
                 del self.units[unit.unit_id]
+                self.verified.pop(unit.unit_id, None)
         return PrimitiveReport(
             kind=kind,
             source=tuple(u.unit_id for u in sources),
             target=tuple(t.unit_id for t in targets),
             bytes_moved=sum(r["bytes_received"] for r in results),
+            bytes_per_slot={
+                rank: r["bytes_received"] for rank, r in enumerate(results) if r["bytes_received"]
+            },
             duration_s=time.perf_counter() - started,
+            move_s=moved - started,
+            verify_s=verified - moved,
             group_setup_s=max(s["seconds"] for s in setup),
             groups_created=max(s["created"] for s in setup),
             peak_bytes={

@@ -14,6 +14,7 @@ import torch
 from runtime.emu.layout import ShardSpec
 
 _MASK64 = (1 << 64) - 1
+_CHUNK_ELEMENTS = 1 << 22
 _GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64
 _M1 = -4658895280553007687  # 0xBF58476D1CE4E5B9
 _M2 = -7723592293110705685  # 0x94D049BB133111EB
@@ -68,16 +69,22 @@ def shard_checksum(shard: ShardSpec, data: torch.Tensor) -> int:
     bits_dtype = _BITS.get(data.dtype)
     if bits_dtype is None:
         raise ValueError(f"{shard.key}: no checksum for dtype {data.dtype}")
-    bits = data.detach().cpu().contiguous().view(bits_dtype).to(torch.int64)
-    if bits_dtype in _WIDTH_MASK:
-        bits = bits & _WIDTH_MASK[bits_dtype]
+    raw = data.detach().cpu().contiguous().view(bits_dtype)
     index = _global_indices(shard)
-    terms = _mix(_mix(index * _GOLDEN + 1) ^ bits)
-    # Sum the low and high 32-bit halves separately: neither sum can overflow int64 below 2**31
-    # elements, and Python integers put them back together modulo 2**64.
-    low = int((terms & 0xFFFFFFFF).sum())
-    high = int(_shift_right(terms, 32).sum())
-    return ((high << 32) + low) & _MASK64
+    total = 0
+    # In slices along dim 0, so the int64 temporaries stay small beside the shard itself.
+    rows = max(1, _CHUNK_ELEMENTS // max(1, data[0].numel() if data.dim() else 1))
+    for start in range(0, data.shape[0] if data.dim() else 1, rows):
+        part = raw[start : start + rows] if data.dim() else raw
+        bits = part.to(torch.int64)
+        if bits_dtype in _WIDTH_MASK:
+            bits = bits & _WIDTH_MASK[bits_dtype]
+        where = index[start : start + rows] if data.dim() else index
+        terms = _mix((where * _GOLDEN) ^ bits)
+        # Sum the low and high 32-bit halves apart: neither sum can overflow int64 below 2**31
+        # elements, and Python integers put them back together modulo 2**64.
+        total += int((terms & 0xFFFFFFFF).sum()) + (int(_shift_right(terms, 32).sum()) << 32)
+    return total & _MASK64
 
 
 def combine(*checksums: int) -> int:

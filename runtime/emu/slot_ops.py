@@ -48,6 +48,10 @@ def ensure_groups(ctx: SlotContext, *, groups: list[tuple[int, ...]]) -> dict:
         if key not in cache and len(key) > 1:
             cache[key] = dist.new_group(list(key))
             created += 1
+            if ctx.rank in key:
+                # gloo connects a group's members lazily on first use; do it now, so that cost
+                # is counted as group setup rather than as moving state.
+                dist.barrier(group=cache[key])
     return {"created": created, "seconds": time.perf_counter() - started}
 
 
@@ -71,7 +75,10 @@ def fill_unit(ctx: SlotContext, *, unit: Unit, seed: int) -> int:
     checkpoint, so tests and benchmarks know what every element must be)."""
     if ctx.rank not in unit.slots:
         return 0
-    state = {s.key: reference_values(s, seed).to(ctx.device) for s in _my_shards(unit, ctx.rank)}
+    shards = _my_shards(unit, ctx.rank)
+    state = _allocate(shards, ctx.device)
+    for s in shards:
+        state[s.key].copy_(reference_values(s, seed))
     _units(ctx)[unit.unit_id] = state
     return sum(t.numel() * t.element_size() for t in state.values())
 
@@ -84,6 +91,11 @@ def unit_checksum(ctx: SlotContext, *, unit: Unit) -> int:
     return combine(*(shard_checksum(s, state[s.key]) for s in _my_shards(unit, ctx.rank)))
 
 
+def units_checksums(ctx: SlotContext, *, units: list[Unit]) -> list[int]:
+    """This slot's contributions to several units' checksums at once."""
+    return [unit_checksum(ctx, unit=unit) for unit in units]
+
+
 def read_unit(ctx: SlotContext, *, unit: Unit) -> dict[str, tuple[ShardSpec, torch.Tensor]]:
     """This slot's shards of a unit, copied to CPU (tests and checkpoint baselines)."""
     if ctx.rank not in unit.slots:
@@ -92,9 +104,51 @@ def read_unit(ctx: SlotContext, *, unit: Unit) -> dict[str, tuple[ShardSpec, tor
     return {s.key: (s, state[s.key].detach().cpu().clone()) for s in _my_shards(unit, ctx.rank)}
 
 
-def _pack(state: dict[str, torch.Tensor], shards: list[ShardSpec]) -> torch.Tensor:
-    parts = [state[s.key].contiguous().view(-1).view(torch.uint8) for s in shards]
-    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+def _allocate(shards: list[ShardSpec], device: torch.device) -> dict[str, torch.Tensor]:
+    """New shards as views into one flat buffer, in shard order (as FSDP keeps flat parameters):
+    packing them for a collective is then free, and releasing them frees one allocation."""
+    return _unpack(torch.empty(_nbytes(shards), dtype=torch.uint8, device=device), shards)
+
+
+def _flat(state: dict[str, torch.Tensor], shards: list[ShardSpec]) -> torch.Tensor | None:
+    """The one buffer ``state`` lives in, if its shards lie back to back in shard order."""
+    if not shards:
+        return None
+    first = state[shards[0].key]
+    storage = first.untyped_storage()
+    base, offset = first.data_ptr(), 0
+    for s in shards:
+        t = state[s.key]
+        if t.untyped_storage().data_ptr() != storage.data_ptr() or not t.is_contiguous():
+            return None
+        if t.data_ptr() != base + offset:
+            return None
+        offset += t.numel() * t.element_size()
+    start = base - storage.data_ptr()
+    whole = torch.empty(0, dtype=torch.uint8, device=first.device).set_(storage)
+    return whole[start : start + offset]
+
+
+def _pack(
+    state: dict[str, torch.Tensor],
+    shards: list[ShardSpec],
+    *,
+    width: int | None = None,
+    device: torch.device | None = None,
+) -> torch.Tensor:
+    """The shards' bytes, back to back, in one buffer of ``width`` bytes (default: just enough);
+    no copy when they already live that way in one flat buffer."""
+    size = _nbytes(shards)
+    flat = _flat(state, shards)
+    if flat is not None and (width is None or width == size):
+        return flat
+    buffer = torch.empty(size if width is None else width, dtype=torch.uint8, device=device)
+    offset = 0
+    for s in shards:
+        data = state[s.key].contiguous().view(-1).view(torch.uint8)
+        buffer[offset : offset + data.numel()].copy_(data)
+        offset += data.numel()
+    return buffer
 
 
 def _nbytes(shards: list[ShardSpec]) -> int:
@@ -117,15 +171,40 @@ def _assemble(
     slot: int,
     device: torch.device,
 ) -> dict[str, torch.Tensor]:
-    """Build this slot's new shards from source shards (already local or received)."""
+    """Build this slot's new shards from source shards (already local or received).
+
+    A destination shard that is exactly one whole source shard (a pipeline Split hands each slot
+    whole tensors) is taken as it is, without a copy; the rest are assembled in one new buffer.
+    """
     copies = plan_copies(
         {s: [spec for spec, _ in held.values()] for s, held in sources.items()}, {slot: dst_shards}
     )
-    new = {
-        s.key: torch.empty(s.local_shape, dtype=_DTYPES[s.dtype], device=device) for s in dst_shards
-    }
     by_key = {s.key: s for s in dst_shards}
+    pieces: dict[str, list] = {}
     for c in copies:
+        pieces.setdefault(c.key, []).append(c)
+    candidates = {}
+    for key, cs in pieces.items():
+        src_spec, src_data = sources[cs[0].src_slot][key]
+        if len(cs) == 1 and src_spec.region() == by_key[key].region():
+            candidates[key] = src_data
+    # Take a source buffer over only if every tensor in it is taken: a few small views must not
+    # pin a large buffer that should be freed.
+    in_buffer: dict[int, set[str]] = {}
+    for held in sources.values():
+        for key, (_, data) in held.items():
+            in_buffer.setdefault(data.untyped_storage().data_ptr(), set()).add(key)
+    taken_from = {key: data.untyped_storage().data_ptr() for key, data in candidates.items()}
+    reused = {
+        key: data
+        for key, data in candidates.items()
+        if all(taken_from.get(k) == taken_from[key] for k in in_buffer[taken_from[key]])
+    }
+    new = _allocate([s for s in dst_shards if s.key not in reused], device)
+    new.update(reused)
+    for c in copies:
+        if c.key in reused:
+            continue
         src_spec, src_data = sources[c.src_slot][c.key]
         dst_spec = by_key[c.key]
         src_view = _narrow(src_data, src_spec, c.dim, c.start, c.stop)
@@ -148,13 +227,26 @@ def split(ctx: SlotContext, *, spec: Split) -> dict:
     members = sorted(group)
     old = spec.unit
     state = _units(ctx)[old.unit_id]
-    packed = _pack(state, _my_shards(old, ctx.rank))
     sizes = {m: _nbytes(_my_shards(old, m)) for m in members}
     width = max(sizes.values())
-    send = torch.zeros(width, dtype=torch.uint8, device=ctx.device)
-    send[: packed.numel()] = packed
-    received = [torch.empty(width, dtype=torch.uint8, device=ctx.device) for _ in members]
-    dist.all_gather(received, send, group=_group(ctx, members))
+    group = _group(ctx, members)
+    if dist.get_backend(group) == "gloo":
+        # The same exchange as an all-gather, as one broadcast per member: gloo's broadcast moves
+        # several times the bytes per second of its all_gather (benchmarks/transition_cost.py).
+        own = _pack(state, _my_shards(old, ctx.rank), device=ctx.device)
+        received = []
+        for member in members:
+            buffer = (
+                own
+                if member == ctx.rank
+                else torch.empty(sizes[member], dtype=torch.uint8, device=ctx.device)
+            )
+            dist.broadcast(buffer, src=member, group=group)
+            received.append(buffer)
+    else:
+        send = _pack(state, _my_shards(old, ctx.rank), width=width, device=ctx.device)
+        received = [torch.empty(width, dtype=torch.uint8, device=ctx.device) for _ in members]
+        dist.all_gather(received, send, group=group)
     sources = {}
     for member, buffer in zip(members, received, strict=True):
         shards = _my_shards(old, member)
@@ -191,13 +283,13 @@ def extend(ctx: SlotContext, *, spec: Extend) -> dict:
     shards = _my_shards(spec.source, src)
     size = _nbytes(shards)
     if ctx.rank == src:
-        buffer = _pack(_units(ctx)[spec.source.unit_id], shards)
+        buffer = _pack(_units(ctx)[spec.source.unit_id], shards, device=ctx.device)
     else:
         buffer = torch.empty(size, dtype=torch.uint8, device=ctx.device)
     dist.broadcast(buffer, src=src, group=_group(ctx, pair))
     if ctx.rank == dst:
-        data = _unpack(buffer, shards)
-        _units(ctx)[target.unit_id] = {k: v.clone() for k, v in data.items()}
+        # The new shards are views into the one receive buffer: no second copy.
+        _units(ctx)[target.unit_id] = _unpack(buffer, shards)
         return {"bytes_received": size, "peak_bytes": _state_bytes(ctx) + size}
     return {"bytes_received": 0, "peak_bytes": _state_bytes(ctx) + size}
 
@@ -205,12 +297,19 @@ def extend(ctx: SlotContext, *, spec: Extend) -> dict:
 def release(ctx: SlotContext, *, unit_ids: list[str]) -> dict:
     """Drop units' shards and check the memory really came back (no tensor outlives the release)."""
     units = _units(ctx)
-    refs, freed = [], 0
+    refs, dropped = [], {}
     for unit_id in unit_ids:
         state = units.pop(unit_id, None) or {}
-        freed += sum(t.untyped_storage().nbytes() for t in state.values())
+        dropped.update(
+            {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in state.values()}
+        )
         refs += [weakref.ref(t) for t in state.values()]
         state.clear()
-    gc.collect()
+    # Storage that a remaining unit still uses (a Split may hand whole buffers on) is not freed.
+    kept = {t.untyped_storage().data_ptr() for state in units.values() for t in state.values()}
+    freed = sum(size for ptr, size in dropped.items() if ptr not in kept)
     alive = sum(ref() is not None for ref in refs)
+    if alive:  # only a reference cycle could still hold them; a full collection is slow
+        gc.collect()
+        alive = sum(ref() is not None for ref in refs)
     return {"freed_bytes": freed, "still_referenced": alive, "state_bytes": _state_bytes(ctx)}

@@ -207,3 +207,18 @@ def _applicable(engine: UnitEngine, step: int):
                 )
             )
     return moves or [lambda: None]
+
+
+def test_dcp_load_follows_tensor_rank_order_not_slot_order(fresh, tmp_path):
+    """A merged unit's slots are not in ascending order; its DTensor mesh must follow its positions."""
+    engine = fresh
+    r0, r1 = _new(engine, 2, 1, (0, 1), "r0"), _new(engine, 2, 1, (2, 3), "r1")
+    merged, _ = engine.merge(Merge(units=(r0, r1), axis="tp", unit_id="m"))
+    assert merged.slots == (0, 2, 1, 3)
+    engine.pool.run(checkpoint.ensure_unit_groups, units=[merged])
+    engine.pool.run(checkpoint.save_unit, unit=merged, path=str(tmp_path))
+    shadow = dataclasses.replace(merged, unit_id="dcp-m")
+    engine.pool.run(checkpoint.load_unit, unit=shadow, path=str(tmp_path))
+    engine.units["dcp-m"] = shadow
+    assert engine.checksum(shadow) == engine.checksum(merged)
+    _assert_bit_exact(engine, shadow)
