@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 TORCH_REQ ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
 
-.PHONY: install demo test lint format doctor clean
+.PHONY: install kernels demo test lint format doctor clean
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
@@ -17,7 +17,11 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --disable-pip-version-check $(TORCH_PIP_ARGS) '$(TORCH_REQ)'
 	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev]'
+	$(BIN)/python -m runtime.kernels.build || echo "kernels: using the pure-PyTorch fallback"
 	touch $@
+
+kernels: install
+	$(BIN)/python -m runtime.kernels.build --verbose
 
 install: $(STAMP)
 
@@ -39,4 +43,4 @@ test: install lint
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) var .pytest_cache .ruff_cache
+	rm -rf $(VENV) var build .pytest_cache .ruff_cache

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import os
 import platform
 import sys
@@ -130,16 +129,17 @@ def check_redis() -> Finding:
 
 
 def check_kernels() -> Finding:
-    try:
-        importlib.import_module("nereus_kernels")
-    except ImportError:
-        return Finding(
-            name="kernels",
-            status=WARN,
-            detail="no compiled kernels; transitions use the pure-PyTorch implementation",
-            hint="the C++/CUDA kernels build with the project when csrc/ holds them",
-        )
-    return Finding(name="kernels", status=OK, detail="compiled kernels loaded")
+    from runtime import kernels
+    from runtime.kernels.paths import library_path
+
+    if kernels.backend() == "compiled":
+        return Finding(name="kernels", status=OK, detail=f"compiled (csrc/) from {library_path()}")
+    return Finding(
+        name="kernels",
+        status=WARN,
+        detail="not built: pack/unpack and checksums use the pure-PyTorch implementation",
+        hint="python -m runtime.kernels.build (make install runs it)",
+    )
 
 
 def check_gpus() -> Finding:

@@ -16,6 +16,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
+from runtime import kernels
 from runtime.emu.integrity import combine, shard_checksum
 from runtime.emu.layout import ShardSpec
 from runtime.emu.primitives import Extend, Merge, Split, Unit
@@ -62,10 +63,11 @@ def _group(ctx: SlotContext, ranks) -> dist.ProcessGroup:
 def reference_values(shard: ShardSpec, seed: int) -> torch.Tensor:
     """Deterministic values for a shard that depend only on each element's global index, the
     tensor's key and the seed, so every layout of a unit holds the same logical state."""
-    from runtime.emu.integrity import _global_indices, _mix
+    from runtime.kernels.reference import global_indices, mix
 
     salt = (zlib.crc32(shard.key.encode()) ^ seed) & 0x7FFFFFFF  # not hash(): salted per process
-    bits = _mix(_global_indices(shard) * 6364136223846793005 + salt)
+    index = global_indices(shard.local_shape, shard.global_shape, shard.global_offset)
+    bits = mix(index * 6364136223846793005 + salt)
     values = ((bits >> 11) & ((1 << 24) - 1)).to(torch.float64) / float(1 << 23) - 1.0
     return values.to(_DTYPES[shard.dtype])
 
@@ -143,11 +145,11 @@ def _pack(
     if flat is not None and (width is None or width == size):
         return flat
     buffer = torch.empty(size if width is None else width, dtype=torch.uint8, device=device)
-    offset = 0
-    for s in shards:
-        data = state[s.key].contiguous().view(-1).view(torch.uint8)
-        buffer[offset : offset + data.numel()].copy_(data)
-        offset += data.numel()
+    tensors = [state[s.key] for s in shards]
+    whole = torch.tensor(
+        [[i, 0, 0, t.shape[0] if t.dim() else 1] for i, t in enumerate(tensors)], dtype=torch.int64
+    )
+    kernels.pack(tensors, whole, out=buffer)  # one pass over every shard (csrc/ when built)
     return buffer
 
 

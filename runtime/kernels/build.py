@@ -1,0 +1,69 @@
+"""Build the transition kernels of csrc/ with torch.utils.cpp_extension.
+
+C++ for CPU always; CUDA sources join only where PyTorch is a CUDA (or ROCm, which hipifies them)
+build and a compiler for them exists, so a CPU-only install always builds. ``make install`` runs
+this; if it fails, the runtime uses the pure-PyTorch implementation and ``nereus doctor`` says so.
+
+    python -m runtime.kernels.build [--verbose]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from runtime.kernels.paths import BUILD_DIR, CSRC, NAME, library_path
+
+
+def sources() -> list[str]:
+    import torch
+    from torch.utils import cpp_extension
+
+    files = [CSRC / "ops.cpp", *sorted((CSRC / "cpu").glob("*.cpp"))]
+    gpu_build = bool(torch.version.cuda or torch.version.hip)
+    if gpu_build and cpp_extension.CUDA_HOME is not None:
+        files += sorted((CSRC / "cuda").glob("*.cu"))
+    return [str(f) for f in files]
+
+
+def build(*, verbose: bool = False) -> Path:
+    """Compile (or reuse an up-to-date build of) the kernels; returns the shared library's path."""
+    from torch.utils import cpp_extension
+
+    BUILD_DIR.mkdir(parents=True, exist_ok=True)
+    files = sources()
+    cpp_extension.load(
+        name=NAME,
+        sources=files,
+        build_directory=str(BUILD_DIR),
+        extra_cflags=["-O3"],
+        extra_cuda_cflags=["-O3"],
+        is_python_module=False,
+        with_cuda=any(f.endswith(".cu") for f in files),
+        verbose=verbose,
+    )
+    return library_path()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description="Build the nereus transition kernels.")
+    parser.add_argument("--verbose", action="store_true")
+    args = parser.parse_args()
+    os.environ.setdefault("MAX_JOBS", str(os.cpu_count() or 1))
+    try:
+        path = build(verbose=args.verbose)
+    except Exception as exc:  # a missing compiler or headers: say so, the fallback still works
+        print(
+            f"kernels: not built ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+            "the pure-PyTorch implementation will be used",
+            file=sys.stderr,
+        )
+        return 1
+    print(f"kernels: built {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""Pure-PyTorch implementations of the kernels: the fallback and the tests' oracle.
+
+Same semantics and the same errors as csrc/: validation happens before any byte is written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+_MASK64 = (1 << 64) - 1
+_GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64
+_M1 = -4658895280553007687  # 0xBF58476D1CE4E5B9
+_M2 = -7723592293110705685  # 0x94D049BB133111EB
+_CHUNK_ELEMENTS = 1 << 22
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_WIDTH_MASK = {2: 0xFFFF, 4: 0xFFFFFFFF}
+
+
+def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def mix(x: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's finaliser, in wrapping int64 arithmetic."""
+    x = (x ^ _shift_right(x, 30)) * _M1
+    x = (x ^ _shift_right(x, 27)) * _M2
+    return x ^ _shift_right(x, 31)
+
+
+def global_indices(shape: Sequence[int], global_shape: Sequence[int], global_offset: Sequence[int]):
+    """Flat row-major index in the global tensor of every element of a block."""
+    index = torch.zeros((), dtype=torch.int64)
+    stride = 1
+    for dim in range(len(global_shape) - 1, -1, -1):
+        axis = (
+            torch.arange(global_offset[dim], global_offset[dim] + shape[dim], dtype=torch.int64)
+            * stride
+        )
+        view = [1] * len(global_shape)
+        view[dim] = -1
+        index = index + axis.view(view)
+        stride *= global_shape[dim]
+    return index.expand(tuple(shape)) if len(global_shape) else index
+
+
+def checksum(data: torch.Tensor, global_shape: Sequence[int], global_offset: Sequence[int]) -> int:
+    """Sum of mix(global_index * G ^ bits) modulo 2**64 over the elements of ``data``."""
+    if len(global_shape) != data.dim() or len(global_offset) != data.dim():
+        raise RuntimeError(
+            "checksum: global_shape and global_offset need one entry per dimension of data"
+        )
+    for dim, (size, offset) in enumerate(zip(global_shape, global_offset, strict=True)):
+        if offset < 0 or offset + data.shape[dim] > size:
+            raise RuntimeError(
+                f"checksum: dim {dim} slice [{offset}, {offset + data.shape[dim]}) "
+                f"outside [0, {size})"
+            )
+    width = data.element_size()
+    if width not in _BITS:
+        raise RuntimeError(f"checksum: unsupported element size {width}")
+    raw = data.detach().cpu().contiguous().view(_BITS[width])
+    index = global_indices(tuple(data.shape), global_shape, global_offset)
+    if data.numel() == 0:
+        return 0
+    total = 0
+    rows = max(1, _CHUNK_ELEMENTS // max(1, data[0].numel() if data.dim() else 1))
+    for start in range(0, data.shape[0] if data.dim() else 1, rows):
+        part = raw[start : start + rows] if data.dim() else raw
+        bits = part.to(torch.int64)
+        if width in _WIDTH_MASK:
+            bits = bits & _WIDTH_MASK[width]
+        where = index[start : start + rows] if data.dim() else index
+        terms = mix((where * _GOLDEN) ^ bits)
+        # Low and high 32-bit halves apart: neither sum can overflow int64 below 2**31 elements.
+        total += int((terms & 0xFFFFFFFF).sum()) + (int(_shift_right(terms, 32).sum()) << 32)
+    return total & _MASK64
+
+
+def _validate(
+    tensors: Sequence[torch.Tensor], slices: torch.Tensor, op: str
+) -> list[tuple[int, ...]]:
+    if slices.dtype != torch.int64 or slices.dim() != 2 or slices.shape[1] != 4:
+        raise RuntimeError(
+            f"{op}: slices must be an int64 tensor of shape [n, 4] (tensor, dim, start, length)"
+        )
+    rows = [tuple(int(v) for v in row) for row in slices.tolist()]
+    for i, (t, dim, start, length) in enumerate(rows):
+        if not 0 <= t < len(tensors):
+            raise RuntimeError(f"{op}: slice {i} names tensor {t} of {len(tensors)}")
+        tensor = tensors[t]
+        if not tensor.is_contiguous():
+            raise RuntimeError(f"{op}: tensor {t} is not contiguous")
+        if not 0 <= dim < max(tensor.dim(), 1):
+            raise RuntimeError(f"{op}: slice {i} dim {dim} outside a {tensor.dim()}-d tensor")
+        size = tensor.shape[dim] if tensor.dim() else 1
+        if start < 0 or length < 0 or start + length > size:
+            raise RuntimeError(
+                f"{op}: slice {i} [{start}, {start + length}) outside [0, {size}) of tensor {t}"
+            )
+    return rows
+
+
+def _view(tensor: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:
+    return tensor.reshape(1) if tensor.dim() == 0 else tensor.narrow(dim, start, length)
+
+
+def pack(sources: Sequence[torch.Tensor], slices: torch.Tensor) -> torch.Tensor:
+    rows = _validate(sources, slices, "pack")
+    parts = [
+        _view(sources[t], d, s, n).contiguous().view(-1).view(torch.uint8) for t, d, s, n in rows
+    ]
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+
+
+def pack_into(sources: Sequence[torch.Tensor], slices: torch.Tensor, out: torch.Tensor) -> None:
+    if out.dtype != torch.uint8 or out.dim() != 1 or not out.is_contiguous():
+        raise RuntimeError("pack_into: out must be a contiguous 1-d uint8 tensor")
+    rows = _validate(sources, slices, "pack_into")
+    need = sum(
+        _view(sources[t], d, s, n).numel() * sources[t].element_size() for t, d, s, n in rows
+    )
+    if need > out.numel():
+        raise RuntimeError(f"pack_into: slices need {need} bytes, out holds {out.numel()}")
+    out[:need].copy_(pack(sources, slices))
+
+
+def unpack(
+    buffer: torch.Tensor, destinations: Sequence[torch.Tensor], slices: torch.Tensor
+) -> None:
+    if buffer.dtype != torch.uint8 or buffer.dim() != 1 or not buffer.is_contiguous():
+        raise RuntimeError("unpack: buffer must be a contiguous 1-d uint8 tensor")
+    rows = _validate(destinations, slices, "unpack")
+    sizes = [
+        _view(destinations[t], d, s, n).numel() * destinations[t].element_size()
+        for t, d, s, n in rows
+    ]
+    if sum(sizes) != buffer.numel():
+        raise RuntimeError(
+            f"unpack: slices cover {sum(sizes)} bytes, the buffer holds {buffer.numel()}"
+        )
+    for a in range(len(rows)):
+        for b in range(a + 1, len(rows)):
+            (ta, da, sa, na), (tb, db, sb, nb) = rows[a], rows[b]
+            if ta != tb or na == 0 or nb == 0:
+                continue
+            if da != db or not (sa + na <= sb or sb + nb <= sa):
+                raise RuntimeError(f"unpack: slices {a} and {b} overlap in destination {ta}")
+    offset = 0
+    for (t, d, s, n), size in zip(rows, sizes, strict=True):
+        view = _view(destinations[t], d, s, n)
+        view.copy_(buffer[offset : offset + size].view(destinations[t].dtype).view(view.shape))
+        offset += size
