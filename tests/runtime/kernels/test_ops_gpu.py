@@ -1,0 +1,40 @@
+"""The CUDA kernels against the CPU ones, bit for bit (device machine only: this needs a GPU and a
+CUDA build of PyTorch with the kernels built)."""
+
+import pytest
+import torch
+
+from runtime import kernels
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or kernels.backend() != "compiled",
+        reason="needs a GPU and the compiled kernels",
+    ),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int64, torch.uint8])
+def test_checksum_is_the_same_on_the_gpu(dtype):
+    x = (torch.randn(513, 129) * 100).to(dtype)
+    for offset in ((0, 0), (7, 3)):
+        shape = (513 + offset[0], 129 + offset[1])
+        assert kernels.checksum(x.cuda(), shape, offset) == kernels.checksum(x, shape, offset)
+
+
+def test_pack_and_unpack_match_the_cpu():
+    tensors = [
+        torch.randn(64, 48),
+        torch.arange(1000, dtype=torch.int32).view(10, 100),
+        torch.randn(33),
+    ]
+    slices = torch.tensor([[0, 1, 5, 20], [1, 0, 2, 5], [2, 0, 1, 31]], dtype=torch.int64)
+    on_gpu = kernels.pack([t.cuda() for t in tensors], slices)
+    assert torch.equal(on_gpu.cpu(), kernels.pack(tensors, slices))
+    restored = [torch.zeros_like(t).cuda() for t in tensors]
+    kernels.unpack(on_gpu, restored, slices)
+    for (i, dim, start, length), t in zip(slices.tolist(), restored, strict=True):
+        assert torch.equal(
+            t.cpu().narrow(dim, start, length), tensors[i].narrow(dim, start, length)
+        )
