@@ -1,8 +1,9 @@
 // CUDA implementations of the nereus ops (hipified by PyTorch's extension builder on ROCm).
 // Joins the build only where PyTorch is a CUDA/ROCm build and a device compiler exists.
 #include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
 #include "../slices.h"
@@ -72,7 +73,7 @@ int64_t checksum_cuda(const at::Tensor& data, at::IntArrayRef global_shape, at::
   const int64_t n = t.numel();
   if (n == 0) return 0;
   const int blocks = static_cast<int>(std::min<int64_t>((n + kThreads - 1) / kThreads, 4096));
-  auto stream = at::cuda::getCurrentCUDAStream();
+  auto stream = c10::cuda::getCurrentCUDAStream();
   auto* result = reinterpret_cast<unsigned long long*>(out.data_ptr<int64_t>());
   switch (t.element_size()) {
     case 1: checksum_kernel<uint8_t><<<blocks, kThreads, 0, stream>>>(static_cast<const uint8_t*>(t.data_ptr()), n, g, result); break;
@@ -126,7 +127,7 @@ void launch(const std::vector<at::Tensor>& tensors, const std::vector<Slice>& pl
                        p.stride, p.first});
   }
   at::Tensor runs = at::empty({static_cast<int64_t>(host.size() * sizeof(Run))}, buffer.options());
-  auto stream = at::cuda::getCurrentCUDAStream();
+  auto stream = c10::cuda::getCurrentCUDAStream();
   C10_CUDA_CHECK(cudaMemcpyAsync(runs.data_ptr(), host.data(), host.size() * sizeof(Run), cudaMemcpyHostToDevice,
                                  stream));
   copy_kernel<kPack><<<static_cast<unsigned>(host.size()), kThreads, 0, stream>>>(
