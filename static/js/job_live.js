@@ -8,10 +8,11 @@
   const status = document.getElementById("live-status");
   const dark = window.matchMedia("(prefers-color-scheme: dark)").matches;
   const layout = (ytitle) => ({
-    margin: { t: 10, r: 10, b: 40, l: 50 }, xaxis: { title: { text: "step" } },
+    margin: { t: 10, r: 10, b: 70, l: 50 }, xaxis: { title: { text: "step" } },
     yaxis: { title: { text: ytitle } }, paper_bgcolor: "rgba(0,0,0,0)", plot_bgcolor: "rgba(0,0,0,0)",
-    font: { color: dark ? "#e6edf3" : "#1b1f24" }, legend: { orientation: "h" },
+    font: { color: dark ? "#e6edf3" : "#1b1f24" }, legend: { orientation: "h", y: -0.35 },
   });
+  const MAX_ROWS = 300;
   let lastId = 0;
   let charts = false;
   let retryMs = 500;
@@ -37,6 +38,7 @@
       tr.appendChild(td);
     }
     rows.prepend(tr);
+    while (rows.childElementCount > MAX_ROWS) rows.lastElementChild.remove();  // the log keeps all
   }
 
   function handle(event) {
