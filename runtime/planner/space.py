@@ -27,8 +27,9 @@ def layout_rule(model: ModelConfig, accelerator: Accelerator, tp: int, pp: int) 
         return f"tp={tp} exceeds the {accelerator.gpus_per_node} GPUs of a node (TP stays inside a node)"
     if model.num_heads % tp:
         return f"{model.num_heads} attention heads are not divisible by tp={tp}"
-    if model.num_kv_heads % tp and tp % model.num_kv_heads:
-        return f"{model.num_kv_heads} KV heads neither divide nor are divisible by tp={tp}"
+    if model.num_kv_heads % tp:
+        # Shard KV heads, never replicate them: the EMU layouts split whole heads across ranks.
+        return f"{model.num_kv_heads} KV heads are not divisible by tp={tp}"
     if model.num_layers % pp:
         return f"{model.num_layers} layers are not divisible by pp={pp}"
     return None
@@ -60,3 +61,22 @@ def valid_layouts(model: ModelConfig, accelerator: Accelerator, num_slots: int):
         else:
             refused.append((tp, pp, reason))
     return allowed, refused
+
+
+def check_layout(
+    model: ModelConfig, accelerator: Accelerator, *, dp: int, tp: int, pp: int, num_slots: int
+) -> None:
+    """Refuse a requested layout the model or the pool cannot take, naming the field and why."""
+    for field, value in (("dp", dp), ("tp", tp), ("pp", pp)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{field}: must be a positive integer, got {value!r}")
+    if tp & (tp - 1):
+        raise ValueError(f"tp: must be a power of two, got {tp}")
+    reason = layout_rule(model, accelerator, tp, pp)
+    if reason is not None:
+        field = "pp" if "pp=" in reason and "tp=" not in reason else "tp"
+        raise ValueError(f"{field}: {reason}")
+    if dp * tp * pp > num_slots:
+        raise ValueError(
+            f"dp: (dp,tp,pp)=({dp},{tp},{pp}) needs {dp * tp * pp} slots, the pool has {num_slots}"
+        )

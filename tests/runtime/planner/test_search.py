@@ -78,7 +78,7 @@ def small_instances(draw):
         inter_node_latency=draw(st.floats(0, 1e-3)),
         gpus_per_node=draw(st.sampled_from([1, 2, 4, 8])),
     )
-    return workload, acc, draw(st.integers(1, 12))
+    return workload, acc, draw(st.integers(1, 16))
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -244,3 +244,25 @@ def test_same_plan_under_another_hash_seed():
         for seed in ("1", "2")
     }
     assert len(outputs) == 1
+
+
+def test_a_layout_the_model_cannot_take_is_refused_with_the_field():
+    from runtime.planner.space import check_layout
+
+    model, acc = (
+        CATALOG.model("qwen2.5-7b"),
+        CATALOG.accelerator("h100-sxm"),
+    )  # 28 heads, 4 KV, 28 layers
+    cases = [
+        ({"dp": 1, "tp": 8, "pp": 1}, "tp: 28 attention heads are not divisible by tp=8"),
+        ({"dp": 1, "tp": 3, "pp": 1}, "tp: must be a power of two, got 3"),
+        ({"dp": 1, "tp": 16, "pp": 1}, "tp: tp=16 exceeds the 8 GPUs of a node"),
+        ({"dp": 1, "tp": 1, "pp": 3}, "pp: 28 layers are not divisible by pp=3"),
+        ({"dp": 9, "tp": 2, "pp": 1}, "dp: (dp,tp,pp)=(9,2,1) needs 18 slots, the pool has 16"),
+        ({"dp": 0, "tp": 1, "pp": 1}, "dp: must be a positive integer, got 0"),
+    ]
+    for layout, message in cases:
+        with pytest.raises(ValueError) as info:
+            check_layout(model, acc, num_slots=16, **layout)
+        assert str(info.value).startswith(message), str(info.value)
+    check_layout(model, acc, num_slots=16, dp=2, tp=4, pp=2)
