@@ -33,7 +33,7 @@ inline std::vector<Slice> plan_slices(const std::vector<at::Tensor>& tensors, co
     TORCH_CHECK(p.dim >= 0 && p.dim < std::max<int64_t>(t.dim(), 1), op, ": slice ", i, " dim ", p.dim,
                 " outside a ", t.dim(), "-d tensor");
     const int64_t size = t.dim() ? t.size(p.dim) : 1;
-    TORCH_CHECK(p.start >= 0 && p.length >= 0 && p.start + p.length <= size, op, ": slice ", i, " [",
+    TORCH_CHECK(p.start >= 0 && p.length >= 0 && p.start <= size && p.length <= size - p.start, op, ": slice ", i, " [",
                 p.start, ", ", p.start + p.length, ") outside [0, ", size, ") of tensor ", p.tensor);
     int64_t outer = 1, inner = 1;
     for (int64_t d = 0; d < p.dim; ++d) outer *= t.size(d);
@@ -57,6 +57,15 @@ inline int64_t total_bytes(const std::vector<Slice>& plan) {
 }
 
 // Overlapping destinations would make the result depend on the order: refuse before writing.
+inline void check_distinct(const std::vector<at::Tensor>& tensors, const char* op) {
+  for (size_t a = 0; a < tensors.size(); ++a) {
+    for (size_t b = a + 1; b < tensors.size(); ++b) {
+      TORCH_CHECK(!tensors[a].is_alias_of(tensors[b]), op, ": destinations ", a, " and ", b,
+                  " share storage");
+    }
+  }
+}
+
 inline void check_disjoint(const std::vector<Slice>& plan, const char* op) {
   for (size_t a = 0; a < plan.size(); ++a) {
     for (size_t b = a + 1; b < plan.size(); ++b) {
@@ -72,7 +81,7 @@ inline void check_global(const at::Tensor& data, at::IntArrayRef shape, at::IntA
   TORCH_CHECK(static_cast<int64_t>(shape.size()) == data.dim() && static_cast<int64_t>(offset.size()) == data.dim(),
               "checksum: global_shape and global_offset need one entry per dimension of data");
   for (int64_t d = 0; d < data.dim(); ++d) {
-    TORCH_CHECK(offset[d] >= 0 && offset[d] + data.size(d) <= shape[d], "checksum: dim ", d, " slice [",
+    TORCH_CHECK(offset[d] >= 0 && offset[d] <= shape[d] && data.size(d) <= shape[d] - offset[d], "checksum: dim ", d, " slice [",
                 offset[d], ", ", offset[d] + data.size(d), ") outside [0, ", shape[d], ")");
   }
 }

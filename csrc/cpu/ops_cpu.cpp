@@ -104,6 +104,7 @@ void unpack_cpu(const at::Tensor& buffer, at::TensorList destinations, const at:
   const std::vector<Slice> plan = plan_slices(tensors, slices, "unpack");
   TORCH_CHECK(total_bytes(plan) == buffer.numel(), "unpack: slices cover ", total_bytes(plan),
               " bytes, the buffer holds ", buffer.numel());
+  check_distinct(tensors, "unpack");
   check_disjoint(plan, "unpack");
   const uint8_t* in = buffer.data_ptr<uint8_t>();
   at::parallel_for(0, static_cast<int64_t>(plan.size()), 1, [&](int64_t begin, int64_t end) {

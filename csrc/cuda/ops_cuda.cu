@@ -165,6 +165,7 @@ void unpack_cuda(const at::Tensor& buffer, at::TensorList destinations, const at
   const std::vector<Slice> plan = plan_slices(tensors, slices, "unpack");
   TORCH_CHECK(total_bytes(plan) == buffer.numel(), "unpack: slices cover ", total_bytes(plan),
               " bytes, the buffer holds ", buffer.numel());
+  check_distinct(tensors, "unpack");
   check_disjoint(plan, "unpack");
   at::Tensor target = buffer;
   launch<false>(tensors, plan, target);

@@ -87,6 +87,7 @@ class UnitEngine:
         self._known(spec.unit)
         targets = spec.targets()
         self._check_new(targets, replacing=[spec.unit])
+        self._check_split_covers(spec, targets)
         report = self._run(
             "split", [spec.unit], targets, spec.peer_groups(), slot_ops.split, spec=spec
         )
@@ -145,7 +146,12 @@ class UnitEngine:
     ) -> PrimitiveReport:
         started = time.perf_counter()
         setup = self.pool.run(slot_ops.ensure_groups, groups=[tuple(g) for g in groups])
-        results = self.pool.run(fn, spec=spec)
+        try:
+            results = self.pool.run(fn, spec=spec)
+        except BaseException:
+            # Part-way failure: drop whatever destination state was built; the source is intact.
+            self.pool.run(slot_ops.release, unit_ids=[t.unit_id for t in targets])
+            raise
         moved = time.perf_counter()
         expected = self._verified_checksum(sources[0])
         got = self._checksums(targets)
@@ -199,15 +205,34 @@ class UnitEngine:
                 raise TransitionError(f"unit: {unit.unit_id} already exists")
 
     @staticmethod
+    def _check_split_covers(spec: Split, targets: list[Unit]) -> None:
+        """Every slot's peers must hold all it will need (uneven splits may not): check first."""
+        from runtime.emu.layout import ShardError
+        from runtime.emu.reshard import plan_copies
+
+        source = spec.unit
+        groups = {slot: group for group in spec.peer_groups() for slot in group}
+        for target in targets:
+            for slot in target.slots:
+                held = {m: source.layout.shards(source.position_of(m)) for m in groups[slot]}
+                try:
+                    plan_copies(held, {slot: target.layout.shards(target.position_of(slot))})
+                except ShardError as exc:
+                    raise TransitionError(f"split: {exc}; the sizes do not split evenly") from None
+
+    @staticmethod
     def _check_local_merge(spec: Merge, target: Unit) -> None:
         """Merge moves nothing: every slot must already hold what its new position owns."""
         from runtime.emu.reshard import plan_copies
 
         for slot in target.slots:
             source = next(u for u in spec.units if slot in u.slots)
-            copies = plan_copies(
-                {slot: source.layout.shards(source.position_of(slot))},
-                {slot: target.layout.shards(target.position_of(slot))},
-            )
+            try:
+                copies = plan_copies(
+                    {slot: source.layout.shards(source.position_of(slot))},
+                    {slot: target.layout.shards(target.position_of(slot))},
+                )
+            except ValueError as exc:
+                raise TransitionError(f"merge: {exc}") from None
             if any(not c.local for c in copies):
                 raise TransitionError(f"merge: slot {slot} would need data from another slot")

@@ -197,10 +197,17 @@ def _assemble(
         for key, (_, data) in held.items():
             in_buffer.setdefault(data.untyped_storage().data_ptr(), set()).add(key)
     taken_from = {key: data.untyped_storage().data_ptr() for key, data in candidates.items()}
+    used_bytes: dict[int, int] = {}
+    for key, data in candidates.items():
+        used_bytes[taken_from[key]] = (
+            used_bytes.get(taken_from[key], 0) + data.numel() * data.element_size()
+        )
+    # ... and only if the buffer is no larger than what is taken (a padded all-gather buffer is).
     reused = {
         key: data
         for key, data in candidates.items()
         if all(taken_from.get(k) == taken_from[key] for k in in_buffer[taken_from[key]])
+        and data.untyped_storage().nbytes() <= used_bytes[taken_from[key]]
     }
     new = _allocate([s for s in dst_shards if s.key not in reused], device)
     new.update(reused)

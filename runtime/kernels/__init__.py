@@ -61,6 +61,18 @@ def _register_fakes() -> None:
         return None
 
 
+@functools.cache
+def _has_kernel(op: str, device_type: str) -> bool:
+    """Whether the built library has ``op`` for this device (a CPU-only build has no CUDA ops)."""
+    key = {"cpu": "CPU", "cuda": "CUDA"}.get(device_type)
+    return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key(f"nereus::{op}", key)
+
+
+def _use(op: str, tensor: torch.Tensor | None) -> bool:
+    device = "cpu" if tensor is None else tensor.device.type
+    return _compiled() and _has_kernel(op, device)
+
+
 def backend() -> str:
     """``compiled`` when the csrc/ ops are loaded, else ``reference``."""
     return "compiled" if _compiled() else "reference"
@@ -68,7 +80,7 @@ def backend() -> str:
 
 def checksum(data: torch.Tensor, global_shape: Sequence[int], global_offset: Sequence[int]) -> int:
     """Layout-independent 64-bit checksum contribution of ``data`` at ``global_offset``."""
-    if _compiled() and data.device.type in ("cpu", "cuda"):
+    if _use("checksum", data):
         return torch.ops.nereus.checksum(data, list(global_shape), list(global_offset)) & _MASK64
     return reference.checksum(data, global_shape, global_offset)
 
@@ -77,12 +89,12 @@ def pack(sources: Sequence[torch.Tensor], slices: torch.Tensor, *, out: torch.Te
     """``sources[i].narrow(dim, start, length)`` for each row of ``slices``, back to back, as bytes:
     a new buffer, or the first bytes of ``out``."""
     if out is not None:
-        if _compiled():
+        if _use("pack_into", out):
             torch.ops.nereus.pack_into(list(sources), slices, out)
         else:
             reference.pack_into(sources, slices, out)
         return out
-    if _compiled():
+    if _use("pack", sources[0] if sources else None):
         return torch.ops.nereus.pack(list(sources), slices)
     return reference.pack(sources, slices)
 
@@ -91,7 +103,7 @@ def unpack(
     buffer: torch.Tensor, destinations: Sequence[torch.Tensor], slices: torch.Tensor
 ) -> None:
     """Write the buffer's bytes into ``destinations[i].narrow(dim, start, length)``, row by row."""
-    if _compiled():
+    if _use("unpack", buffer):
         torch.ops.nereus.unpack(buffer, list(destinations), slices)
     else:
         reference.unpack(buffer, destinations, slices)

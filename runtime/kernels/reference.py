@@ -53,7 +53,7 @@ def checksum(data: torch.Tensor, global_shape: Sequence[int], global_offset: Seq
             "checksum: global_shape and global_offset need one entry per dimension of data"
         )
     for dim, (size, offset) in enumerate(zip(global_shape, global_offset, strict=True)):
-        if offset < 0 or offset + data.shape[dim] > size:
+        if offset < 0 or offset > size or data.shape[dim] > size - offset:
             raise RuntimeError(
                 f"checksum: dim {dim} slice [{offset}, {offset + data.shape[dim]}) "
                 f"outside [0, {size})"
@@ -96,7 +96,7 @@ def _validate(
         if not 0 <= dim < max(tensor.dim(), 1):
             raise RuntimeError(f"{op}: slice {i} dim {dim} outside a {tensor.dim()}-d tensor")
         size = tensor.shape[dim] if tensor.dim() else 1
-        if start < 0 or length < 0 or start + length > size:
+        if start < 0 or length < 0 or start > size or length > size - start:
             raise RuntimeError(
                 f"{op}: slice {i} [{start}, {start + length}) outside [0, {size}) of tensor {t}"
             )
@@ -104,7 +104,11 @@ def _validate(
 
 
 def _view(tensor: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:
-    return tensor.reshape(1) if tensor.dim() == 0 else tensor.narrow(dim, start, length)
+    return (
+        tensor.reshape(1)[start : start + length]
+        if tensor.dim() == 0
+        else tensor.narrow(dim, start, length)
+    )
 
 
 def pack(sources: Sequence[torch.Tensor], slices: torch.Tensor) -> torch.Tensor:
@@ -141,6 +145,13 @@ def unpack(
         raise RuntimeError(
             f"unpack: slices cover {sum(sizes)} bytes, the buffer holds {buffer.numel()}"
         )
+    for a in range(len(destinations)):
+        for b in range(a + 1, len(destinations)):
+            if (
+                destinations[a].untyped_storage().data_ptr()
+                == destinations[b].untyped_storage().data_ptr()
+            ):
+                raise RuntimeError(f"unpack: destinations {a} and {b} share storage")
     for a in range(len(rows)):
         for b in range(a + 1, len(rows)):
             (ta, da, sa, na), (tb, db, sb, nb) = rows[a], rows[b]

@@ -140,3 +140,40 @@ def test_missing_source_state_is_named():
     )
     with pytest.raises(ShardError, match=r"w: \[4, 8\) along dim 0 is held by no live shard"):
         plan_copies({0: [half]}, {1: [shard]})
+
+
+def test_an_uneven_split_is_refused_before_anything_moves():
+    """Found by review: with a vocabulary that does not split evenly, a slot's peers may not hold
+    all its new shard needs; the engine must say so before any slot moves a byte."""
+    from runtime.emu.engine import UnitEngine
+    from runtime.planner.catalog import ModelConfig
+
+    odd = ModelConfig(
+        name="odd",
+        vocab_size=10,
+        hidden_size=32,
+        intermediate_size=16,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=4,
+    )
+    unit = Unit(
+        unit_id="u",
+        model_stage="x",
+        layout=UnitLayout(model=odd, tp=4, pp=1, training=False),
+        slots=(0, 1, 2, 3),
+    )
+    spec = Split(unit=unit, axis="tp", k=2)
+    with pytest.raises(
+        TransitionError,
+        match=r"split: model\.embed_tokens\.weight: \[\d+, \d+\) along dim 0 is held by no live shard",
+    ):
+        UnitEngine._check_split_covers(spec, spec.targets())
+    even = Unit(
+        unit_id="v",
+        model_stage="x",
+        layout=UnitLayout(model=MODEL, tp=4, pp=1, training=False),
+        slots=(0, 1, 2, 3),
+    )
+    good = Split(unit=even, axis="tp", k=2)
+    UnitEngine._check_split_covers(good, good.targets())

@@ -159,3 +159,29 @@ def test_opcheck():
         (tensors[0], [6, 5], [0, 0]),
         test_utils=("test_schema", "test_autograd_registration"),
     )
+
+
+@pytest.mark.parametrize("impl", [kernels, reference], ids=["dispatch", "reference"])
+def test_huge_offsets_and_aliased_destinations_are_refused(impl):
+    """Found by review: start + length overflowed int64 in the C++ bounds check."""
+    dest = torch.zeros(4)
+    with pytest.raises(RuntimeError, match="outside"):
+        impl.unpack(torch.zeros(4, dtype=torch.uint8), [dest], torch.tensor([[0, 0, 2**63 - 1, 1]]))
+    assert not dest.any()
+    with pytest.raises(RuntimeError, match="outside"):
+        impl.checksum(torch.zeros(4), (4,), (2**63 - 1,))
+    shared = torch.zeros(8)
+    with pytest.raises(RuntimeError, match="share storage"):
+        impl.unpack(
+            torch.ones(32, dtype=torch.uint8),
+            [shared[:4], shared[4:]],
+            torch.tensor([[0, 0, 0, 4], [1, 0, 0, 4]]),
+        )
+    assert not shared.any()
+
+
+def test_zero_dimensional_tensors_pack_the_same_everywhere():
+    scalars = [torch.tensor(3.5), torch.tensor(7, dtype=torch.int64)]
+    for rows in ([[0, 0, 0, 1], [1, 0, 0, 1]], [[0, 0, 0, 0], [1, 0, 0, 1]]):
+        slices = torch.tensor(rows, dtype=torch.int64)
+        assert torch.equal(kernels.pack(scalars, slices), reference.pack(scalars, slices))
