@@ -70,6 +70,8 @@ class Case:
     must_move: Callable[[int], int]
     """Bytes that must cross the network, given one unit's state bytes."""
     collective: str
+    pattern: tuple[str, tuple[tuple[int, ...], ...], float] | None = None
+    """The primitive's raw communication: (kind, groups, bytes per rank as a share of one unit)."""
 
 
 def _cases() -> list[Case]:
@@ -84,6 +86,7 @@ def _cases() -> list[Case]:
             lambda eng: [eng.extend(Extend(source=a2, slots=(2, 3), unit_id="e"))[1]],
             lambda state: state,
             "broadcast",
+            ("broadcast", ((0, 2), (1, 3)), 0.5),
         ),
         Case(
             "scale 4->8 slots",
@@ -92,6 +95,7 @@ def _cases() -> list[Case]:
             lambda eng: [eng.extend(Extend(source=a4, slots=(4, 5, 6, 7), unit_id="e"))[1]],
             lambda state: state,
             "broadcast",
+            ("broadcast", ((0, 4), (1, 5), (2, 6), (3, 7)), 0.25),
         ),
         Case(
             "TP 2->4 (dp 2->1)",
@@ -108,6 +112,7 @@ def _cases() -> list[Case]:
             lambda eng: [eng.split(Split(unit=p2, axis="pp", k=2))[1]],
             lambda state: state,
             "broadcast",
+            ("exchange", ((0, 1),), 0.5),
         ),
         Case(
             "DP 2->1",
@@ -238,6 +243,18 @@ def main() -> None:
             # The bytes that must move, at the bandwidth one pair of slots gets from the same gloo
             # collective here: with two cores, concurrent pairs share it rather than add up.
             ideal = must / bandwidth[case.collective] if case.collective in bandwidth else 0.0
+            raw = None
+            if case.pattern is not None:
+                kind, groups, share = case.pattern
+                pool.run(slot_ops.ensure_groups, groups=list(groups))
+                raw = max(
+                    pool.run(
+                        baselines.measure_pattern,
+                        groups=list(groups),
+                        nbytes=int(share * state),
+                        kind=kind,
+                    )
+                )
             data_s = emu["seconds"] - emu["group_setup_s"]
             record = {
                 "case": case.name,
@@ -251,6 +268,8 @@ def main() -> None:
                 "shard_over_emu": shard["seconds"] / emu["seconds"],
                 "emu_over_ideal": emu["seconds"] / ideal if ideal else None,
                 "emu_data_over_ideal": data_s / ideal if ideal else None,
+                "raw_pattern_s": raw,
+                "emu_over_raw_pattern": emu["seconds"] / raw if raw else None,
             }
             records.append(record)
             rows.append(
@@ -266,6 +285,8 @@ def main() -> None:
                     f"{ideal:.3f}" if ideal else "-",
                     f"{record['emu_over_ideal']:.2f}x" if ideal else "-",
                     f"{record['emu_data_over_ideal']:.2f}x" if ideal else "-",
+                    f"{raw:.3f}" if raw else "-",
+                    f"{emu['seconds'] / raw:.2f}x" if raw else "-",
                     f"{emu['group_setup_s']:.3f}",
                     f"{emu['verify_s']:.2f}",
                 ]
@@ -288,6 +309,8 @@ def main() -> None:
             "ideal s",
             "EMU/ideal",
             "data/ideal",
+            "raw s",
+            "EMU/raw",
             "groups s",
             "verify s",
         ],

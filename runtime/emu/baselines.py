@@ -91,3 +91,26 @@ def measure_collective(
             dist.all_gather(outputs, buffer, group=group)
         best = min(best, time.perf_counter() - started)
     return best
+
+
+def measure_pattern(
+    ctx: SlotContext, *, groups: list[tuple[int, ...]], nbytes: int, kind: str, repeats: int = 3
+) -> float:
+    """Best seconds of a primitive's communication pattern on raw buffers of ``nbytes`` per rank:
+    ``broadcast`` from each group's first rank (Extend), or ``exchange``, each member broadcasting
+    in turn (Split on gloo); all groups at once, as the primitive runs them. Every slot calls it."""
+    import time
+
+    group = next((g for g in groups if ctx.rank in g), None)
+    handle = ctx.state["groups"][tuple(sorted(group))] if group else None
+    buffer = torch.ones(nbytes, dtype=torch.uint8, device=ctx.device)
+    best = float("inf")
+    for _ in range(repeats):
+        dist.barrier()
+        started = time.perf_counter()
+        if group is not None:
+            senders = group[:1] if kind == "broadcast" else group
+            for src in senders:
+                dist.broadcast(buffer, src=src, group=handle)
+        best = min(best, time.perf_counter() - started)
+    return best
