@@ -77,6 +77,29 @@ inline void check_disjoint(const std::vector<Slice>& plan, const char* op) {
   }
 }
 
+// Every check of pack_into and unpack, shared by the backends, before any byte is written.
+inline std::vector<Slice> plan_pack_into(const std::vector<at::Tensor>& tensors, const at::Tensor& slices,
+                                         const at::Tensor& out) {
+  TORCH_CHECK(out.scalar_type() == at::kByte && out.dim() == 1 && out.is_contiguous(),
+              "pack_into: out must be a contiguous 1-d uint8 tensor");
+  std::vector<Slice> plan = plan_slices(tensors, slices, "pack_into");
+  TORCH_CHECK(total_bytes(plan) <= out.numel(), "pack_into: slices need ", total_bytes(plan), " bytes, out holds ",
+              out.numel());
+  return plan;
+}
+
+inline std::vector<Slice> plan_unpack(const at::Tensor& buffer, const std::vector<at::Tensor>& tensors,
+                                      const at::Tensor& slices) {
+  TORCH_CHECK(buffer.scalar_type() == at::kByte && buffer.dim() == 1 && buffer.is_contiguous(),
+              "unpack: buffer must be a contiguous 1-d uint8 tensor");
+  std::vector<Slice> plan = plan_slices(tensors, slices, "unpack");
+  TORCH_CHECK(total_bytes(plan) == buffer.numel(), "unpack: slices cover ", total_bytes(plan),
+              " bytes, the buffer holds ", buffer.numel());
+  check_distinct(tensors, "unpack");
+  check_disjoint(plan, "unpack");
+  return plan;
+}
+
 inline void check_global(const at::Tensor& data, at::IntArrayRef shape, at::IntArrayRef offset) {
   TORCH_CHECK(static_cast<int64_t>(shape.size()) == data.dim() && static_cast<int64_t>(offset.size()) == data.dim(),
               "checksum: global_shape and global_offset need one entry per dimension of data");

@@ -25,14 +25,3 @@ def redis_url() -> str:
             pytest.fail("REDIS_URL is not set in CI: the Redis-backed tests must run")
         pytest.skip("REDIS_URL is not set (CI sets it; .ci/run starts Redis)")
     return url
-
-
-@pytest.fixture(scope="session")
-def postgres_url() -> str:
-    """The real PostgreSQL server (from DATABASE_URL) when it is PostgreSQL."""
-    url = os.environ.get("DATABASE_URL", "")
-    if not url.startswith(("postgres://", "postgresql://")):
-        if _in_ci():
-            pytest.fail("DATABASE_URL is not PostgreSQL in CI")
-        pytest.skip("DATABASE_URL is not a PostgreSQL URL (CI sets it)")
-    return url

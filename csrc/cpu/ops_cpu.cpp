@@ -88,24 +88,14 @@ at::Tensor pack_cpu(at::TensorList sources, const at::Tensor& slices) {
 }
 
 void pack_into_cpu(at::TensorList sources, const at::Tensor& slices, at::Tensor out) {
-  TORCH_CHECK(out.scalar_type() == at::kByte && out.dim() == 1 && out.is_contiguous(),
-              "pack_into: out must be a contiguous 1-d uint8 tensor");
   std::vector<at::Tensor> tensors(sources.begin(), sources.end());
-  const std::vector<Slice> plan = plan_slices(tensors, slices, "pack_into");
-  TORCH_CHECK(total_bytes(plan) <= out.numel(), "pack_into: slices need ", total_bytes(plan),
-              " bytes, out holds ", out.numel());
+  const std::vector<Slice> plan = plan_pack_into(tensors, slices, out);
   pack_planned(tensors, plan, out);
 }
 
 void unpack_cpu(const at::Tensor& buffer, at::TensorList destinations, const at::Tensor& slices) {
-  TORCH_CHECK(buffer.scalar_type() == at::kByte && buffer.dim() == 1 && buffer.is_contiguous(),
-              "unpack: buffer must be a contiguous 1-d uint8 tensor");
   std::vector<at::Tensor> tensors(destinations.begin(), destinations.end());
-  const std::vector<Slice> plan = plan_slices(tensors, slices, "unpack");
-  TORCH_CHECK(total_bytes(plan) == buffer.numel(), "unpack: slices cover ", total_bytes(plan),
-              " bytes, the buffer holds ", buffer.numel());
-  check_distinct(tensors, "unpack");
-  check_disjoint(plan, "unpack");
+  const std::vector<Slice> plan = plan_unpack(buffer, tensors, slices);
   const uint8_t* in = buffer.data_ptr<uint8_t>();
   at::parallel_for(0, static_cast<int64_t>(plan.size()), 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {

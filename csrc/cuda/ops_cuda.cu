@@ -147,28 +147,18 @@ at::Tensor pack_cuda(at::TensorList sources, const at::Tensor& slices) {
 }
 
 void pack_into_cuda(at::TensorList sources, const at::Tensor& slices, at::Tensor out) {
-  TORCH_CHECK(out.scalar_type() == at::kByte && out.dim() == 1 && out.is_contiguous(),
-              "pack_into: out must be a contiguous 1-d uint8 tensor");
   const c10::cuda::CUDAGuard guard(out.device());
   std::vector<at::Tensor> tensors(sources.begin(), sources.end());
-  const std::vector<Slice> plan = plan_slices(tensors, slices, "pack_into");
-  TORCH_CHECK(total_bytes(plan) <= out.numel(), "pack_into: slices need ", total_bytes(plan), " bytes, out holds ",
-              out.numel());
+  const std::vector<Slice> plan = plan_pack_into(tensors, slices, out);
   launch<true>(tensors, plan, out);
 }
 
 void unpack_cuda(const at::Tensor& buffer, at::TensorList destinations, const at::Tensor& slices) {
-  TORCH_CHECK(buffer.scalar_type() == at::kByte && buffer.dim() == 1 && buffer.is_contiguous(),
-              "unpack: buffer must be a contiguous 1-d uint8 tensor");
   const c10::cuda::CUDAGuard guard(buffer.device());
   std::vector<at::Tensor> tensors(destinations.begin(), destinations.end());
-  const std::vector<Slice> plan = plan_slices(tensors, slices, "unpack");
-  TORCH_CHECK(total_bytes(plan) == buffer.numel(), "unpack: slices cover ", total_bytes(plan),
-              " bytes, the buffer holds ", buffer.numel());
-  check_distinct(tensors, "unpack");
-  check_disjoint(plan, "unpack");
-  at::Tensor target = buffer;
-  launch<false>(tensors, plan, target);
+  const std::vector<Slice> plan = plan_unpack(buffer, tensors, slices);
+  at::Tensor source = buffer;
+  launch<false>(tensors, plan, source);
 }
 
 }  // namespace

@@ -86,7 +86,7 @@ class UnitEngine:
     def split(self, spec: Split) -> tuple[list[Unit], PrimitiveReport]:
         self._known(spec.unit)
         targets = spec.targets()
-        self._check_new(targets, replacing=[spec.unit])
+        self._check_new(targets)
         self._check_split_covers(spec, targets)
         report = self._run(
             "split", [spec.unit], targets, spec.peer_groups(), slot_ops.split, spec=spec
@@ -97,7 +97,7 @@ class UnitEngine:
         for unit in spec.units:
             self._known(unit)
         target = spec.target()
-        self._check_new([target], replacing=list(spec.units))
+        self._check_new([target])
         self._check_local_merge(spec, target)
         report = self._run("merge", list(spec.units), [target], [], slot_ops.merge, spec=spec)
         return target, report
@@ -198,7 +198,7 @@ class UnitEngine:
             raise TransitionError(f"unit: {unit.unit_id} does not exist on this engine")
         return unit
 
-    def _check_new(self, units: list[Unit], replacing: list[Unit] = ()) -> None:
+    def _check_new(self, units: list[Unit]) -> None:
         check_slots(units, range(self.pool.num_slots))
         for unit in units:
             if unit.unit_id in self.units:

@@ -35,9 +35,13 @@ def _my_shards(unit: Unit, slot: int) -> list[ShardSpec]:
 
 
 def _state_bytes(ctx: SlotContext) -> int:
-    return sum(
-        t.numel() * t.element_size() for state in _units(ctx).values() for t in state.values()
-    )
+    """Bytes the slot's units hold, counting a buffer that two units share once."""
+    storages = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for state in _units(ctx).values()
+        for t in state.values()
+    }
+    return sum(storages.values())
 
 
 def ensure_groups(ctx: SlotContext, *, groups: list[tuple[int, ...]]) -> dict:

@@ -140,16 +140,9 @@ def _infeasible(
     num_slots: int,
     excluded: frozenset[tuple[str, int, int]] = frozenset(),
 ) -> PlanningError:
-    """Explain why a model-stage fits nowhere: too few slots, or too little memory and by how much."""
+    """Explain why a model-stage fits nowhere: too little memory and by how much, or exclusions."""
     ms = column.model_stage
-    allowed, _ = valid_layouts(ms.model, acc, num_slots)
-    if not allowed:
-        return PlanningError(
-            f"slots: {ms.name} has no layout that fits {num_slots} slots of {acc.name}",
-            constraint="slots",
-            model_stage=ms.name,
-            shortfall=1.0,
-        )
+    allowed, _ = valid_layouts(ms.model, acc, num_slots)  # never empty: (1, 1) always fits
     budget = memory.memory_budget(acc.memory_bytes)
     least, where = np.inf, None
     for tp, pp in allowed:
@@ -190,20 +183,14 @@ def _model_stage_plan(
     efficiency: Mapping[str, float],
 ) -> ModelStagePlan:
     tp, pp, dp = column.options[option]
-    shape = LayoutShape(
-        ms=column.model_stage,
-        workload=workload,
-        accelerator=acc,
-        tp=tp,
-        pp=pp,
-        dp=np.array([float(dp)]),
-    )
+    layout = Layout(dp=dp, tp=tp, pp=pp)
+    shape = LayoutShape.of_layout(column.model_stage, workload, acc, layout)
     total, breakdown = cost.predict(shape, num_slots=num_slots, efficiency=efficiency)
     mem = memory.memory_breakdown(shape, num_slots=num_slots)
     size = tp * pp
     return ModelStagePlan(
         name=column.model_stage.name,
-        layout=Layout(dp=dp, tp=tp, pp=pp),
+        layout=layout,
         units=tuple(
             tuple(range(first_slot + u * size, first_slot + (u + 1) * size)) for u in range(dp)
         ),
@@ -414,15 +401,7 @@ def price_plan(
     modes = {s.stage: s.mode for s in plan_.stages}
     seconds = {stage: [] for stage in STAGES}
     for ms in workload.model_stages():
-        layout = plan_.model_stage(ms.name).layout
-        shape = LayoutShape(
-            ms=ms,
-            workload=workload,
-            accelerator=accelerator,
-            tp=layout.tp,
-            pp=layout.pp,
-            dp=np.array([float(layout.dp)]),
-        )
+        shape = LayoutShape.of_layout(ms, workload, accelerator, plan_.model_stage(ms.name).layout)
         total, _ = cost.predict(shape, num_slots=plan_.num_slots, efficiency=eff)
         seconds[ms.stage].append(float(total[0]))
     return sum(

@@ -22,6 +22,20 @@ class LayoutShape:
     pp: int
     dp: np.ndarray
 
+    @classmethod
+    def of_layout(
+        cls, ms: ModelStage, workload: PpoWorkload, accelerator: Accelerator, layout
+    ) -> LayoutShape:
+        """The shape of one concrete layout (anything with ``dp``, ``tp`` and ``pp``)."""
+        return cls(
+            ms=ms,
+            workload=workload,
+            accelerator=accelerator,
+            tp=layout.tp,
+            pp=layout.pp,
+            dp=np.array([float(layout.dp)]),
+        )
+
     @property
     def unit_slots(self) -> int:
         return self.tp * self.pp

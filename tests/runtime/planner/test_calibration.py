@@ -5,7 +5,6 @@ is the true optimum or within 2% of it."""
 import math
 import random
 
-import numpy as np
 import pytest
 
 from runtime.planner import PpoWorkload, default_catalog, plan
@@ -45,15 +44,7 @@ def _observe_steps(calibrator, running, workload, acc, truth, rng, steps):
     """Feed ``steps`` steps of measurements of the running plan: truth plus 3% noise, one outlier."""
     for step in range(steps):
         for ms in workload.model_stages():
-            layout = running.model_stage(ms.name).layout
-            shape = LayoutShape(
-                ms=ms,
-                workload=workload,
-                accelerator=acc,
-                tp=layout.tp,
-                pp=layout.pp,
-                dp=np.array([float(layout.dp)]),
-            )
+            shape = LayoutShape.of_layout(ms, workload, acc, running.model_stage(ms.name).layout)
             ideal, _ = ideal_breakdown(shape, num_slots=running.num_slots)
             for op_class, seconds in ideal.items():
                 ideal_s = float(seconds[0])
