@@ -133,7 +133,7 @@ if CONFIG.redis_url:
     CELERY_RESULT_BACKEND = CONFIG.redis_url
     CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": 6 * 3600}
 else:
-    for _sub in ("queue", "processed", "results"):
+    for _sub in ("queue", "processed", "results", "control"):
         (CELERY_BROKER_DIR / _sub).mkdir(parents=True, exist_ok=True)
     CELERY_BROKER_URL = "filesystem://"
     CELERY_BROKER_TRANSPORT_OPTIONS = {
@@ -141,6 +141,8 @@ else:
         "data_folder_out": str(CELERY_BROKER_DIR / "queue"),
         "processed_folder": str(CELERY_BROKER_DIR / "processed"),
         "store_processed": False,
+        # Broadcast (pidbox) exchanges; kombu's default is ./control, relative to the cwd.
+        "control_folder": str(CELERY_BROKER_DIR / "control"),
         "polling_interval": 0.2,
     }
     CELERY_RESULT_BACKEND = f"file://{CELERY_BROKER_DIR / 'results'}"

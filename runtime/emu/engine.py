@@ -7,13 +7,15 @@ failure part-way leaves a usable unit behind). Each returns a ``PrimitiveReport`
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import threading
 import time
 
 from runtime.emu import slot_ops
 from runtime.emu.integrity import combine
 from runtime.emu.primitives import Destroy, Extend, Merge, Split, TransitionError, Unit, check_slots
-from runtime.engine.slots import SlotPool
+from runtime.engine.slots import SlotError, SlotPool
 
 
 class IntegrityError(RuntimeError):
@@ -49,14 +51,33 @@ class UnitEngine:
         self.units: dict[str, Unit] = {}
         self.verified: dict[str, int] = {}
         """Each unit's logical checksum as last verified: a source is not re-hashed."""
+        self.lost_slots: set[int] = set()
+        """Slots whose state is gone (a revoked device): releases skip them."""
+        self._groups: set[tuple[int, ...]] = set()
+        self._lock = threading.Lock()  # primitives on disjoint slots may run from several threads
+
+    def prepare_groups(self, groups) -> dict:
+        """Create the process groups not made yet. Collective over the whole pool (creating a
+        torch.distributed group is), so a transition makes all of its groups before it starts
+        primitives concurrently; returns ``{"created", "seconds"}``."""
+        needed = sorted({tuple(sorted(set(g))) for g in groups if len(set(g)) > 1} - self._groups)
+        if not needed:
+            return {"created": 0, "seconds": 0.0}
+        setup = self.pool.run(slot_ops.ensure_groups, groups=needed)
+        self._groups.update(needed)
+        return {
+            "created": max(s["created"] for s in setup),
+            "seconds": max(s["seconds"] for s in setup),
+        }
 
     # --- units ------------------------------------------------------------------------------------
 
     def create(self, unit: Unit, *, seed: int = 0) -> Unit:
         """Materialise a unit with deterministic state (a stand-in for loading a checkpoint)."""
         self._check_new([unit])
-        self.pool.run(slot_ops.fill_unit, unit=unit, seed=seed)
-        self.units[unit.unit_id] = unit
+        self.pool.run(slot_ops.fill_unit, on=unit.slots, unit=unit, seed=seed)
+        with self._lock:
+            self.units[unit.unit_id] = unit
         self.verified[unit.unit_id] = self.checksum(unit)
         return unit
 
@@ -65,7 +86,8 @@ class UnitEngine:
         return self._checksums([self._known(unit)])[0]
 
     def _checksums(self, units: list[Unit]) -> list[int]:
-        per_slot = self.pool.run(slot_ops.units_checksums, units=units)
+        slots = sorted({s for u in units for s in u.slots})
+        per_slot = self.pool.run(slot_ops.units_checksums, on=slots, units=units)
         return [combine(*(slot[i] for slot in per_slot)) for i in range(len(units))]
 
     def _verified_checksum(self, unit: Unit) -> int:
@@ -76,7 +98,7 @@ class UnitEngine:
     def read(self, unit: Unit) -> dict:
         """The unit's shards gathered to the driver: {key: [(ShardSpec, tensor), ...]}."""
         out: dict = {}
-        for held in self.pool.run(slot_ops.read_unit, unit=self._known(unit)):
+        for held in self.pool.run(slot_ops.read_unit, on=unit.slots, unit=self._known(unit)):
             for key, pair in held.items():
                 out.setdefault(key, []).append(pair)
         return out
@@ -89,7 +111,13 @@ class UnitEngine:
         self._check_new(targets)
         self._check_split_covers(spec, targets)
         report = self._run(
-            "split", [spec.unit], targets, spec.peer_groups(), slot_ops.split, spec=spec
+            "split",
+            [spec.unit],
+            targets,
+            spec.peer_groups(),
+            slot_ops.split,
+            spec=spec,
+            on=spec.unit.slots,
         )
         return targets, report
 
@@ -99,7 +127,9 @@ class UnitEngine:
         target = spec.target()
         self._check_new([target])
         self._check_local_merge(spec, target)
-        report = self._run("merge", list(spec.units), [target], [], slot_ops.merge, spec=spec)
+        report = self._run(
+            "merge", list(spec.units), [target], [], slot_ops.merge, spec=spec, on=target.slots
+        )
         return target, report
 
     def extend(self, spec: Extend) -> tuple[Unit, PrimitiveReport]:
@@ -113,6 +143,7 @@ class UnitEngine:
             spec.broadcast_groups(),
             slot_ops.extend,
             spec=spec,
+            on=sorted(set(spec.source.slots) | set(target.slots)),
             release_source=False,
         )
         return target, report
@@ -120,9 +151,11 @@ class UnitEngine:
     def destroy(self, spec: Destroy) -> PrimitiveReport:
         unit = self._known(spec.unit)
         started = time.perf_counter()
-        results = self.pool.run(slot_ops.release, unit_ids=[unit.unit_id])
-        del self.units[unit.unit_id]
-        self.verified.pop(unit.unit_id, None)
+        live = [s for s in unit.slots if s not in self.lost_slots]
+        results = self.pool.run(slot_ops.release, on=live, unit_ids=[unit.unit_id])
+        with self._lock:
+            del self.units[unit.unit_id]
+            self.verified.pop(unit.unit_id, None)
         leaked = sum(r["still_referenced"] for r in results)
         if leaked:
             raise RuntimeError(f"{unit.unit_id}: {leaked} tensors outlived their release")
@@ -142,56 +175,71 @@ class UnitEngine:
     # --- helpers ----------------------------------------------------------------------------------
 
     def _run(
-        self, kind, sources, targets, groups, fn, *, spec, release_source=True
+        self, kind, sources, targets, groups, fn, *, spec, on, release_source=True
     ) -> PrimitiveReport:
         started = time.perf_counter()
-        setup = self.pool.run(slot_ops.ensure_groups, groups=[tuple(g) for g in groups])
+        setup = self.prepare_groups(groups)
+        on = list(on)
         try:
-            results = self.pool.run(fn, spec=spec)
+            results = self.pool.run(fn, on=on, spec=spec)
         except BaseException:
             # Part-way failure: drop whatever destination state was built; the source is intact.
-            self.pool.run(slot_ops.release, unit_ids=[t.unit_id for t in targets])
+            self._release_quietly(targets)
             raise
         moved = time.perf_counter()
         expected = self._verified_checksum(sources[0])
         got = self._checksums(targets)
         for target, value in zip(targets, got, strict=True):
             if value != expected:
-                self.pool.run(slot_ops.release, unit_ids=[t.unit_id for t in targets])
+                self._release_quietly(targets)
                 raise IntegrityError(
                     f"{kind}: {target.unit_id} checksum {value:#x} != source {expected:#x}"
                 )
-        for target in targets:
-            self.units[target.unit_id] = target
-            self.verified[target.unit_id] = expected
+        with self._lock:
+            for target in targets:
+                self.units[target.unit_id] = target
+                self.verified[target.unit_id] = expected
         verified = time.perf_counter()
         freed = 0
         if release_source:
-            released = self.pool.run(slot_ops.release, unit_ids=[u.unit_id for u in sources])
+            slots = sorted({s for u in sources for s in u.slots})
+            released = self.pool.run(
+                slot_ops.release, on=slots, unit_ids=[u.unit_id for u in sources]
+            )
             freed = sum(r["freed_bytes"] for r in released)
-            for unit in sources:
-                del self.units[unit.unit_id]
-                self.verified.pop(unit.unit_id, None)
+            with self._lock:
+                for unit in sources:
+                    del self.units[unit.unit_id]
+                    self.verified.pop(unit.unit_id, None)
         return PrimitiveReport(
             kind=kind,
             source=tuple(u.unit_id for u in sources),
             target=tuple(t.unit_id for t in targets),
             bytes_moved=sum(r["bytes_received"] for r in results),
             bytes_per_slot={
-                rank: r["bytes_received"] for rank, r in enumerate(results) if r["bytes_received"]
+                slot: r["bytes_received"]
+                for slot, r in zip(on, results, strict=True)
+                if r["bytes_received"]
             },
             duration_s=time.perf_counter() - started,
             move_s=moved - started,
             verify_s=verified - moved,
-            group_setup_s=max(s["seconds"] for s in setup),
-            groups_created=max(s["created"] for s in setup),
+            group_setup_s=setup["seconds"],
+            groups_created=setup["created"],
             peak_bytes={
-                rank: r.get("peak_bytes", 0)
-                for rank, r in enumerate(results)
+                slot: r["peak_bytes"]
+                for slot, r in zip(on, results, strict=True)
                 if r.get("peak_bytes")
             },
             freed_bytes=freed,
         )
+
+    def _release_quietly(self, units: list[Unit]) -> None:
+        """Drop half-built destination state on the slots that still answer."""
+        slots = sorted({s for u in units for s in u.slots} - self.lost_slots)
+        # A dead slot's state went with it; the original error is the one to report.
+        with contextlib.suppress(SlotError):
+            self.pool.run(slot_ops.release, on=slots, unit_ids=[u.unit_id for u in units])
 
     def _known(self, unit: Unit) -> Unit:
         if self.units.get(unit.unit_id) != unit:

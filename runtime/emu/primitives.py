@@ -7,7 +7,8 @@
 - ``Merge``: ``k`` replicas (same layout, disjoint slots) become one unit ``k`` times wider along the
   axis; the inverse assignment of Split, so every slot already holds the slice its new position owns
   and only slices locally.
-- ``Extend``: a new replica on new slots, filled by a rank-aligned Broadcast from a live replica.
+- ``Extend``: a new replica on other slots (they may overlap the source's), filled by a
+  rank-aligned Broadcast from a live replica.
 - ``Destroy``: release a unit and its slots.
 """
 
@@ -131,9 +132,10 @@ class Extend:
     unit_id: str
 
     def target(self) -> Unit:
-        taken = set(self.slots) & set(self.source.slots)
-        if taken:
-            raise TransitionError(f"slots: {sorted(taken)} already hold {self.source.unit_id}")
+        if tuple(self.slots) == self.source.slots:
+            raise TransitionError(
+                f"slots: {list(self.slots)} already hold {self.source.unit_id} in that order"
+            )
         return Unit(
             unit_id=self.unit_id,
             model_stage=self.source.model_stage,
@@ -142,7 +144,10 @@ class Extend:
         )
 
     def broadcast_groups(self) -> list[tuple[int, ...]]:
-        """(source slot, new slot) for every position: the rank-aligned broadcasts."""
+        """(source slot, new slot) for every position, in position order: the rank-aligned
+        broadcasts. The new slots may overlap the source's (a replica shifted along the pool): a
+        slot may then send one position and receive another, and a slot that keeps its position
+        copies locally (a pair ``(s, s)``)."""
         target = self.target()
         return [(s, d) for s, d in zip(self.source.slots, target.slots, strict=True)]
 

@@ -287,24 +287,33 @@ def merge(ctx: SlotContext, *, spec: Merge) -> dict:
 
 
 def extend(ctx: SlotContext, *, spec: Extend) -> dict:
-    """Extend on this slot: the source position broadcasts its packed shards to the new position."""
+    """Extend on this slot: each source position broadcasts its packed shards to the new position.
+
+    A slot takes part in at most two pairs when the new slots overlap the source's (sending one
+    position, receiving another); every slot walks its pairs in position order, so the earliest
+    unfinished pair always has both its members at it and the broadcasts cannot deadlock.
+    """
     target = spec.target()
-    pair = next((p for p in spec.broadcast_groups() if ctx.rank in p), None)
-    if pair is None:
-        return {"bytes_received": 0}
-    src, dst = pair
-    shards = _my_shards(spec.source, src)
-    size = _nbytes(shards)
-    if ctx.rank == src:
-        buffer = _pack(_units(ctx)[spec.source.unit_id], shards, device=ctx.device)
-    else:
-        buffer = torch.empty(size, dtype=torch.uint8, device=ctx.device)
-    dist.broadcast(buffer, src=src, group=_group(ctx, pair))
-    if ctx.rank == dst:
-        # The new shards are views into the one receive buffer: no second copy.
-        _units(ctx)[target.unit_id] = _unpack(buffer, shards)
-        return {"bytes_received": size, "peak_bytes": _state_bytes(ctx) + size}
-    return {"bytes_received": 0, "peak_bytes": _state_bytes(ctx) + size}
+    pairs = [(i, p) for i, p in enumerate(spec.broadcast_groups()) if ctx.rank in p]
+    received, peak = 0, 0
+    for position, (src, dst) in pairs:
+        shards = _my_shards(spec.source, src)
+        size = _nbytes(shards)
+        if ctx.rank == src:
+            buffer = _pack(_units(ctx)[spec.source.unit_id], shards, device=ctx.device)
+            if dst == src:  # the same position on the same slot: a local copy
+                buffer = buffer.clone()
+        else:
+            buffer = torch.empty(size, dtype=torch.uint8, device=ctx.device)
+        if dst != src:
+            dist.broadcast(buffer, src=src, group=_group(ctx, (src, dst)))
+        if ctx.rank == dst:
+            # The new shards are views into the one receive buffer: no second copy.
+            assert target.slots[position] == dst
+            _units(ctx)[target.unit_id] = _unpack(buffer, shards)
+            received += size if dst != src else 0
+        peak = max(peak, _state_bytes(ctx) + size)
+    return {"bytes_received": received, "peak_bytes": peak} if pairs else {"bytes_received": 0}
 
 
 def release(ctx: SlotContext, *, unit_ids: list[str]) -> dict:

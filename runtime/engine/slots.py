@@ -161,23 +161,47 @@ class SlotPool:
         self,
         fn: Callable[..., Any],
         per_rank_kwargs: Sequence[dict[str, Any]] | None = None,
+        *,
+        on: Sequence[int] | None = None,
         **common: Any,
     ) -> list[Any]:
-        """Run ``fn`` on every slot at once (a collective inside ``fn`` needs all of them)."""
-        per_rank = per_rank_kwargs or [{} for _ in self._actors]
-        if len(per_rank) != len(self._actors):
-            raise ValueError(
-                f"per_rank_kwargs: expected {len(self._actors)} entries, got {len(per_rank)}"
-            )
+        """Run ``fn`` at once on every slot, or only on the slots ``on`` (results in that order).
+
+        A collective inside ``fn`` needs every member of its group among them. Calls on disjoint
+        slot sets may run concurrently from several threads; each slot runs one call at a time.
+        """
+        slots = list(range(len(self._actors))) if on is None else list(on)
+        for slot in slots:
+            if not 0 <= slot < len(self._actors):
+                raise ValueError(f"on: slot {slot} is not in the pool of {len(self._actors)}")
+        per_rank = per_rank_kwargs or [{} for _ in slots]
+        if len(per_rank) != len(slots):
+            raise ValueError(f"per_rank_kwargs: expected {len(slots)} entries, got {len(per_rank)}")
         return self._get_all(
             [
-                a.execute.remote(fn, {**common, **kw})
-                for a, kw in zip(self._actors, per_rank, strict=True)
+                self._actors[slot].execute.remote(fn, {**common, **kw})
+                for slot, kw in zip(slots, per_rank, strict=True)
             ]
         )
 
     def memory(self) -> list[dict[str, int]]:
         return self._get_all([a.memory.remote() for a in self._actors])
+
+    def alive(self, *, timeout_s: float = 10.0) -> list[bool]:
+        """Which slots answer; call it while no long call is running on them."""
+        refs = [a.memory.remote() for a in self._actors]
+        out = []
+        for ref in refs:
+            try:
+                ray.get(ref, timeout=timeout_s)
+                out.append(True)
+            except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
+                out.append(False)
+        return out
+
+    def kill(self, slot: int) -> None:
+        """End one slot's actor abruptly, as a revoked GPU or a crashed node would."""
+        ray.kill(self._actors[slot], no_restart=True)
 
     def close(self) -> None:
         """Leave the group and end the actors; best effort, never raises."""

@@ -32,6 +32,11 @@ DEFAULT_EFFICIENCY: dict[str, float] = {
     "weight_sync:intra": 0.60,
     "weight_sync:inter": 0.50,
     "optimizer": 0.70,
+    # The transition primitives (runtime/transition/cost.py): state moved between slots, and state
+    # copied, packed and checksummed on one slot.
+    "transition:intra": 0.60,
+    "transition:inter": 0.50,
+    "transition_copy": 0.50,
 }
 OPERATION_CLASSES = tuple(DEFAULT_EFFICIENCY)
 OPTIMIZER_BYTES_PER_PARAM = 32  # read grads, master, moments; write master, moments, weights

@@ -96,6 +96,10 @@ class Plan:
     model_stages: tuple[ModelStagePlan, ...]
     stages: tuple[StagePlan, ...]
     predicted_step_s: float
+    models: tuple[tuple[str, str], ...] = ()
+    """(role, model name) of the workload the plan was made for; empty when not recorded."""
+    job: str = ""
+    """The job the plan belongs to; empty when not recorded."""
 
     def __post_init__(self) -> None:
         for ms in self.model_stages:
@@ -132,6 +136,8 @@ class Plan:
             "accelerator": self.accelerator,
             "num_slots": self.num_slots,
             "predicted_step_s": self.predicted_step_s,
+            "models": dict(self.models),
+            "job": self.job,
             "stages": [dataclasses.asdict(s) for s in self.stages],
             "model_stages": [
                 {
@@ -153,6 +159,8 @@ class Plan:
                 accelerator=data["accelerator"],
                 num_slots=data["num_slots"],
                 predicted_step_s=float(data["predicted_step_s"]),
+                models=tuple(sorted(data.get("models", {}).items())),
+                job=str(data.get("job", "")),
                 stages=tuple(StagePlan(**s) for s in data["stages"]),
                 model_stages=tuple(
                     ModelStagePlan(

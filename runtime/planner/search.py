@@ -295,6 +295,7 @@ def _assemble(columns, workload, accelerator, num_slots, eff) -> Plan:
         model_stages=tuple(ms_plans),
         stages=tuple(stage_plans),
         predicted_step_s=sum(s.predicted_s for s in stage_plans),
+        models=tuple(sorted((role, model.name) for role, model in workload.models.items())),
     )
 
 

@@ -111,6 +111,21 @@ def test_each_primitive_moves_what_it_must_and_keeps_state_bit_exact(fresh):
     assert set(engine.units) == {"m"}
 
 
+def test_extend_onto_slots_that_overlap_its_source(fresh):
+    """A replica shifted along the pool (and one that keeps a position in place): slots that send
+    one position and receive another must not deadlock, and the copy is bit-exact."""
+    engine = fresh
+    unit = _new(engine, 2, 2, range(4), "o")
+    shifted, report = engine.extend(Extend(source=unit, slots=(2, 3, 4, 5), unit_id="sh"))
+    _assert_bit_exact(engine, shifted)
+    assert set(report.bytes_per_slot) == {2, 3, 4, 5}
+    swapped, report = engine.extend(Extend(source=unit, slots=(1, 0, 2, 6), unit_id="sw"))
+    _assert_bit_exact(engine, swapped)
+    # position 2 stays on slot 2: a local copy, not counted as received
+    assert set(report.bytes_per_slot) == {0, 1, 6}
+    assert engine.checksum(swapped) == engine.checksum(unit)
+
+
 def test_groups_are_created_once_and_reused(fresh):
     engine = fresh
     _, first = engine.split(Split(unit=_new(engine, 2, 1, (0, 1), "x"), axis="tp", k=2))

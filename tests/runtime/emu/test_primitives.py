@@ -105,8 +105,10 @@ def test_impossible_transitions_are_refused_before_anything_moves():
         Split(unit=unit, axis="tp", k=4).targets()
     with pytest.raises(TransitionError, match="axis: expected 'tp' or 'pp'"):
         Split(unit=unit, axis="dp", k=2).targets()
-    with pytest.raises(TransitionError, match=r"slots: \[2, 3\] already hold u"):
-        Extend(source=unit, slots=(2, 3, 4, 5), unit_id="e").target()
+    with pytest.raises(TransitionError, match=r"slots: \[0, 1, 2, 3\] already hold u in that"):
+        Extend(source=unit, slots=(0, 1, 2, 3), unit_id="e").target()
+    shifted = Extend(source=unit, slots=(2, 3, 4, 5), unit_id="e")
+    assert shifted.broadcast_groups() == [(0, 2), (1, 3), (2, 4), (3, 5)]
     other = _unit(1, 2, (4, 5), uid="v")
     with pytest.raises(TransitionError, match="is not a replica of"):
         Merge(units=(unit, other), axis="tp", unit_id="m").target()

@@ -25,6 +25,8 @@ FAMILY_FACTOR = {
     "dp_allreduce": 1.15,
     "weight_sync": 0.7,
     "optimizer": 1.1,
+    "transition": 0.9,
+    "transition_copy": 1.3,
 }
 LINK_FACTOR = {"intra": 1.1, "inter": 0.55, "": 1.0}
 

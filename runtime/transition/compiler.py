@@ -1,0 +1,674 @@
+"""``diff``: the primitives that take a job from its current units to a target plan, as one DAG.
+
+Per model-stage (a local DAG, in the order Split → Destroy → Extend → Merge):
+
+1. Units that already sit where the target wants them, in the target's layout, are kept.
+2. Both layouts are refined to their common grain ``(gcd(tp, tp'), gcd(pp, pp'))``. A current
+   unit splits down to it (tp first, then pp), which moves data only among its own slots.
+3. Each target unit is the Merge of grain-sized replicas at slots fixed by Merge's assignment
+   (Merge is Split's inverse). A replica already produced by a Split is used in place; any other
+   is Extended from a live replica, chosen by list scheduling on predicted times, so sources
+   fan out as a tree and newly made replicas serve as sources too.
+4. Current units whose replicas nobody needs are destroyed whole, without splitting; split
+   replicas nobody needs are destroyed once the Extends that read them are done.
+
+Globally, the local DAGs share slots. ``worst_case`` (dag.py) finds, per slot, the fullest state
+any admitted order can reach; while one exceeds the slot's capacity, the compiler adds a
+resource edge from a node that releases memory there to the node whose acquisition overflows,
+and refuses the transition when no such edge exists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+
+from runtime.emu.layout import ShardError, UnitLayout
+from runtime.emu.primitives import Destroy, Extend, Merge, Split, Unit
+from runtime.planner.catalog import Accelerator
+from runtime.planner.memory import memory_budget
+from runtime.planner.plan import Plan
+from runtime.planner.workload import PpoWorkload
+from runtime.transition import cost
+from runtime.transition.dag import Node, TransitionDag, primitive_kind
+from runtime.transition.simulate import simulate
+from runtime.transition.units import Units, bytes_on, occupancy, unit_layout, units_of
+
+
+class TransitionRefusedError(ValueError):
+    """The transition cannot be made; nothing has moved. The message names the field."""
+
+    def __init__(self, message: str, *, needs_restore: bool = False):
+        super().__init__(message)
+        self.needs_restore = needs_restore
+        """No intact unit is left for some model-stage: only a checkpoint can bring it back."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Cluster:
+    """The slots a transition runs on: their accelerator, count and usable bytes."""
+
+    accelerator: Accelerator
+    num_slots: int
+    capacity_bytes: tuple[float, ...] | None = None
+    """Per slot; default: the device's memory less the planner's 10% headroom."""
+    lost_slots: frozenset[int] = frozenset()
+    """Slots revoked or failed: what they held is gone and no target may use them."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.num_slots, bool) or not isinstance(self.num_slots, int):
+            raise TransitionRefusedError(
+                f"cluster.num_slots: must be an integer, got {self.num_slots!r}"
+            )
+        if self.num_slots < 1:
+            raise TransitionRefusedError(
+                f"cluster.num_slots: must be positive, got {self.num_slots}"
+            )
+        if self.capacity_bytes is not None:
+            if len(self.capacity_bytes) != self.num_slots:
+                raise TransitionRefusedError(
+                    f"cluster.capacity_bytes: {len(self.capacity_bytes)} values for "
+                    f"{self.num_slots} slots"
+                )
+            if any(not (c > 0 and math.isfinite(c)) for c in self.capacity_bytes):
+                raise TransitionRefusedError("cluster.capacity_bytes: every value must be positive")
+        bad = [s for s in self.lost_slots if not 0 <= s < self.num_slots]
+        if bad:
+            raise TransitionRefusedError(f"cluster.lost_slots: slot {bad[0]} is not in the pool")
+
+    def capacity(self) -> list[float]:
+        if self.capacity_bytes is not None:
+            return list(self.capacity_bytes)
+        return [memory_budget(self.accelerator.memory_bytes)] * self.num_slots
+
+
+def diff(
+    current: Plan | Units,
+    target: Plan,
+    cluster: Cluster,
+    workload: PpoWorkload,
+    *,
+    efficiency: Mapping[str, float] | None = None,
+    tag: str = "t1",
+) -> TransitionDag:
+    """Compile the transition from ``current`` (a plan, or the units a job holds now) to
+    ``target``; raises ``TransitionRefusedError`` before anything moves when it cannot be made."""
+    _check_plan(target, cluster, workload, "target")
+    if isinstance(current, Plan):
+        _check_same_job(current, target)
+        _check_plan(current, cluster, workload, "current", allow_lost=True)
+        held = units_of(current, workload)
+    else:
+        held = {ms: tuple(units) for ms, units in current.items()}
+        _check_units(held, cluster, workload)
+    target_layouts = {
+        ms.name: unit_layout(ms, target.model_stage(ms.name).layout, workload.precision)
+        for ms in workload.model_stages()
+    }
+    builder = _Builder(cluster, efficiency, tag)
+    final: dict[str, tuple[Unit, ...]] = {}
+    for ms in workload.model_stages():
+        intact = [u for u in held[ms.name] if not set(u.slots) & cluster.lost_slots]
+        broken = [u for u in held[ms.name] if set(u.slots) & cluster.lost_slots]
+        for unit in broken:  # release what the survivors of a broken unit still hold
+            builder.destroy(unit, slots=tuple(s for s in unit.slots if s not in cluster.lost_slots))
+        wanted = target.model_stage(ms.name).units
+        if wanted and not intact:
+            raise TransitionRefusedError(
+                f"current.{ms.name}: no intact unit is left; restore it from a checkpoint",
+                needs_restore=True,
+            )
+        final[ms.name] = builder.model_stage(ms.name, intact, target_layouts[ms.name], wanted)
+    initial = occupancy(held, cluster.num_slots)
+    for slot, (used, cap) in enumerate(zip(initial, cluster.capacity(), strict=True)):
+        if used > cap:
+            raise TransitionRefusedError(
+                f"cluster.capacity_bytes: slot {slot} already holds {used / 2**30:.2f} GiB, "
+                f"over its {cap / 2**30:.2f} GiB"
+            )
+    dag = TransitionDag(
+        nodes=builder.nodes,
+        edges=builder.edges,
+        initial=initial,
+        capacity=cluster.capacity(),
+        current=held,
+        target=final,
+    )
+    _check_final(dag, final)
+    _add_resource_edges(dag)
+    # What admission uses: the executor's policy played out on predicted times (slots run one
+    # primitive at a time, so this is at least the critical path).
+    dag.predicted_makespan_s = simulate(dag).makespan_s
+    return dag
+
+
+# --- validation ------------------------------------------------------------------------------------
+
+
+def _check_same_job(current: Plan, target: Plan) -> None:
+    if current.job and target.job and current.job != target.job:
+        raise TransitionRefusedError(
+            f"target.job: the plans belong to different jobs ({current.job!r}, {target.job!r})"
+        )
+    if current.models and target.models and current.models != target.models:
+        theirs = dict(target.models)
+        role, name = next((r, n) for r, n in current.models if theirs.get(r) != n)
+        raise TransitionRefusedError(
+            f"target.models: the plans are for different models ({role}: {name} now, "
+            f"{theirs.get(role, 'none')} in the target)"
+        )
+    if current.accelerator != target.accelerator:
+        raise TransitionRefusedError(
+            f"target.accelerator: {target.accelerator} differs from the running plan's "
+            f"{current.accelerator}"
+        )
+
+
+def _check_plan(
+    plan: Plan, cluster: Cluster, workload: PpoWorkload, name: str, *, allow_lost: bool = False
+) -> None:
+    ours = tuple(sorted((role, model.name) for role, model in workload.models.items()))
+    if plan.models and plan.models != ours:
+        raise TransitionRefusedError(
+            f"{name}.models: the plan is for {dict(plan.models)}, the job runs {dict(ours)}"
+        )
+    if plan.accelerator != cluster.accelerator.name:
+        raise TransitionRefusedError(
+            f"{name}.accelerator: {plan.accelerator}, but the cluster has "
+            f"{cluster.accelerator.name}"
+        )
+    names = {ms.name for ms in plan.model_stages}
+    for ms in workload.model_stages():
+        if ms.name not in names:
+            raise TransitionRefusedError(f"{name}.model_stages: {ms.name} is missing")
+        msp = plan.model_stage(ms.name)
+        try:
+            unit_layout(ms, msp.layout, workload.precision)
+        except ShardError as exc:
+            raise TransitionRefusedError(f"{name}.{ms.name}.layout: {exc}") from None
+        for unit in msp.units:
+            for slot in unit:
+                if not 0 <= slot < cluster.num_slots:
+                    raise TransitionRefusedError(
+                        f"{name}.{ms.name}.units: slot {slot} is outside the cluster's "
+                        f"{cluster.num_slots} slots"
+                    )
+                if slot in cluster.lost_slots and not allow_lost:
+                    raise TransitionRefusedError(f"{name}.{ms.name}.units: slot {slot} is lost")
+    extra = names - {ms.name for ms in workload.model_stages()}
+    if extra:
+        raise TransitionRefusedError(f"{name}.model_stages: {sorted(extra)[0]} is not in the job")
+
+
+def _check_units(held: dict[str, tuple[Unit, ...]], cluster: Cluster, workload) -> None:
+    seen: set[str] = set()
+    for ms in workload.model_stages():
+        if ms.name not in held:
+            raise TransitionRefusedError(f"current.{ms.name}: the job's units are missing")
+        for unit in held[ms.name]:
+            if unit.unit_id in seen:
+                raise TransitionRefusedError(
+                    f"current.{ms.name}: unit id {unit.unit_id} appears twice"
+                )
+            seen.add(unit.unit_id)
+            if unit.model_stage != ms.name:
+                raise TransitionRefusedError(
+                    f"current.{ms.name}: unit {unit.unit_id} belongs to {unit.model_stage}"
+                )
+            if any(not 0 <= s < cluster.num_slots for s in unit.slots):
+                raise TransitionRefusedError(
+                    f"current.{ms.name}: unit {unit.unit_id} lies outside the cluster's slots"
+                )
+
+
+def _check_final(dag: TransitionDag, final: dict[str, tuple[Unit, ...]]) -> None:
+    """The target itself must fit: every slot's state once the transition is done."""
+    after = dag.final_occupancy()
+    for slot, (used, cap) in enumerate(zip(after, dag.capacity, strict=True)):
+        if used > cap:
+            holders = sorted(
+                {u.model_stage for us in final.values() for u in us if slot in u.slots}
+            )
+            raise TransitionRefusedError(
+                f"target: slot {slot} would hold {used / 2**30:.2f} GiB of state "
+                f"({', '.join(holders)}), over its {cap / 2**30:.2f} GiB"
+            )
+
+
+# --- the local DAGs -------------------------------------------------------------------------------
+
+
+class _Builder:
+    """Accumulates nodes and data edges for every model-stage."""
+
+    def __init__(self, cluster: Cluster, efficiency, tag: str):
+        self.acc = cluster.accelerator
+        self.efficiency = efficiency
+        self.tag = tag
+        self.nodes: list[Node] = []
+        self.edges: list[tuple[str, str]] = []
+        self._ids = itertools.count()
+
+    def _add(self, primitive, *, model_stage, consumes, produces, slots, acquire, release, after):
+        prediction = cost.predict(primitive, self.acc, self.efficiency)
+        kind = primitive_kind(primitive)
+        node = Node(
+            node_id=f"{self.tag}.{next(self._ids)}.{kind}",
+            kind=kind,
+            model_stage=model_stage,
+            primitive=primitive,
+            consumes=tuple(consumes),
+            produces=tuple(produces),
+            slots=tuple(slots),
+            acquire={s: b for s, b in acquire.items() if b},
+            release={s: b for s, b in release.items() if b},
+            predicted_s=prediction.seconds,
+            predicted_bytes=prediction.bytes_moved,
+            ideal_s=prediction.ideal_s,
+        )
+        self.nodes.append(node)
+        self.edges += [(a, node.node_id) for a in sorted({a for a in after if a})]
+        return node
+
+    def destroy(self, unit: Unit, *, slots: Sequence[int] | None = None, after=()) -> Node:
+        slots = tuple(unit.slots if slots is None else slots)
+        held = bytes_on(unit)
+        return self._add(
+            Destroy(unit=unit),
+            model_stage=unit.model_stage,
+            consumes=[unit.unit_id],
+            produces=[],
+            slots=slots,
+            acquire={},
+            release={s: held[s] for s in slots},
+            after=after,
+        )
+
+    def split(self, unit: Unit, axis: str, k: int, after: str | None) -> tuple[Node, list[Unit]]:
+        spec = Split(unit=unit, axis=axis, k=k)
+        parts = spec.targets()
+        old = bytes_on(unit)
+        new = {s: b for part in parts for s, b in bytes_on(part).items()}
+        group_of = {s: g for g in spec.peer_groups() for s in g}
+        received = {s: sum(old[m] for m in group_of[s] if m != s) for s in unit.slots}
+        node = self._add(
+            spec,
+            model_stage=unit.model_stage,
+            consumes=[unit.unit_id],
+            produces=parts,
+            slots=unit.slots,
+            acquire={s: new[s] + received[s] for s in unit.slots},
+            release={s: old[s] + received[s] for s in unit.slots},
+            after=[after] if after else [],
+        )
+        return node, parts
+
+    def extend(self, source: Unit, slots: tuple[int, ...], unit_id: str, after) -> Node:
+        spec = Extend(source=source, slots=slots, unit_id=unit_id)
+        target = spec.target()
+        return self._add(
+            spec,
+            model_stage=source.model_stage,
+            consumes=[],
+            produces=[target],
+            slots=sorted(set(source.slots) | set(slots)),
+            acquire=bytes_on(target),
+            release={},
+            after=after,
+        )
+
+    def merge(self, units: list[Unit], axis: str, unit_id: str, after) -> tuple[Node, Unit]:
+        spec = Merge(units=tuple(units), axis=axis, unit_id=unit_id)
+        target = spec.target()
+        old: dict[int, int] = {}
+        for unit in units:
+            old.update(bytes_on(unit))
+        node = self._add(
+            spec,
+            model_stage=target.model_stage,
+            consumes=[u.unit_id for u in units],
+            produces=[target],
+            slots=target.slots,
+            acquire=bytes_on(target),
+            release=old,
+            after=after,
+        )
+        return node, target
+
+    # --- one model-stage ------------------------------------------------------------------------
+
+    def model_stage(
+        self,
+        name: str,
+        intact: list[Unit],
+        layout: UnitLayout,
+        wanted: tuple[tuple[int, ...], ...],
+    ) -> tuple[Unit, ...]:
+        """Add the local DAG of one model-stage; returns its units once it is done."""
+        kept = [u for u in intact if u.layout == layout and u.slots in wanted]
+        kept_slots = {u.slots for u in kept}
+        leaving = [u for u in intact if u not in kept]
+        todo = [
+            Unit(unit_id=f"{name}/{self.tag}.u{i}", model_stage=name, layout=layout, slots=w)
+            for i, w in enumerate(wanted)
+            if w not in kept_slots
+        ]
+        if not todo:
+            for unit in leaving:
+                self.destroy(unit)
+            return tuple(kept)
+        current = leaving[0].layout if leaving else kept[0].layout
+        k_tp, r_tp = divmod(layout.tp, current.tp)
+        k_pp, r_pp = divmod(layout.pp, current.pp)
+        if leaving and not r_tp and not r_pp and k_tp * k_pp > 1 and len(leaving) >= k_tp * k_pp:
+            built = self._by_merging_first(name, leaving, kept, todo, k_tp * k_pp)
+        else:
+            built = self._by_grain(name, leaving, kept, todo)
+        return tuple(kept) + tuple(built)
+
+    def _by_grain(self, name, leaving, kept, todo) -> list[Unit]:
+        """Split every current unit down to the common grain, move grain replicas, merge up.
+
+        The general path: any pair of layouts has the grain ``(gcd(tp, tp'), gcd(pp, pp'))``.
+        """
+        current = leaving[0].layout if leaving else kept[0].layout
+        layout = todo[0].layout
+        grain = dataclasses.replace(
+            current, tp=math.gcd(current.tp, layout.tp), pp=math.gcd(current.pp, layout.pp)
+        )
+        trees = [_refine(whole, grain) for whole in todo]
+        needed = [g.slots for tree in trees for g in _leaves(tree)]
+        offers = {u.unit_id: _leaves(_refine(u, grain)) for u in leaving}
+        by_slots = {g.slots: u for u in leaving for g in offers[u.unit_id]}
+        activated = {by_slots[s].unit_id for s in needed if s in by_slots}
+        ready = {u.slots: 0.0 for u in kept if u.layout == grain}
+        for unit in leaving:
+            split_s = self._split_time(unit, grain)
+            ready.update({g.slots: split_s for g in offers[unit.unit_id]})
+        preferred = {g.slots for u in leaving if u.unit_id in activated for g in offers[u.unit_id]}
+        extends = self._schedule_extends(name, grain, ready, needed, set(by_slots), preferred)
+        for source_slots in extends.values():
+            if source_slots in by_slots:
+                activated.add(by_slots[source_slots].unit_id)
+        producer: dict[tuple[int, ...], tuple[Unit, str | None]] = {
+            u.slots: (u, None) for u in kept
+        }
+        for unit in leaving:
+            if unit.unit_id not in activated:
+                self.destroy(unit)
+                continue
+            for part, node_id in self._split_down(unit, grain):
+                producer[part.slots] = (part, node_id)
+        readers = self._emit_extends(name, needed, extends, producer)
+        self._destroy_unused(producer, set(needed), kept, readers)
+        return [self._merge_up(tree, producer, readers) for tree in trees]
+
+    def _by_merging_first(self, name, leaving, kept, todo, m) -> list[Unit]:
+        """The target is the current layout merged ``m``-fold: merge replicas where they are
+        (local slicing: memory goes down, nothing moves), then extend target-layout replicas.
+
+        Moves ``m`` times fewer bytes than going through the grain and never holds a piece
+        larger than the target's on a destination slot.
+        """
+        current = leaving[0].layout
+        by_slots = {u.slots: u for u in leaving}
+        producer: dict[tuple[int, ...], tuple[Unit, str | None]] = {
+            u.slots: (u, None) for u in kept
+        }
+        used: set[str] = set()
+        out: dict[str, Unit] = {}
+        remaining = []
+        for whole in todo:  # targets whose pieces all sit in place: merge them there
+            tree = _refine(whole, current)
+            pieces = [by_slots.get(g.slots) for g in _leaves(tree)]
+            if all(p is not None and p.unit_id not in used for p in pieces):
+                for p in pieces:
+                    used.add(p.unit_id)
+                    producer[p.slots] = (p, None)
+                out[whole.unit_id] = self._merge_up(tree, producer, {})
+            else:
+                remaining.append(whole)
+        rest = [u for u in leaving if u.unit_id not in used]
+        sources: list[Unit] = []
+        if remaining:
+            for j in range(len(rest) // m):
+                group = rest[j * m : (j + 1) * m]
+                for u in group:
+                    producer[u.slots] = (u, None)
+                tree = _group_tree(group, todo[0].layout, f"{name}/{self.tag}.g{j}")
+                sources.append(self._merge_up(tree, producer, {}))
+            rest = rest[len(sources) * m :]
+        for unit in rest:
+            self.destroy(unit)
+        # Sources: merged groups, kept units and targets already merged in place.
+        ready = {u.slots: 0.0 for u in [*sources, *kept, *out.values()]}
+        needed = [w.slots for w in remaining]
+        extends = self._schedule_extends(name, todo[0].layout, ready, needed, set(), set())
+        readers = self._emit_extends(name, needed, extends, producer)
+        self._destroy_unused(producer, set(needed), kept, readers, only={u.slots for u in sources})
+        for whole in remaining:
+            out[whole.unit_id] = producer[whole.slots][0]
+        return [out[whole.unit_id] for whole in todo]
+
+    def _schedule_extends(self, name, layout, ready, needed, in_place, preferred):
+        """List scheduling: each missing replica from the live one that frees up first; a replica
+        made by an earlier Extend is a source too, so copies fan out as a tree. Returns
+        ``{target slots: source slots}``."""
+        ready = dict(ready)
+        busy: dict[int, float] = {}
+        extends: dict[tuple[int, ...], tuple[int, ...]] = {}
+        for slots in needed:
+            if slots in in_place or slots in ready:  # already there, or made where it belongs
+                continue
+            best = None
+            for source_slots, at in ready.items():
+                if source_slots == slots:
+                    continue
+                # a replica of a unit that must split anyway beats splitting one more unit
+                penalty = 0.0 if not preferred or source_slots in preferred else 1e-9
+                sample = Unit(unit_id="?", model_stage=name, layout=layout, slots=source_slots)
+                seconds = cost.predict(
+                    Extend(source=sample, slots=slots, unit_id="?"), self.acc, self.efficiency
+                ).seconds
+                start = max([at, *(busy.get(s, 0.0) for s in set(source_slots) | set(slots))])
+                key = (start + seconds + penalty, bool(set(source_slots) & set(slots)))
+                if best is None or key < best[0]:
+                    best = (key, source_slots, start + seconds)
+            if best is None:
+                raise TransitionRefusedError(f"target.{name}: no live replica to extend from")
+            _, source_slots, finish = best
+            extends[slots] = source_slots
+            ready[slots] = finish
+            for s in set(source_slots) | set(slots):
+                busy[s] = finish
+        return extends
+
+    def _emit_extends(self, name, needed, extends, producer) -> dict:
+        """Extend nodes in schedule order; returns ``{source slots: [reading node ids]}``."""
+        readers: dict[tuple[int, ...], list[str]] = {}
+        ids = itertools.count()
+        for slots in needed:
+            if slots not in extends:
+                continue
+            source, after = producer[extends[slots]]
+            node = self.extend(source, slots, f"{name}/{self.tag}.x{next(ids)}", [after])
+            producer[slots] = (node.produces[0], node.node_id)
+            readers.setdefault(extends[slots], []).append(node.node_id)
+        return readers
+
+    def _destroy_unused(self, producer, needed, kept, readers, only=None) -> None:
+        """Destroy produced replicas nobody needs, once the Extends reading them are done."""
+        for slots, (unit, after) in list(producer.items()):
+            if slots in needed or unit in kept or (only is not None and slots not in only):
+                continue
+            self.destroy(unit, after=[after, *readers.get(slots, [])])
+
+    def _split_time(self, unit: Unit, grain: UnitLayout) -> float:
+        total, current = 0.0, unit
+        for axis in ("tp", "pp"):
+            k = getattr(current.layout, axis) // getattr(grain, axis)
+            if k > 1:
+                spec = Split(unit=current, axis=axis, k=k)
+                total += cost.predict(spec, self.acc, self.efficiency).seconds
+                current = spec.targets()[0]
+        return total
+
+    def _split_down(self, unit: Unit, grain: UnitLayout) -> list[tuple[Unit, str | None]]:
+        """Split ``unit`` to the grain (tp first, then pp): its pieces and their producing nodes."""
+        pieces: list[tuple[Unit, str | None]] = [(unit, None)]
+        for axis in ("tp", "pp"):
+            k = getattr(unit.layout, axis) // getattr(grain, axis)
+            if k == 1:
+                continue
+            nxt = []
+            for piece, after in pieces:
+                node, parts = self.split(piece, axis, k, after)
+                nxt += [(p, node.node_id) for p in parts]
+            pieces = nxt
+        return pieces
+
+    def _merge_up(self, tree, producer, readers) -> Unit:
+        """Build one target unit from its tree ``(unit, axis, children)``; returns it."""
+        whole, axis, children = tree
+        if not children:
+            return producer[whole.slots][0]
+        parts, after = [], []
+        for child in children:
+            unit = self._merge_up(child, producer, readers)
+            parts.append(unit)
+            after.append(producer[unit.slots][1])
+            after += readers.get(unit.slots, [])  # let Extends read it before it is merged away
+        node, merged = self.merge(parts, axis, whole.unit_id, after)
+        producer[merged.slots] = (merged, node.node_id)
+        return merged
+
+
+def _refine(unit: Unit, grain: UnitLayout):
+    """``unit`` as a tree of grain replicas: ``(unit, axis, children)``, pp outermost, so that
+    merging tp first and pp last rebuilds it."""
+    k_pp = unit.layout.pp // grain.pp
+    k_tp = unit.layout.tp // grain.tp
+    if k_pp > 1:
+        parts = Split(unit=unit, axis="pp", k=k_pp).targets()
+        return (unit, "pp", [_refine(p, grain) for p in parts])
+    if k_tp > 1:
+        parts = Split(unit=unit, axis="tp", k=k_tp).targets()
+        return (unit, "tp", [(p, None, []) for p in parts])
+    return (unit, None, [])
+
+
+def _group_tree(group: list[Unit], layout: UnitLayout, unit_id: str):
+    """A merge tree that turns ``group`` (replicas, in order) into one unit of ``layout``:
+    consecutive runs merge along tp first, then those along pp."""
+    k_tp = layout.tp // group[0].layout.tp
+    leaves = [(u, None, []) for u in group]
+    if k_tp > 1:
+        rows = [leaves[i : i + k_tp] for i in range(0, len(leaves), k_tp)]
+        leaves = [
+            (_merged(unit_id if len(rows) == 1 else f"{unit_id}.r{i}", row, "tp"), "tp", row)
+            for i, row in enumerate(rows)
+        ]
+    if len(leaves) > 1:
+        return (_merged(unit_id, leaves, "pp"), "pp", leaves)
+    return leaves[0]
+
+
+def _merged(unit_id: str, children, axis: str) -> Unit:
+    return Merge(units=tuple(c[0] for c in children), axis=axis, unit_id=unit_id).target()
+
+
+def _leaves(tree) -> list[Unit]:
+    if isinstance(tree, Unit):
+        return [tree]
+    unit, _, children = tree
+    if not children:
+        return [unit]
+    return [leaf for child in children for leaf in _leaves(child)]
+
+
+def _add_resource_edges(dag: TransitionDag) -> None:
+    """Order releases before acquisitions wherever some admitted order would overflow a slot.
+
+    While slot ``s``'s worst reachable state (finished set ``D``, running node ``n``) overflows,
+    exclude that state with one edge: preferably ``r → n`` from a node ``r`` outside ``D`` that
+    frees memory on ``s`` (it must finish first); else ``n → a`` for an acquisition ``a`` in ``D``
+    that need not precede ``n`` (it must wait until ``n`` is done). Each edge removes at least the
+    witness state and keeps the DAG acyclic, so the loop ends: safe, or refused.
+    """
+    data_edges = dict(dag.edges)
+    for slot in range(len(dag.initial)):
+        if not dag.touching(slot):
+            continue
+        while True:
+            worst, running, finished = dag.worst_case(slot)
+            if worst <= dag.capacity[slot]:
+                break
+            edge = _excluding_edge(dag, slot, running, finished)
+            if edge is None:
+                dag.edges = dict(data_edges)
+                dag._reach = None
+                if _serialise(dag):
+                    return
+                what = f" while {running} runs" if running else ""
+                raise TransitionRefusedError(
+                    f"target: slot {slot} would need {worst / 2**30:.2f} GiB{what}, over its "
+                    f"{dag.capacity[slot] / 2**30:.2f} GiB, and no order of the primitives fits"
+                )
+            dag.add_edge(*edge, "resource")
+
+
+def _serialise(dag: TransitionDag) -> bool:
+    """The fallback when edge by edge gets stuck: one primitive at a time, releasing first, each
+    started only when it fits; if that reaches the end, chain the DAG in that order."""
+    priority = dag.priority()
+    preds = {n: set(dag.preds(n)) for n in dag.nodes}
+    held, done, order = list(dag.initial), set(), []
+    while len(done) < len(dag.nodes):
+        fits = [
+            n
+            for n in dag.nodes
+            if n not in done
+            and preds[n] <= done
+            and all(held[s] + b <= dag.capacity[s] for s, b in dag.nodes[n].acquire.items())
+        ]
+        if not fits:
+            return False
+        n = min(fits, key=priority.__getitem__)
+        for s in set(dag.nodes[n].acquire) | set(dag.nodes[n].release):
+            held[s] += dag.nodes[n].delta(s)
+        done.add(n)
+        order.append(n)
+    for before, after in itertools.pairwise(order):
+        if (before, after) not in dag.edges:
+            dag.add_edge(before, after, "resource")
+    return True
+
+
+def _excluding_edge(dag: TransitionDag, slot: int, running: str | None, finished: set[str]):
+    nodes = dag.nodes
+    acquirers = [running] if running else []
+    acquirers += sorted(
+        (n for n in finished if nodes[n].delta(slot) > 0), key=lambda n: -nodes[n].delta(slot)
+    )
+    count = {n: bin(mask).count("1") for n, mask in dag.ancestors().items()}
+    for acquirer in acquirers:
+        releases = [
+            n
+            for n in dag.touching(slot)
+            if n not in finished
+            and n != acquirer
+            and nodes[n].release.get(slot, 0) > 0
+            and not dag.is_ancestor(acquirer, n)
+        ]
+        if releases:
+            best = min(releases, key=lambda n: (nodes[n].delta(slot), count[n], n))
+            return best, acquirer
+    if running:
+        later = [
+            n for n in finished if nodes[n].delta(slot) > 0 and not dag.is_ancestor(n, running)
+        ]
+        if later:
+            return running, max(later, key=lambda n: (nodes[n].delta(slot), n))
+    return None

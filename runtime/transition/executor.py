@@ -1,0 +1,245 @@
+"""Run a compiled transition DAG on a ``UnitEngine``: ready nodes concurrently, releasing first.
+
+Before the first primitive, every process group the DAG needs is created in one collective step
+over the pool (creating a torch.distributed group involves every rank, so it cannot happen while
+some slots are busy in a primitive). Then a node starts when its predecessors are done and none
+of its slots is busy with another node; among ready nodes the DAG's priority decides. Each node
+state change is an event. On a failure no further node starts; running nodes finish, the rest are
+``skipped``, and the result lists the units that are intact (every slot alive, verified) so that
+the controller can replan from them.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from runtime.emu.engine import UnitEngine
+from runtime.emu.primitives import Destroy, Extend, Merge, Split, Unit
+from runtime.planner.calibration import Calibrator
+from runtime.transition.cost import OVERHEAD_S
+from runtime.transition.dag import Node, TransitionDag
+
+logger = logging.getLogger(__name__)
+
+Event = dict[str, Any]
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class ExecutionResult:
+    ok: bool
+    duration_s: float
+    units: dict[str, tuple[Unit, ...]]
+    """Each model-stage's intact units now: the target's when ``ok``."""
+    failed: list[str]
+    lost_slots: list[int]
+    group_setup_s: float
+    groups_created: int
+    events: list[Event]
+
+
+class Executor:
+    """Runs one DAG once."""
+
+    def __init__(
+        self,
+        dag: TransitionDag,
+        engine: UnitEngine,
+        *,
+        on_event: Callable[[Event], None] | None = None,
+        calibrator: Calibrator | None = None,
+        max_concurrency: int | None = None,
+    ):
+        self.dag = dag
+        self.engine = engine
+        self.on_event = on_event
+        self.calibrator = calibrator
+        self.max_concurrency = max_concurrency or max(1, engine.pool.num_slots)
+        self.events: list[Event] = []
+        self._t0 = 0.0
+
+    def run(self) -> ExecutionResult:
+        self._preflight()
+        self._t0 = time.monotonic()
+        setup = self.engine.prepare_groups(_groups(self.dag))
+        self._emit(
+            {"event": "transition.groups", "created": setup["created"], "seconds": setup["seconds"]}
+        )
+        preds: dict[str, set[str]] = {n: set() for n in self.dag.nodes}
+        for a, b in self.dag.edges:
+            preds[b].add(a)
+        priority = self.dag.priority()
+        done: set[str] = set()
+        failed: list[str] = []
+        running: dict[concurrent.futures.Future, str] = {}
+        busy: set[int] = set()
+        for node in self.dag.nodes.values():
+            self._emit_node(node)
+        with concurrent.futures.ThreadPoolExecutor(
+            max_workers=self.max_concurrency, thread_name_prefix="transition"
+        ) as pool:
+            while True:
+                if not failed:
+                    ready = sorted(
+                        (
+                            n
+                            for n, node in self.dag.nodes.items()
+                            if node.state == "pending" and preds[n] <= done
+                        ),
+                        key=priority.__getitem__,
+                    )
+                    for n in ready:
+                        node = self.dag.nodes[n]
+                        if busy & set(node.slots) or len(running) >= self.max_concurrency:
+                            continue
+                        busy |= set(node.slots)
+                        node.state, node.started_s = "running", self._now()
+                        self._emit_node(node)
+                        running[pool.submit(self._execute, node)] = n
+                if not running:
+                    break
+                finished, _ = concurrent.futures.wait(
+                    running, return_when=concurrent.futures.FIRST_COMPLETED
+                )
+                for future in finished:
+                    node = self.dag.nodes[running.pop(future)]
+                    busy -= set(node.slots)
+                    node.finished_s = self._now()
+                    error = future.exception()
+                    if error is None:
+                        node.state = "done"
+                        done.add(node.node_id)
+                        self._calibrate(node)
+                    else:
+                        node.state, node.error = "failed", f"{type(error).__name__}: {error}"
+                        failed.append(node.node_id)
+                        logger.warning("transition node %s failed: %s", node.node_id, error)
+                    self._emit_node(node)
+        for node in self.dag.nodes.values():
+            if node.state == "pending":
+                node.state = "skipped"
+                self._emit_node(node)
+        lost = self._lost_slots() if failed else []
+        units = self._intact_units(lost)
+        result = ExecutionResult(
+            ok=not failed,
+            duration_s=self._now(),
+            units=units,
+            failed=failed,
+            lost_slots=lost,
+            group_setup_s=setup["seconds"],
+            groups_created=setup["created"],
+            events=self.events,
+        )
+        self._emit(
+            {
+                "event": "transition.finished",
+                "ok": result.ok,
+                "duration_s": result.duration_s,
+                "predicted_s": self.dag.predicted_s,
+                "failed": failed,
+                "lost_slots": lost,
+            }
+        )
+        return result
+
+    # --- one node -------------------------------------------------------------------------------
+
+    def _execute(self, node: Node) -> None:
+        p = node.primitive
+        if isinstance(p, Split):
+            produced, report = self.engine.split(p)
+        elif isinstance(p, Merge):
+            unit, report = self.engine.merge(p)
+            produced = [unit]
+        elif isinstance(p, Extend):
+            unit, report = self.engine.extend(p)
+            produced = [unit]
+        elif isinstance(p, Destroy):
+            report, produced = self.engine.destroy(p), []
+        else:
+            raise TypeError(f"node {node.node_id}: not a primitive")
+        if [u.unit_id for u in produced] != [u.unit_id for u in node.produces]:
+            raise RuntimeError(f"node {node.node_id}: produced {produced}, planned {node.produces}")
+        node.actual_bytes = report.bytes_moved
+
+    def _calibrate(self, node: Node) -> None:
+        """Feed the measured time back, split over the node's classes as the prediction was."""
+        if self.calibrator is None or not node.ideal_s or node.actual_s is None:
+            return
+        predicted = node.predicted_s - OVERHEAD_S
+        measured = node.actual_s - OVERHEAD_S
+        if predicted <= 0 or measured <= 0:
+            return
+        eff = self.calibrator.efficiency()
+        for op_class, ideal in node.ideal_s.items():
+            share = ideal / eff[op_class] / predicted
+            try:
+                self.calibrator.observe(op_class, ideal_s=ideal, measured_s=measured * share)
+            except ValueError as exc:  # an implausible sample is dropped, never fatal
+                logger.info("calibration sample dropped: %s", exc)
+
+    # --- state ----------------------------------------------------------------------------------
+
+    def _preflight(self) -> None:
+        """Every current unit must exist on the engine as the DAG assumes."""
+        for units in self.dag.current.values():
+            for unit in units:
+                if set(unit.slots) & self.engine.lost_slots:
+                    continue
+                if self.engine.units.get(unit.unit_id) != unit:
+                    raise RuntimeError(
+                        f"current: unit {unit.unit_id} is not on the engine as the DAG expects"
+                    )
+
+    def _lost_slots(self) -> list[int]:
+        alive = self.engine.pool.alive()
+        lost = [slot for slot, ok in enumerate(alive) if not ok]
+        self.engine.lost_slots.update(lost)
+        return lost
+
+    def _intact_units(self, lost: list[int]) -> dict[str, tuple[Unit, ...]]:
+        out: dict[str, list[Unit]] = {ms: [] for ms in self.dag.target}
+        for unit in self.engine.units.values():
+            if unit.model_stage in out and not set(unit.slots) & set(lost):
+                out[unit.model_stage].append(unit)
+        return {ms: tuple(sorted(us, key=lambda u: u.slots)) for ms, us in out.items()}
+
+    def _now(self) -> float:
+        return time.monotonic() - self._t0
+
+    def _emit_node(self, node: Node) -> None:
+        self._emit(
+            {
+                "event": "transition.node",
+                "node": node.node_id,
+                "kind": node.kind,
+                "model_stage": node.model_stage,
+                "state": node.state,
+                "t": self._now(),
+                "predicted_s": node.predicted_s,
+                "actual_s": node.actual_s,
+                "bytes": node.actual_bytes,
+                "error": node.error,
+            }
+        )
+
+    def _emit(self, event: Event) -> None:
+        self.events.append(event)
+        if self.on_event is not None:
+            self.on_event(event)
+
+
+def _groups(dag: TransitionDag) -> list[tuple[int, ...]]:
+    groups: set[tuple[int, ...]] = set()
+    for node in dag.nodes.values():
+        p = node.primitive
+        if isinstance(p, Split):
+            groups.update(tuple(sorted(g)) for g in p.peer_groups())
+        elif isinstance(p, Extend):
+            groups.update(tuple(sorted(g)) for g in p.broadcast_groups() if g[0] != g[1])
+    return sorted(groups)

@@ -1,0 +1,67 @@
+"""A job's units as values: each model-stage's units, and the bytes each holds on each slot.
+
+Between two PPO steps (where transitions happen) a slot holds the state of the units placed on it
+and nothing else: parameters for every unit, plus Adam state for training units. That state is
+what the primitives move and what the transition's memory check counts.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+
+from runtime.emu.layout import UnitLayout
+from runtime.emu.primitives import Unit
+from runtime.planner.plan import Layout, Plan
+from runtime.planner.workload import ModelStage, PpoWorkload
+
+Units = Mapping[str, tuple[Unit, ...]]
+"""Model-stage name -> its units (data-parallel replicas)."""
+
+_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+def unit_layout(ms: ModelStage, layout: Layout, precision: str = "bf16") -> UnitLayout:
+    """The shard layout of one unit of ``ms`` at ``layout``'s (tp, pp); raises ShardError."""
+    return UnitLayout(
+        model=ms.model,
+        tp=layout.tp,
+        pp=layout.pp,
+        training=ms.stage == "training",
+        scalar_head=ms.scalar_head,
+        dtype=precision,
+    )
+
+
+def units_of(plan: Plan, workload: PpoWorkload, *, tag: str = "u") -> dict[str, tuple[Unit, ...]]:
+    """A plan's units, named ``<model-stage>/<tag><index>``."""
+    out = {}
+    for ms in workload.model_stages():
+        msp = plan.model_stage(ms.name)
+        layout = unit_layout(ms, msp.layout, workload.precision)
+        out[ms.name] = tuple(
+            Unit(unit_id=f"{ms.name}/{tag}{i}", model_stage=ms.name, layout=layout, slots=slots)
+            for i, slots in enumerate(msp.units)
+        )
+    return out
+
+
+@functools.lru_cache(maxsize=8192)
+def position_bytes(layout: UnitLayout, position: int) -> int:
+    """Bytes of state the slot at ``position`` of a unit holds."""
+    return sum(s.numel * _BYTES[s.dtype] for s in layout.shards(position))
+
+
+def bytes_on(unit: Unit) -> dict[int, int]:
+    """{slot: bytes of ``unit``'s state on it}."""
+    return {slot: position_bytes(unit.layout, i) for i, slot in enumerate(unit.slots)}
+
+
+def occupancy(units: Units, num_slots: int) -> list[int]:
+    """Bytes of state on every slot of the pool."""
+    out = [0] * num_slots
+    for group in units.values():
+        for unit in group:
+            for slot, nbytes in bytes_on(unit).items():
+                out[slot] += nbytes
+    return out

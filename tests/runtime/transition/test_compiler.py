@@ -1,0 +1,404 @@
+"""The transition compiler on random plan pairs over random clusters with memory caps.
+
+Pure Python: the DAG is played out by ``simulate`` against its own memory model, in every order the
+executor may pick, and must end with exactly the target's units (layouts and slots)."""
+
+import itertools
+import random
+
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from runtime.emu.primitives import Destroy, Extend, Merge, Split
+from runtime.planner import default_catalog, plan
+from runtime.planner.plan import Layout, ModelStagePlan, Plan, StagePlan
+from runtime.planner.workload import STAGES, PpoWorkload
+from runtime.transition import Cluster, TransitionRefusedError, diff, simulate
+from runtime.transition.dag import max_closure
+from runtime.transition.units import occupancy, units_of
+
+CATALOG = default_catalog()
+ACC = CATALOG.accelerator("cpu-slot")
+MODEL = CATALOG.model("tiny-llama")  # 8 heads, 4 KV heads, 8 layers: tp in 1,2,4; pp in 1,2,4,8
+WORKLOAD = PpoWorkload.for_model(MODEL)
+NAMES = [ms.name for ms in WORKLOAD.model_stages()]
+
+
+def _plan(layouts: dict, num_slots: int) -> Plan:
+    return Plan(
+        accelerator=ACC.name,
+        num_slots=num_slots,
+        model_stages=tuple(
+            ModelStagePlan(
+                name=name,
+                layout=layout,
+                units=units,
+                predicted_s=0.0,
+                breakdown=(),
+                memory_per_slot=(),
+            )
+            for name, (layout, units) in layouts.items()
+        ),
+        stages=tuple(StagePlan(stage=s, mode="colocated", predicted_s=0.0) for s in STAGES),
+        predicted_step_s=0.0,
+    )
+
+
+@st.composite
+def random_plan(draw, num_slots: int):
+    layouts = {}
+    for name in NAMES:
+        tp = draw(st.sampled_from([t for t in (1, 2, 4) if t <= num_slots]))
+        pp = draw(st.sampled_from([p for p in (1, 2, 4) if tp * p <= num_slots]))
+        dp = draw(st.integers(1, num_slots // (tp * pp)))
+        slots = draw(st.permutations(range(num_slots)))
+        units = tuple(tuple(slots[i * tp * pp : (i + 1) * tp * pp]) for i in range(dp))
+        layouts[name] = (Layout(dp=dp, tp=tp, pp=pp), units)
+    return _plan(layouts, num_slots)
+
+
+@st.composite
+def plan_pairs(draw):
+    num_slots = draw(st.integers(2, 10))
+    current = draw(random_plan(num_slots))
+    target = draw(random_plan(num_slots))
+    # Overlap: often keep some model-stages where they are, so others move through their slots.
+    keep = draw(st.sets(st.sampled_from(NAMES), max_size=3))
+    target = _plan(
+        {
+            ms.name: (
+                (current.model_stage(ms.name).layout, current.model_stage(ms.name).units)
+                if ms.name in keep
+                else (ms.layout, ms.units)
+            )
+            for ms in target.model_stages
+        },
+        num_slots,
+    )
+    before = occupancy(units_of(current, WORKLOAD), num_slots)
+    after = occupancy(units_of(target, WORKLOAD), num_slots)
+    slack = draw(st.floats(1.0, 3.0))
+    caps = tuple(max(a, b) * slack + 1 for a, b in zip(before, after, strict=True))
+    return current, target, Cluster(accelerator=ACC, num_slots=num_slots, capacity_bytes=caps)
+
+
+def _assert_reaches_target(dag, target: Plan) -> None:
+    for ms in target.model_stages:
+        units = dag.target[ms.name]
+        assert sorted(u.slots for u in units) == sorted(ms.units)
+        assert all((u.layout.tp, u.layout.pp) == (ms.layout.tp, ms.layout.pp) for u in units)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(pair=plan_pairs(), seed=st.integers(0, 2**16))
+def test_random_transitions_are_acyclic_memory_safe_in_every_order_and_complete(pair, seed):
+    current, target, cluster = pair
+    try:
+        dag = diff(current, target, cluster, WORKLOAD)
+    except TransitionRefusedError as exc:
+        # Refusals name the slot that cannot fit; the target's own state always fits here.
+        assert "slot" in str(exc)
+        event("refused")
+        return
+    event("compiled")
+    dag.topological_order()  # raises on a cycle
+    dag.check_memory()
+    _assert_reaches_target(dag, target)
+    rng = random.Random(seed)
+    for _ in range(6):  # random orders and durations: never over capacity, never stuck
+        result = simulate(dag, rng=rng, random_order=True, jitter=0.9)
+        assert result.ok, result.reason
+        assert all(p <= c for p, c in zip(result.peak, dag.capacity, strict=True))
+
+
+@settings(max_examples=60, deadline=None)
+@given(pair=plan_pairs())
+def test_with_room_enough_no_transition_is_refused_and_no_resource_edge_is_added(pair):
+    current, target, _ = pair
+    roomy = Cluster(
+        accelerator=ACC,
+        num_slots=current.num_slots,
+        capacity_bytes=(1e15,) * current.num_slots,
+    )
+    dag = diff(current, target, roomy, WORKLOAD)
+    assert "resource" not in dag.edges.values()
+    _assert_reaches_target(dag, target)
+    assert simulate(dag).ok
+
+
+def _brute_force_worst(dag, slot):
+    """Every finished set closed under predecessors, with at most one running node on the slot."""
+    names = list(dag.nodes)
+    preds = {n: set(dag.preds(n)) for n in names}
+    best = dag.initial[slot]
+    for r in range(len(names) + 1):
+        for combo in itertools.combinations(names, r):
+            done = set(combo)
+            if any(not preds[n] <= done for n in done):
+                continue
+            base = dag.initial[slot] + sum(dag.nodes[n].delta(slot) for n in done)
+            best = max(best, base)
+            for n in names:
+                if n not in done and preds[n] <= done and slot in dag.nodes[n].slots:
+                    best = max(best, base + dag.nodes[n].acquire.get(slot, 0))
+    return best
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(pair=plan_pairs())
+def test_the_worst_case_analysis_is_exact(pair):
+    current, target, cluster = pair
+    roomy = Cluster(
+        accelerator=ACC,
+        num_slots=cluster.num_slots,
+        capacity_bytes=(1e15,) * cluster.num_slots,
+    )
+    dag = diff(current, target, roomy, WORKLOAD)
+    if len(dag.nodes) > 12:
+        dag.nodes = dict(itertools.islice(dag.nodes.items(), 12))
+        dag.edges = {e: k for e, k in dag.edges.items() if e[0] in dag.nodes and e[1] in dag.nodes}
+        dag._reach = None
+    for slot in range(cluster.num_slots):
+        if dag.touching(slot):
+            assert dag.worst_case(slot)[0] == _brute_force_worst(dag, slot)
+
+
+def test_max_closure_matches_enumeration():
+    rng = random.Random(3)
+    for _ in range(200):
+        n = rng.randint(1, 7)
+        weights = {i: rng.randint(-5, 5) for i in range(n)}
+        requires = {i: {j for j in range(i) if rng.random() < 0.3} for i in range(n)}
+        value, chosen = max_closure(weights, requires)
+        best = 0
+        for mask in range(1 << n):
+            members = {i for i in range(n) if mask >> i & 1}
+            if all(requires[i] <= members for i in members):
+                best = max(best, sum(weights[i] for i in members))
+        assert value == best
+        assert all(requires[i] <= chosen for i in chosen)
+        assert sum(weights[i] for i in chosen) == value
+
+
+# --- the shapes of known transitions ---------------------------------------------------------------
+
+
+def _only(name, before, after, num_slots=8, caps=None):
+    """A pair of plans where only ``name`` changes (the rest stay on slot 0 in (1,1,1))."""
+    base = {n: (Layout(dp=1, tp=1, pp=1), ((0,),)) for n in NAMES}
+    current = _plan({**base, name: before}, num_slots)
+    target = _plan({**base, name: after}, num_slots)
+    cluster = Cluster(
+        accelerator=ACC,
+        num_slots=num_slots,
+        capacity_bytes=caps or (1e15,) * num_slots,
+    )
+    return diff(current, target, cluster, WORKLOAD)
+
+
+def _kinds(dag, name):
+    return [n.kind for n in dag.nodes.values() if n.model_stage == name]
+
+
+def test_tp_2_to_1_with_dp_1_to_2_is_one_split_in_place():
+    dag = _only(
+        "actor@training",
+        (Layout(dp=1, tp=2, pp=1), ((2, 3),)),
+        (
+            Layout(dp=2, tp=1, pp=1),
+            ((2,), (3,)),
+        ),
+    )
+    assert _kinds(dag, "actor@training") == ["split"]
+    node = next(iter(dag.nodes.values()))
+    assert isinstance(node.primitive, Split) and node.primitive.k == 2
+    assert node.predicted_bytes > 0
+
+
+def test_dp_1_to_2_with_tp_1_to_2_merges_in_place_and_moves_nothing():
+    dag = _only(
+        "actor@training",
+        (Layout(dp=2, tp=1, pp=1), ((2,), (3,))),
+        (
+            Layout(dp=1, tp=2, pp=1),
+            ((2, 3),),
+        ),
+    )
+    assert _kinds(dag, "actor@training") == ["merge"]
+    assert sum(n.predicted_bytes for n in dag.nodes.values()) == 0
+
+
+def test_scaling_out_fans_out_as_a_tree():
+    """One replica to eight: later copies come from earlier ones, not all from the first."""
+    dag = _only(
+        "ref@inference",
+        (Layout(dp=1, tp=1, pp=1), ((1,),)),
+        (Layout(dp=8, tp=1, pp=1), tuple((s,) for s in range(1, 9))),
+        num_slots=10,
+    )
+    extends = [n for n in dag.nodes.values() if n.kind == "extend"]
+    assert len(extends) == 7
+    sources = {n.primitive.source.slots for n in extends}
+    assert len(sources) > 1
+    assert dag.predicted_s < sum(n.predicted_s for n in extends)
+
+
+def test_moving_to_finer_tp_merges_before_moving():
+    """(2,2,1) → (1,4,1) elsewhere: merge the two replicas where they are, then move the merged
+    unit: half the bytes of moving tp-2 pieces and merging at the destination."""
+    dag = _only(
+        "critic@training",
+        (Layout(dp=2, tp=2, pp=1), ((0, 1), (2, 3))),
+        (Layout(dp=1, tp=4, pp=1), ((4, 5, 6, 7),)),
+    )
+    assert _kinds(dag, "critic@training") == ["merge", "extend", "destroy"]
+
+
+def test_a_slot_shared_by_two_moving_model_stages_gets_a_resource_edge():
+    """actor@training leaves slots 4-5 for critic@training, which leaves 6-7 for the actor; with
+    room for only one of them at a time per slot, the compiler orders a release first."""
+    base = {n: (Layout(dp=1, tp=1, pp=1), ((0,),)) for n in NAMES}
+    moves = {
+        "actor@training": (
+            (Layout(dp=1, tp=2, pp=1), ((4, 5),)),
+            (Layout(dp=1, tp=2, pp=1), ((6, 7),)),
+        ),
+        "critic@training": (
+            (Layout(dp=1, tp=2, pp=1), ((6, 7),)),
+            (Layout(dp=1, tp=2, pp=1), ((2, 3),)),
+        ),
+    }
+    current = _plan({**base, **{k: v[0] for k, v in moves.items()}}, 8)
+    target = _plan({**base, **{k: v[1] for k, v in moves.items()}}, 8)
+    before = occupancy(units_of(current, WORKLOAD), 8)
+    after = occupancy(units_of(target, WORKLOAD), 8)
+    caps = tuple(max(before[s], after[s], 1) * 1.2 if s else 1e15 for s in range(8))
+    dag = diff(
+        current, target, Cluster(accelerator=ACC, num_slots=8, capacity_bytes=caps), WORKLOAD
+    )
+    resource = [e for e, k in dag.edges.items() if k == "resource"]
+    assert resource
+    a, b = resource[0]
+    assert dag.nodes[a].model_stage == "critic@training" and dag.nodes[a].kind == "destroy"
+    assert dag.nodes[b].model_stage == "actor@training" and dag.nodes[b].kind == "extend"
+    per_component = [
+        simulate(dag, policy="per_component", rng=random.Random(i)).ok for i in range(20)
+    ]
+    assert not all(per_component)  # without the edge, some interleavings run out of memory
+    assert simulate(dag).ok
+
+
+def test_dag_json_has_what_the_pages_draw():
+    dag = _only(
+        "actor@training",
+        (Layout(dp=1, tp=2, pp=1), ((2, 3),)),
+        (
+            Layout(dp=1, tp=2, pp=1),
+            ((4, 5),),
+        ),
+    )
+    data = dag.to_json()
+    assert {n["kind"] for n in data["nodes"]} == {"extend", "destroy"}
+    assert data["edges"] == [
+        {"from": data["nodes"][0]["id"], "to": data["nodes"][1]["id"], "kind": "data"}
+    ]
+    assert data["predicted_s"] > 0 and data["critical_path"]
+    assert set(data["slots"]) == {"capacity", "initial", "final", "worst_case"}
+    assert all(n["state"] == "pending" for n in data["nodes"])
+
+
+# --- bad input -------------------------------------------------------------------------------------
+
+
+def _planned(model_name: str, num_slots: int = 8) -> tuple[Plan, PpoWorkload]:
+    workload = PpoWorkload.for_model(CATALOG.model(model_name))
+    return plan(workload, ACC, num_slots).best, workload
+
+
+def test_plans_for_different_models_or_jobs_are_refused():
+    current, workload = _planned("tiny-llama")
+    other, _ = _planned("tiny-sft")
+    cluster = Cluster(accelerator=ACC, num_slots=8, capacity_bytes=(1e15,) * 8)
+    with pytest.raises(TransitionRefusedError, match=r"target.models: the plan is for .*tiny-sft"):
+        diff(current, other, cluster, workload)
+    import dataclasses
+
+    mine = dataclasses.replace(current, job="job-1")
+    theirs = dataclasses.replace(current, job="job-2")
+    with pytest.raises(
+        TransitionRefusedError, match=r"target.job: the plans belong to different jobs"
+    ):
+        diff(mine, theirs, cluster, workload)
+
+
+def test_an_infeasible_target_is_refused_naming_the_slot():
+    current, workload = _planned("tiny-llama")
+    on_zero = _plan({n: (Layout(dp=1, tp=1, pp=1), ((0,),)) for n in NAMES}, 8)
+    on_three = _plan({n: (Layout(dp=1, tp=1, pp=1), ((3,),)) for n in NAMES}, 8)
+    whole = occupancy(units_of(on_zero, workload), 8)[0]
+    caps = tuple(whole / 2 if s == 3 else whole * 2 for s in range(8))
+    cluster = Cluster(accelerator=ACC, num_slots=8, capacity_bytes=caps)
+    with pytest.raises(TransitionRefusedError, match=r"target: slot 3 would hold .* GiB of state"):
+        diff(on_zero, on_three, cluster, workload)
+    cluster = Cluster(accelerator=ACC, num_slots=8, capacity_bytes=(whole * 2,) * 8)
+    bad = _plan(
+        {
+            **{n: (Layout(dp=1, tp=1, pp=1), ((0,),)) for n in NAMES},
+            "actor@training": (Layout(dp=1, tp=3, pp=1), ((0, 1, 2),)),
+        },
+        8,
+    )
+    with pytest.raises(TransitionRefusedError, match=r"target.actor@training.layout: tp: 8 heads"):
+        diff(current, bad, cluster, workload)
+    lost = Cluster(
+        accelerator=ACC, num_slots=8, capacity_bytes=(1e15,) * 8, lost_slots=frozenset({0})
+    )
+    with pytest.raises(
+        TransitionRefusedError, match=r"target.actor@generation.units: slot 0 is lost"
+    ):
+        diff(current, current, lost, workload)
+    with pytest.raises(TransitionRefusedError, match=r"target.num_slots|outside the cluster"):
+        diff(current, current, Cluster(accelerator=ACC, num_slots=4), workload)
+    with pytest.raises(
+        TransitionRefusedError, match=r"cluster.capacity_bytes: 3 values for 8 slots"
+    ):
+        Cluster(accelerator=ACC, num_slots=8, capacity_bytes=(1.0, 2.0, 3.0))
+
+
+def test_a_lost_slot_releases_the_survivors_and_rebuilds_from_a_replica():
+    """Slot 5 is revoked: the unit on 4-5 is broken, its shard on 4 is released, and the target
+    is rebuilt from the intact replica on 6-7."""
+    dag_units = {n: (Layout(dp=1, tp=1, pp=1), ((0,),)) for n in NAMES}
+    current = _plan(
+        {**dag_units, "actor@training": (Layout(dp=2, tp=2, pp=1), ((4, 5), (6, 7)))}, 8
+    )
+    target = _plan({**dag_units, "actor@training": (Layout(dp=2, tp=2, pp=1), ((2, 3), (6, 7)))}, 8)
+    cluster = Cluster(
+        accelerator=ACC, num_slots=8, capacity_bytes=(1e15,) * 8, lost_slots=frozenset({5})
+    )
+    dag = diff(current, target, cluster, WORKLOAD)
+    destroy = next(n for n in dag.nodes.values() if n.kind == "destroy")
+    assert destroy.slots == (4,) and isinstance(destroy.primitive, Destroy)
+    extend = next(n for n in dag.nodes.values() if n.kind == "extend")
+    assert isinstance(extend.primitive, Extend) and extend.primitive.source.slots == (6, 7)
+    everything_lost = Cluster(
+        accelerator=ACC, num_slots=8, capacity_bytes=(1e15,) * 8, lost_slots=frozenset({5, 7})
+    )
+    elsewhere = _plan(
+        {**dag_units, "actor@training": (Layout(dp=2, tp=2, pp=1), ((2, 3), (0, 1)))}, 8
+    )
+    with pytest.raises(TransitionRefusedError, match="no intact unit is left") as refused:
+        diff(current, elsewhere, everything_lost, WORKLOAD)
+    assert refused.value.needs_restore
+
+
+def test_merge_kinds_are_the_four_primitives():
+    dag = _only(
+        "actor@training",
+        (Layout(dp=1, tp=4, pp=2), (tuple(range(8)),)),
+        (Layout(dp=1, tp=2, pp=4), (tuple(range(8)),)),
+    )
+    kinds = {type(n.primitive) for n in dag.nodes.values()}
+    assert kinds <= {Split, Merge, Extend, Destroy} and Split in kinds and Merge in kinds
+    assert simulate(dag).ok
