@@ -3,7 +3,7 @@
 A trial is a PPO job (Llama/Qwen models on A100/H100/H200/MI300X) whose plan changes because the
 generated length drifts and/or the pool grows or shrinks: the current and target plans come from
 the planner, the target relabelled by a random permutation of whole nodes (an equivalent plan),
-and every slot gets the same random memory cap between 1.0× and 1.6× of the fuller of its states
+and every slot gets the same random memory cap between 1.0× and 2.0× of the fullest slot's state
 before and after. Only *overlap* trials are kept: some slot receives one model-stage while another
 model-stage is leaving it.
 
@@ -44,7 +44,7 @@ from runtime.transition import (
     diff,
     simulate,
 )
-from runtime.transition.units import occupancy, units_of
+from runtime.transition.units import occupancy, persistent_stages, units_of
 
 MODELS = ("llama-3.1-8b", "qwen2.5-7b")
 ACCELERATORS = ("a100-80gb", "h100-sxm", "h200", "mi300x")
@@ -82,8 +82,12 @@ def _relabel(target: Plan, num_slots: int, gpus_per_node: int, rng: random.Rando
 
 def _overlaps(current: Plan, target: Plan) -> bool:
     """Some slot gains a model-stage that another model-stage is leaving."""
-    before = {ms.name: ms.slots for ms in current.model_stages}
-    after = {ms.name: ms.slots for ms in target.model_stages}
+    moving = {
+        ms.name
+        for ms in persistent_stages(PpoWorkload.for_model(default_catalog().model("tiny-llama")))
+    }
+    before = {ms.name: ms.slots for ms in current.model_stages if ms.name in moving}
+    after = {ms.name: ms.slots for ms in target.model_stages if ms.name in moving}
     for a in after:
         gained = after[a] - before.get(a, frozenset())
         for b in before:
@@ -111,11 +115,12 @@ def _trial(rng: random.Random, catalog):
     num_slots = max(n_before, n_after)
     before = occupancy(units_of(current, after_w), num_slots)
     after = occupancy(units_of(target, after_w), num_slots)
-    cap = max(max(before), max(after)) * rng.uniform(1.0, 1.6)
+    slack = rng.uniform(1.0, 2.0)
+    cap = max(max(before), max(after)) * slack
     cluster = Cluster(accelerator=acc, num_slots=num_slots, capacity_bytes=(cap,) * num_slots)
     roomy = Cluster(accelerator=acc, num_slots=num_slots, capacity_bytes=(1e18,) * num_slots)
     label = f"{model.name} {acc.name} {n_before}->{n_after} slots, gen {gen_before}->{gen_after}"
-    return label, current, target, cluster, roomy, after_w
+    return label, current, target, cluster, roomy, after_w, slack
 
 
 def run_simulated(trials: int, seed: int) -> dict:
@@ -128,10 +133,10 @@ def run_simulated(trials: int, seed: int) -> dict:
         made = _trial(rng, catalog)
         if made is None:
             continue
-        label, current, target, cluster, roomy, workload = made
+        label, current, target, cluster, roomy, workload, slack = made
         local = diff(current, target, roomy, workload)  # the same primitives, no resource edges
         local.capacity = cluster.capacity()
-        row = {"trial": label, "nodes": len(local.nodes)}
+        row = {"trial": label, "nodes": len(local.nodes), "cap_slack": slack}
         started = time.perf_counter()
         try:
             dag = diff(current, target, cluster, workload)

@@ -1,5 +1,8 @@
 """``diff``: the primitives that take a job from its current units to a target plan, as one DAG.
 
+Only the persistent model-stages move (training units, frozen models; see units.py): the derived
+ones are rebuilt by the next step in the target's layout.
+
 Per model-stage (a local DAG, in the order Split → Destroy → Extend → Merge):
 
 1. Units that already sit where the target wants them, in the target's layout, are kept.
@@ -34,7 +37,14 @@ from runtime.planner.workload import PpoWorkload
 from runtime.transition import cost
 from runtime.transition.dag import Node, TransitionDag, primitive_kind
 from runtime.transition.simulate import simulate
-from runtime.transition.units import Units, bytes_on, occupancy, unit_layout, units_of
+from runtime.transition.units import (
+    Units,
+    bytes_on,
+    occupancy,
+    persistent_stages,
+    unit_layout,
+    units_of,
+)
 
 
 class TransitionRefusedError(ValueError):
@@ -105,11 +115,11 @@ def diff(
         _check_units(held, cluster, workload)
     target_layouts = {
         ms.name: unit_layout(ms, target.model_stage(ms.name).layout, workload.precision)
-        for ms in workload.model_stages()
+        for ms in persistent_stages(workload)
     }
     builder = _Builder(cluster, efficiency, tag)
     final: dict[str, tuple[Unit, ...]] = {}
-    for ms in workload.model_stages():
+    for ms in persistent_stages(workload):
         intact = [u for u in held[ms.name] if not set(u.slots) & cluster.lost_slots]
         broken = [u for u in held[ms.name] if set(u.slots) & cluster.lost_slots]
         for unit in broken:  # release what the survivors of a broken unit still hold
@@ -204,7 +214,7 @@ def _check_plan(
 
 def _check_units(held: dict[str, tuple[Unit, ...]], cluster: Cluster, workload) -> None:
     seen: set[str] = set()
-    for ms in workload.model_stages():
+    for ms in persistent_stages(workload):
         if ms.name not in held:
             raise TransitionRefusedError(f"current.{ms.name}: the job's units are missing")
         for unit in held[ms.name]:

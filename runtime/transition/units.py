@@ -1,8 +1,12 @@
 """A job's units as values: each model-stage's units, and the bytes each holds on each slot.
 
-Between two PPO steps (where transitions happen) a slot holds the state of the units placed on it
-and nothing else: parameters for every unit, plus Adam state for training units. That state is
-what the primitives move and what the transition's memory check counts.
+What persists between two PPO steps (where transitions happen) is the state that cannot be
+rebuilt from elsewhere: the training units of the actor and the critic (parameters and Adam
+state), and the units of the frozen models (reference and reward). The actor's generation and
+inference units and the critic's inference unit are *derived*: every step rebuilds them from the
+training units (the weight sync the planner prices), so a transition does not move them; the next
+step builds them in the target's layout. The persistent units' state is what the primitives move
+and what the transition's memory check counts.
 """
 
 from __future__ import annotations
@@ -33,10 +37,19 @@ def unit_layout(ms: ModelStage, layout: Layout, precision: str = "bf16") -> Unit
     )
 
 
+def persists(ms: ModelStage) -> bool:
+    """Whether a model-stage's units hold state across steps (see the module's docstring)."""
+    return ms.stage == "training" or ms.role in ("ref", "reward")
+
+
+def persistent_stages(workload: PpoWorkload) -> tuple[ModelStage, ...]:
+    return tuple(ms for ms in workload.model_stages() if persists(ms))
+
+
 def units_of(plan: Plan, workload: PpoWorkload, *, tag: str = "u") -> dict[str, tuple[Unit, ...]]:
-    """A plan's units, named ``<model-stage>/<tag><index>``."""
+    """A plan's persistent units, named ``<model-stage>/<tag><index>``."""
     out = {}
-    for ms in workload.model_stages():
+    for ms in persistent_stages(workload):
         msp = plan.model_stage(ms.name)
         layout = unit_layout(ms, msp.layout, workload.precision)
         out[ms.name] = tuple(
