@@ -66,6 +66,9 @@ class Cluster:
     """Per slot; default: the device's memory less the planner's 10% headroom."""
     lost_slots: frozenset[int] = frozenset()
     """Slots revoked or failed: what they held is gone and no target may use them."""
+    rebuild_s: tuple[tuple[str, float], ...] = (("generation", 20.0), ("inference", 2.0))
+    """Seconds to rebuild a derived model-stage of each stage in a new layout at the next step
+    (a generation engine's start-up and graph capture, an inference unit's set-up)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.num_slots, bool) or not isinstance(self.num_slots, int):
@@ -102,6 +105,7 @@ def diff(
     *,
     efficiency: Mapping[str, float] | None = None,
     tag: str = "t1",
+    derived_from: Plan | None = None,
 ) -> TransitionDag:
     """Compile the transition from ``current`` (a plan, or the units a job holds now) to
     ``target``; raises ``TransitionRefusedError`` before anything moves when it cannot be made."""
@@ -147,6 +151,15 @@ def diff(
         target=final,
     )
     _check_final(dag, final)
+    before = current if isinstance(current, Plan) else derived_from
+    rebuild = dict(cluster.rebuild_s)
+    for ms in workload.model_stages():
+        if ms.name in final:
+            continue
+        was = None if before is None else before.model_stage(ms.name)
+        now = target.model_stage(ms.name)
+        if was is None or (was.layout, was.units) != (now.layout, now.units):
+            dag.rebuilds[ms.name] = rebuild.get(ms.stage, 0.0)
     _add_resource_edges(dag)
     # What admission uses: the executor's policy played out on predicted times (slots run one
     # primitive at a time, so this is at least the critical path).

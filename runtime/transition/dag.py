@@ -165,6 +165,9 @@ class TransitionDag:
         self.target = dict(target)
         """Each model-stage's units once the transition is done."""
         self.predicted_makespan_s: float | None = None
+        self.rebuilds: dict[str, float] = {}
+        """Derived model-stages whose layout or placement changes: the seconds the next step
+        spends building each anew (they move no state, so they are not nodes)."""
         for a, b in edges:
             self.add_edge(a, b, "data")
 
@@ -272,10 +275,11 @@ class TransitionDag:
     @property
     def predicted_s(self) -> float:
         """The predicted transition time: the executor's schedule on predicted durations when
-        the compiler has played it out, else the critical path."""
-        if self.predicted_makespan_s is not None:
-            return self.predicted_makespan_s
-        return self.critical_path()[0]
+        the compiler has played it out (else the critical path), plus the rebuilds."""
+        moving = self.predicted_makespan_s
+        if moving is None:
+            moving = self.critical_path()[0]
+        return moving + sum(self.rebuilds.values())
 
     # --- memory ---------------------------------------------------------------------------------
 
@@ -351,6 +355,7 @@ class TransitionDag:
                 "final": self.final_occupancy(),
                 "worst_case": worst,
             },
+            "rebuilds": dict(self.rebuilds),
             "target": {
                 ms: [{"id": u.unit_id, "slots": list(u.slots)} for u in units]
                 for ms, units in self.target.items()

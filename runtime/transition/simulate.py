@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from collections.abc import Callable
 
 from runtime.emu.primitives import Destroy, Extend, Merge, Split
-from runtime.transition.dag import TransitionDag
+from runtime.transition.dag import Node, TransitionDag
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -58,9 +59,11 @@ def simulate(
     rng: random.Random | None = None,
     jitter: float = 0.0,
     random_order: bool = False,
+    durations: Callable[[Node], float] | None = None,
 ) -> SimulationResult:
     """Run ``dag`` once; ``random_order`` lets the coordinated policy pick any ready node (to test
-    that every order it may pick is safe), ``jitter`` scales each duration by up to ±that."""
+    that every order it may pick is safe), ``jitter`` scales each duration by up to ±that, and
+    ``durations`` replaces the predicted seconds (the simulated engine's true model)."""
     if policy not in ("coordinated", "per_component"):
         raise ValueError(f"policy: expected 'coordinated' or 'per_component', got {policy!r}")
     if on_oom not in ("fail", "wait"):
@@ -108,7 +111,8 @@ def simulate(
                 peak[s] = max(peak[s], occupancy[s])
             busy |= set(node.slots)
             scale = 1.0 + (rng.uniform(-jitter, jitter) if jitter else 0.0)
-            running[n] = now + node.predicted_s * scale
+            seconds = node.predicted_s if durations is None else durations(node)
+            running[n] = now + seconds * scale
             order.append(n)
         if not running:
             blocked = sorted(set(dag.nodes) - done)

@@ -1,12 +1,13 @@
 """A job's units as values: each model-stage's units, and the bytes each holds on each slot.
 
-What persists between two PPO steps (where transitions happen) is the state that cannot be
-rebuilt from elsewhere: the training units of the actor and the critic (parameters and Adam
-state), and the units of the frozen models (reference and reward). The actor's generation and
-inference units and the critic's inference unit are *derived*: every step rebuilds them from the
-training units (the weight sync the planner prices), so a transition does not move them; the next
-step builds them in the target's layout. The persistent units' state is what the primitives move
-and what the transition's memory check counts.
+What persists between two PPO steps (where transitions happen) and cannot be rebuilt is the
+*mutable* state: the training units of the actor and the critic (parameters and Adam state).
+Everything else is rebuilt by the next step in the target's layout: the actor's generation and
+inference units and the critic's inference unit from the training units (the weight sync the
+planner prices), and the frozen reference and reward models from their immutable weights, which
+rest sharded evenly over the pool between uses (the planner's co-resident term) and are reloaded
+whenever the pool changes. So a transition moves the training units, and its memory check counts
+their state against what the resting shards leave free.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def unit_layout(ms: ModelStage, layout: Layout, precision: str = "bf16") -> Unit
 
 def persists(ms: ModelStage) -> bool:
     """Whether a model-stage's units hold state across steps (see the module's docstring)."""
-    return ms.stage == "training" or ms.role in ("ref", "reward")
+    return ms.stage == "training"
 
 
 def persistent_stages(workload: PpoWorkload) -> tuple[ModelStage, ...]:

@@ -85,12 +85,7 @@ def plan_pairs(draw):
 
 def _assert_reaches_target(dag, target: Plan) -> None:
     # The persistent model-stages move; the derived ones are rebuilt by the next step.
-    assert set(dag.target) == {
-        "actor@training",
-        "critic@training",
-        "ref@inference",
-        "reward@inference",
-    }
+    assert set(dag.target) == {"actor@training", "critic@training"}
     for ms in (target.model_stage(name) for name in dag.target):
         units = dag.target[ms.name]
         assert sorted(u.slots for u in units) == sorted(ms.units)
@@ -239,7 +234,7 @@ def test_dp_1_to_2_with_tp_1_to_2_merges_in_place_and_moves_nothing():
 def test_scaling_out_fans_out_as_a_tree():
     """One replica to eight: later copies come from earlier ones, not all from the first."""
     dag = _only(
-        "ref@inference",
+        "critic@training",
         (Layout(dp=1, tp=1, pp=1), ((1,),)),
         (Layout(dp=8, tp=1, pp=1), tuple((s,) for s in range(1, 9))),
         num_slots=10,

@@ -48,17 +48,14 @@ def _plan(layouts) -> Plan:
 
 
 # actor@training leaves 4-5 for 6-7 and changes its layout; critic@training leaves 6-7 for 2-3;
-# ref@inference goes from one tp-2 unit to two tp-1 replicas in place.
 CURRENT = _plan(
     {
-        "ref@inference": (Layout(dp=1, tp=2, pp=1), ((0, 1),)),
         "actor@training": (Layout(dp=2, tp=1, pp=1), ((4,), (5,))),
         "critic@training": (Layout(dp=1, tp=2, pp=1), ((6, 7),)),
     }
 )
 TARGET = _plan(
     {
-        "ref@inference": (Layout(dp=2, tp=1, pp=1), ((0,), (1,))),
         "actor@training": (Layout(dp=1, tp=2, pp=1), ((6, 7),)),
         "critic@training": (Layout(dp=1, tp=2, pp=1), ((2, 3),)),
     }

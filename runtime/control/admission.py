@@ -1,0 +1,78 @@
+"""Admission: is a candidate plan feasible, and does the move pay for itself?
+
+Feasibility: the planner only proposes plans whose every slot fits (retained state, workspaces,
+co-resident state and collective buffers, 10% headroom), and the transition compiler only compiles
+a DAG whose intermediate units fit in every order it admits. Profitability (the seed's Eq. 2):
+with ``saving`` the predicted seconds per step the candidate saves and ``cost`` the predicted
+seconds of the transition, admit when ``cost / saving <= gamma × H``, ``H`` being the triggering
+signal's drift horizon in steps: the move must repay itself well before the world drifts again.
+Urgent triggers (slots revoked or lost, a memory violation) check feasibility only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Verdict:
+    admit: bool
+    reason: str
+    saving_s: float
+    cost_s: float
+    payback_steps: float
+    horizon_steps: float
+    gamma: float
+
+    def to_json(self) -> dict:
+        out = dataclasses.asdict(self)
+        if math.isinf(self.payback_steps):
+            out["payback_steps"] = None
+        return out
+
+
+def decide(
+    *,
+    admission: str,
+    current_s: float,
+    candidate_s: float,
+    cost_s: float,
+    horizon_steps: float,
+    gamma: float,
+    urgent: bool,
+    infeasible: str = "",
+) -> Verdict:
+    """One admission decision with its reason; exact arithmetic, no side effects."""
+    saving = current_s - candidate_s
+    payback = cost_s / saving if saving > 0 else math.inf
+
+    def verdict(admit: bool, reason: str) -> Verdict:
+        return Verdict(
+            admit=admit,
+            reason=reason,
+            saving_s=saving,
+            cost_s=cost_s,
+            payback_steps=payback,
+            horizon_steps=horizon_steps,
+            gamma=gamma,
+        )
+
+    if infeasible:
+        return verdict(False, f"infeasible: {infeasible}")
+    if urgent:
+        return verdict(True, "urgent: feasibility only")
+    if admission == "never":
+        return verdict(False, "the policy never adapts")
+    if saving <= 0:
+        return verdict(False, f"not faster: saves {saving:.3f} s/step")
+    if admission == "always_faster":
+        return verdict(True, f"faster by {saving:.3f} s/step")
+    limit = gamma * horizon_steps
+    if payback <= limit:
+        return verdict(
+            True, f"pays back in {payback:.2f} steps <= gamma {gamma} × H {horizon_steps:.2f}"
+        )
+    return verdict(
+        False, f"pays back in {payback:.2f} steps > gamma {gamma} × H {horizon_steps:.2f}"
+    )

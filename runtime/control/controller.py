@@ -1,0 +1,574 @@
+"""The controller: watches each step, replans on triggers, admits, gates and applies transitions.
+
+It runs above the engine interface, so the simulated cluster and the Ray engine get the same
+decisions. Every decision is an event carrying its inputs and reasons (the trigger, the candidate,
+predicted saving and cost, H, gamma, the verdict). ``run_job`` is the step loop around it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import math
+from collections.abc import Callable
+from typing import Any
+
+from runtime.control.admission import Verdict, decide
+from runtime.control.monitor import Monitor, Trigger
+from runtime.control.policy import JobPolicy
+from runtime.engine.interface import Engine, StepReport
+from runtime.planner import PlanningError, plan
+from runtime.planner.calibration import Calibrator
+from runtime.planner.catalog import Accelerator
+from runtime.planner.memory import memory_breakdown, memory_budget, total_bytes
+from runtime.planner.plan import Plan
+from runtime.planner.search import price_plan
+from runtime.planner.shapes import LayoutShape
+from runtime.planner.workload import PpoWorkload
+from runtime.transition import Cluster, TransitionRefusedError, diff
+from runtime.transition.units import bytes_on, units_of
+
+logger = logging.getLogger(__name__)
+
+RESTART_ESTIMATE_S = 120.0
+"""The controller's estimate of a restart's fixed part (the engine knows the truth)."""
+STORAGE_ESTIMATE_BYTES_PER_S = 2e9
+"""Checkpoint bandwidth per node the controller assumes."""
+
+Event = dict[str, Any]
+
+
+@dataclasses.dataclass
+class Proposal:
+    """A transition waiting for a person."""
+
+    proposal_id: int
+    plan: Plan
+    verdict: Verdict
+    trigger: Trigger
+    created_s: float
+    units_at: frozenset[str]
+    """The unit ids it was compiled against: if they changed, the proposal is stale."""
+
+
+def place(candidate: Plan, alive: list[int], num_slots: int) -> Plan:
+    """A plan made for ``len(alive)`` slots, moved onto the live slots of a pool of ``num_slots``."""
+    return dataclasses.replace(
+        candidate,
+        num_slots=num_slots,
+        model_stages=tuple(
+            dataclasses.replace(ms, units=tuple(tuple(alive[s] for s in unit) for unit in ms.units))
+            for ms in candidate.model_stages
+        ),
+    )
+
+
+class Controller:
+    def __init__(
+        self,
+        workload: PpoWorkload,
+        accelerator: Accelerator,
+        policy: JobPolicy,
+        *,
+        emit: Callable[[Event], None] | None = None,
+        calibrator: Calibrator | None = None,
+        capacity_bytes: float | None = None,
+    ):
+        self.workload = workload
+        self.acc = accelerator
+        self.policy = policy
+        self.calibrator = calibrator or Calibrator()
+        self.monitor = Monitor(policy)
+        self.capacity = capacity_bytes or memory_budget(accelerator.memory_bytes)
+        self.plan: Plan | None = None
+        self.fixed: dict[str, tuple[int, int]] = {}
+        self.pending: Proposal | None = None
+        self.events: list[Event] = []
+        self._emit_to = emit
+        self._ids = itertools.count(1)
+        self.transitions = 0
+        self.restarts = 0
+        self.transition_s = 0.0
+        self.restart_s = 0.0
+        self._gen_len = float(workload.gen_len)
+        self.memory_factor = 1.0
+        """Measured peak memory over the planner's prediction (learned; never below 1)."""
+        self._memory_quiet_until = -1
+        self.deferred: tuple | None = None
+        """A candidate refused as too slow to repay, reconsidered while its signal stays calm."""
+
+    # --- events ---------------------------------------------------------------------------------
+
+    def emit(self, event: Event) -> None:
+        self.events.append(event)
+        if self._emit_to is not None:
+            self._emit_to(event)
+
+    # --- planning -------------------------------------------------------------------------------
+
+    def _alive(self, engine: Engine) -> list[int]:
+        lost = engine.lost_slots()
+        return [s for s in range(engine.pool_size()) if s not in lost]
+
+    def _workload(self, gen_len: float) -> PpoWorkload:
+        return self.workload.with_gen_len(max(1, round(gen_len)))
+
+    def _candidate(self, engine: Engine, workload: PpoWorkload) -> Plan:
+        alive = self._alive(engine)
+        excluded = frozenset()
+        if self.policy.fixed_layouts and self.fixed:
+            excluded = frozenset(
+                (name, tp, pp)
+                for name, (keep_tp, keep_pp) in self.fixed.items()
+                for tp in (1, 2, 4, 8, 16, 32, 64)
+                for pp in (1, 2, 4, 8, 16, 32, 64)
+                if (tp, pp) != (keep_tp, keep_pp)
+            )
+        efficiency = self.calibrator.efficiency()
+        # Plan against the memory the device really gives, as measured so far.
+        acc = dataclasses.replace(self.acc, memory_bytes=self.acc.memory_bytes / self.memory_factor)
+        try:
+            best = plan(
+                workload,
+                acc,
+                len(alive),
+                efficiency=efficiency,
+                num_alternatives=0,
+                excluded=excluded,
+            ).best
+        except PlanningError:
+            if not excluded:
+                raise
+            self.emit({"event": "control.relaxed", "reason": "the fixed layouts no longer fit"})
+            best = plan(workload, acc, len(alive), efficiency=efficiency, num_alternatives=0).best
+        best = dataclasses.replace(best, accelerator=self.acc.name)
+        return place(best, alive, engine.pool_size())
+
+    def initial_plan(self, engine: Engine) -> Plan:
+        candidate = self._candidate(engine, self.workload)
+        self.fixed = {ms.name: (ms.layout.tp, ms.layout.pp) for ms in candidate.model_stages}
+        self.plan = candidate
+        engine.start(candidate, self.workload)
+        self.emit({"event": "control.plan", "plan": candidate.to_json(), "reason": "initial"})
+        return candidate
+
+    # --- each step ------------------------------------------------------------------------------
+
+    def after_step(self, report: StepReport, engine: Engine) -> None:
+        """Learn from the step, fire triggers, and act on the most pressing one."""
+        assert self.plan is not None
+        for op_class, ideal, measured in report.op_times:
+            try:
+                self.calibrator.observe(op_class, ideal_s=ideal, measured_s=measured)
+            except ValueError as exc:
+                logger.info("calibration sample dropped: %s", exc)
+        triggers: list[Trigger] = []
+        self._learn_memory(report)
+        if report.ok:
+            self._gen_len = report.gen_len
+            predicted = self._price(self.plan, self._workload(report.gen_len))
+            signals = {
+                "gen_len": report.gen_len,
+                "step_time": report.seconds,
+                "peak_memory": report.peak_memory,
+                "efficiency": predicted / report.seconds if report.seconds > 0 else 1.0,
+            }
+            triggers += self.monitor.observe(report.step, signals, pool=engine.pool_size())
+            triggers += self._memory_ahead(report.step)
+        else:
+            if report.gen_len > 0 and "out of memory" in report.failure:
+                self._gen_len = report.gen_len  # the length that did not fit
+            triggers.append(Trigger(kind="failure", step=report.step, detail=report.failure))
+            self.monitor.observe(report.step, {}, pool=engine.pool_size())
+        self._expire_pending(engine)
+        if not triggers:
+            if self.deferred is not None and report.ok:
+                self._reconsider(report.step, engine)
+            return
+        for trigger in triggers:
+            self.emit({"event": "control.trigger", **trigger.to_json()})
+        trigger = min(triggers, key=lambda t: (not t.urgent, t.kind != "failure"))
+        self.replan(trigger, engine)
+
+    def before_step(self, engine: Engine, step: int) -> None:
+        """Slots revoked or failed since the last step: the urgent path, before the plan runs."""
+        if self._off_pool(engine):
+            lost = sorted(engine.lost_slots())
+            trigger = Trigger(kind="failure", step=step, detail=f"slots {lost} gone")
+            self.emit({"event": "control.trigger", **trigger.to_json()})
+            self.replan(trigger, engine)
+
+    def _off_pool(self, engine: Engine) -> bool:
+        assert self.plan is not None
+        lost, size = engine.lost_slots(), engine.pool_size()
+        return any(s in lost or s >= size for ms in self.plan.model_stages for s in ms.slots)
+
+    def _learn_memory(self, report: StepReport) -> None:
+        """Keep the largest measured-over-predicted peak (an out-of-memory step reports its peak
+        too, above 100% of the device)."""
+        assert self.plan is not None
+        if not report.ok and "out of memory" not in report.failure:
+            return
+        if report.peak_memory <= 0:
+            return
+        workload = self._workload(report.gen_len)
+        predicted = max(
+            float(
+                total_bytes(
+                    memory_breakdown(
+                        LayoutShape.of_layout(
+                            ms, workload, self.acc, self.plan.model_stage(ms.name).layout
+                        ),
+                        num_slots=self.plan.num_slots,
+                    )
+                )[0]
+            )
+            for ms in workload.model_stages()
+        )
+        ratio = report.peak_memory * self.acc.memory_bytes / predicted
+        # After an out-of-memory step, keep 5% beyond what was seen: the next plan must not fail.
+        self.memory_factor = max(self.memory_factor, ratio * (1.0 if report.ok else 1.05))
+
+    def _price(self, plan_: Plan, workload: PpoWorkload) -> float:
+        return price_plan(plan_, workload, self.acc, efficiency=self.calibrator.efficiency())
+
+    def _memory_ahead(self, step: int) -> list[Trigger]:
+        """A violation predicted within the lookahead, from the generated length's trend; once
+        fired, it waits a lookahead before firing again for the same plan."""
+        ahead = self.monitor.trend("gen_len", self.policy.lookahead_steps)
+        if ahead is None or ahead <= self._gen_len or self.plan is None:
+            return []
+        if self._memory_quiet_until > step:
+            return []
+        workload = self._workload(ahead)
+        for ms in workload.model_stages():
+            layout = self.plan.model_stage(ms.name).layout
+            shape = LayoutShape.of_layout(ms, workload, self.acc, layout)
+            need = float(total_bytes(memory_breakdown(shape, num_slots=self.plan.num_slots))[0])
+            if need * self.memory_factor > memory_budget(self.acc.memory_bytes):
+                self._memory_quiet_until = step + max(1, self.policy.lookahead_steps)
+                return [
+                    Trigger(
+                        kind="memory",
+                        signal="gen_len",
+                        value=ahead,
+                        reference=self._gen_len,
+                        step=step,
+                        detail=f"{ms.name} needs {need / 2**30:.1f} GiB at gen_len {ahead:.0f}",
+                    )
+                ]
+        return []
+
+    # --- replanning and admission ---------------------------------------------------------------
+
+    def replan(self, trigger: Trigger, engine: Engine) -> None:
+        assert self.plan is not None
+        gen_len = max(self._gen_len, trigger.value) if trigger.kind == "memory" else self._gen_len
+        workload = self._workload(gen_len)
+        self.monitor.replanned()
+        self.deferred = None
+        broken = trigger.kind == "failure" or self._off_pool(engine)
+        if self.policy.admission == "never" and not broken:
+            self.emit(self._decision(trigger, None, None, "the policy never adapts"))
+            return
+        try:
+            candidate = self._candidate(engine, workload)
+        except PlanningError as exc:
+            self.emit(self._decision(trigger, None, None, f"no feasible plan: {exc}"))
+            return
+        if (
+            not broken
+            and candidate.layouts() == self.plan.layouts()
+            and _same_units(candidate, self.plan)
+        ):
+            self.emit(self._decision(trigger, candidate, None, "the running plan is still best"))
+            return
+        current_s = math.inf if broken else self._price(self.plan, workload)
+        candidate_s = self._price(candidate, workload)
+        restart = self.policy.admission in ("restart", "never")
+        infeasible, dag = "", None
+        if restart:
+            cost = self._restart_estimate(candidate, workload)
+        else:
+            try:
+                dag = self._compile(engine, candidate, workload)
+                cost = dag.predicted_s
+            except TransitionRefusedError as exc:
+                infeasible, cost = str(exc), math.inf
+        urgent = trigger.urgent
+        verdict = decide(
+            admission=self.policy.admission,
+            current_s=current_s,
+            candidate_s=candidate_s,
+            cost_s=cost,
+            horizon_steps=self.monitor.effective_horizon(trigger.signal, trigger.step),
+            gamma=self.policy.gamma,
+            urgent=urgent,
+            infeasible=infeasible,
+        )
+        self.emit(self._decision(trigger, candidate, verdict, verdict.reason, dag=dag))
+        if not verdict.admit and verdict.reason.startswith("pays back"):
+            # Too slow to repay now: keep it, and admit it if the signal stays calm long enough.
+            self.deferred = (candidate, current_s, candidate_s, cost, trigger)
+        if not verdict.admit:
+            if broken:
+                # The urgent path's fallback: no feasible live transition from the intact units.
+                self._restart(candidate, workload, engine, because=verdict.reason)
+            return
+        if self._needs_approval(verdict, urgent):
+            self._propose(candidate, verdict, trigger, engine)
+            return
+        if restart:
+            self._restart(candidate, workload, engine, because=verdict.reason)
+        else:
+            self._apply(candidate, workload, dag, engine)
+
+    def _cluster(self, engine: Engine) -> Cluster:
+        """The slots a transition may touch: the pool, plus revoked slots that units still name
+        (lost, so their state is written off)."""
+        named = [s for us in engine.units().values() for u in us for s in u.slots]
+        size = max([engine.pool_size(), *(s + 1 for s in named)])
+        lost = {s for s in engine.lost_slots() if s < size} | set(range(engine.pool_size(), size))
+        free = self._transition_capacity(engine.pool_size())
+        return Cluster(
+            accelerator=self.acc,
+            num_slots=size,
+            capacity_bytes=(free,) * size,
+            lost_slots=frozenset(lost),
+        )
+
+    def _transition_capacity(self, pool: int) -> float:
+        """What a slot can give the training units during a transition: its budget less the
+        frozen models' resting shards (spread over the pool, as the planner assumes)."""
+        frozen = sum(
+            self.workload.models[role].num_params(scalar_head=role == "reward")
+            for role in ("ref", "reward")
+        )
+        return self.capacity / self.memory_factor - frozen * self.workload.bytes_per_value / pool
+
+    def _compile(self, engine: Engine, candidate: Plan, workload: PpoWorkload):
+        return diff(
+            engine.units(),
+            candidate,
+            self._cluster(engine),
+            workload,
+            efficiency=self.calibrator.efficiency(),
+            tag=f"t{self.transitions + self.restarts + 1}",
+            derived_from=self.plan,
+        )
+
+    def _reconsider(self, step: int, engine: Engine) -> None:
+        """Re-run admission for the deferred candidate with the horizon as it is now."""
+        assert self.deferred is not None
+        candidate, current_s, candidate_s, cost, trigger = self.deferred
+        verdict = decide(
+            admission=self.policy.admission,
+            current_s=current_s,
+            candidate_s=candidate_s,
+            cost_s=cost,
+            horizon_steps=self.monitor.effective_horizon(trigger.signal, step),
+            gamma=self.policy.gamma,
+            urgent=False,
+        )
+        if not verdict.admit:
+            return
+        self.deferred = None
+        workload = self._workload(self._gen_len)
+        self.emit(self._decision(trigger, candidate, verdict, f"deferred, now {verdict.reason}"))
+        if self._needs_approval(verdict, False):
+            self._propose(candidate, verdict, trigger, engine)
+        elif self.policy.admission == "restart":
+            self._restart(candidate, workload, engine, because=verdict.reason)
+        else:
+            try:
+                dag = self._compile(engine, candidate, workload)
+            except TransitionRefusedError as exc:
+                self.emit(self._decision(trigger, candidate, None, f"infeasible now: {exc}"))
+                return
+            self._apply(candidate, workload, dag, engine)
+
+    def _restart_estimate(self, candidate: Plan, workload: PpoWorkload) -> float:
+        state = sum(
+            sum(bytes_on(u).values()) for us in units_of(candidate, workload).values() for u in us
+        )
+        nodes = max(1, math.ceil(candidate.num_slots / self.acc.gpus_per_node))
+        return RESTART_ESTIMATE_S + 2 * state / (STORAGE_ESTIMATE_BYTES_PER_S * nodes)
+
+    def _apply(self, candidate: Plan, workload: PpoWorkload, dag, engine: Engine) -> None:
+        outcome = engine.transition(dag)
+        self.transitions += 1
+        self.transition_s += outcome.seconds
+        self.emit(
+            {
+                "event": "control.transition",
+                "ok": outcome.ok,
+                "predicted_s": dag.predicted_s,
+                "actual_s": outcome.seconds,
+                "nodes": len(dag.nodes),
+                "failure": outcome.failure,
+                "simulated": outcome.simulated,
+                "dag": dag.to_json(),
+            }
+        )
+        if outcome.ok:
+            self.plan = candidate
+            self._memory_quiet_until = -1
+            return
+        # Replan from the intact units; where none can be made, the urgent path restarts.
+        self.replan(Trigger(kind="failure", detail=outcome.failure), engine)
+
+    def _restart(self, candidate: Plan, workload: PpoWorkload, engine: Engine, *, because: str):
+        seconds = engine.restart(candidate, workload)
+        self.restarts += 1
+        self.restart_s += seconds
+        self.plan = candidate
+        self.emit(
+            {
+                "event": "control.restart",
+                "seconds": seconds,
+                "reason": because,
+                "from_checkpoint": True,
+            }
+        )
+
+    # --- the approval gate ----------------------------------------------------------------------
+
+    def _needs_approval(self, verdict: Verdict, urgent: bool) -> bool:
+        if urgent or self.policy.approval == "auto":
+            return False
+        if self.policy.approval == "manual":
+            return True
+        return verdict.cost_s > self.policy.approval_above_s
+
+    def _propose(self, candidate, verdict, trigger, engine) -> None:
+        self.pending = Proposal(
+            proposal_id=next(self._ids),
+            plan=candidate,
+            verdict=verdict,
+            trigger=trigger,
+            created_s=engine.now(),
+            units_at=_unit_ids(engine),
+        )
+        self.emit(
+            {
+                "event": "control.proposal",
+                "proposal": self.pending.proposal_id,
+                "plan": candidate.to_json(),
+                "verdict": verdict.to_json(),
+            }
+        )
+
+    def command(self, kind: str, proposal_id: int, engine: Engine) -> str:
+        """``approve`` or ``reject`` a pending proposal; returns what happened."""
+        if kind not in ("approve", "reject"):
+            raise ValueError(f"command: expected 'approve' or 'reject', got {kind!r}")
+        pending = self.pending
+        if pending is None or pending.proposal_id != proposal_id:
+            raise ValueError(f"proposal: {proposal_id} is not waiting")
+        self.pending = None
+        if kind == "reject":
+            self.emit({"event": "control.rejected", "proposal": proposal_id})
+            return "rejected"
+        if _unit_ids(engine) != pending.units_at:
+            self.emit({"event": "control.stale", "proposal": proposal_id})
+            return "stale"
+        workload = self._workload(self._gen_len)
+        self.emit({"event": "control.approved", "proposal": proposal_id})
+        if self.policy.admission == "restart":
+            self._restart(pending.plan, workload, engine, because="approved")
+            return "restarted"
+        try:
+            dag = self._compile(engine, pending.plan, workload)
+        except TransitionRefusedError as exc:
+            self.emit({"event": "control.stale", "proposal": proposal_id, "reason": str(exc)})
+            return "stale"
+        self._apply(pending.plan, workload, dag, engine)
+        return "applied"
+
+    def _expire_pending(self, engine: Engine) -> None:
+        if self.pending and engine.now() - self.pending.created_s > self.policy.approval_timeout_s:
+            self.emit({"event": "control.expired", "proposal": self.pending.proposal_id})
+            self.pending = None
+
+    def _decision(self, trigger, candidate, verdict, reason, dag=None) -> Event:
+        return {
+            "event": "control.decision",
+            "trigger": trigger.to_json(),
+            "candidate": None if candidate is None else candidate.to_json(),
+            "current": self.plan.to_json() if self.plan else None,
+            "verdict": None if verdict is None else verdict.to_json(),
+            "admit": bool(verdict and verdict.admit),
+            "reason": reason,
+            "horizon_steps": self.monitor.horizon_of(trigger.signal),
+            "gamma": self.policy.gamma,
+            "predicted_transition_s": None if dag is None else dag.predicted_s,
+        }
+
+
+def _same_units(a: Plan, b: Plan) -> bool:
+    return all(ms.units == b.model_stage(ms.name).units for ms in a.model_stages)
+
+
+def _unit_ids(engine: Engine) -> frozenset[str]:
+    return frozenset(u.unit_id for us in engine.units().values() for u in us)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunSummary:
+    steps: int
+    seconds: float
+    step_seconds: float
+    transitions: int
+    transition_seconds: float
+    restarts: int
+    restart_seconds: float
+    failed_steps: int
+    simulated: bool
+
+    @property
+    def mean_step_s(self) -> float:
+        """All the run's time (steps, transitions, restarts, lost work) per completed step."""
+        return self.seconds / max(1, self.steps - self.failed_steps)
+
+    def to_json(self) -> dict:
+        return {**dataclasses.asdict(self), "mean_step_s": self.mean_step_s}
+
+
+def run_job(engine: Engine, controller: Controller, steps: int) -> RunSummary:
+    """The step loop: run a step on the current plan, let the controller act between steps."""
+    controller.initial_plan(engine)
+    failed = 0
+    step_seconds = 0.0
+    for step in range(steps):
+        controller.before_step(engine, step)
+        assert controller.plan is not None
+        report = engine.step(controller.plan, controller._workload(controller._gen_len), step)
+        step_seconds += report.seconds
+        if not report.ok:
+            failed += 1
+        controller.emit(
+            {
+                "event": "step",
+                "step": step,
+                "ok": report.ok,
+                "seconds": report.seconds,
+                "gen_len": report.gen_len,
+                "stage_seconds": report.stage_seconds,
+                "peak_memory": report.peak_memory,
+                "failure": report.failure,
+                "simulated": report.simulated,
+            }
+        )
+        controller.after_step(report, engine)
+    return RunSummary(
+        steps=steps,
+        seconds=engine.now(),
+        step_seconds=step_seconds,
+        transitions=controller.transitions,
+        transition_seconds=controller.transition_s,
+        restarts=controller.restarts,
+        restart_seconds=controller.restart_s,
+        failed_steps=failed,
+        simulated=engine.simulated,
+    )

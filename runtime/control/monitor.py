@@ -1,0 +1,133 @@
+"""The monitor: per-step signals, their references, drift horizons and the triggers they fire.
+
+A signal drifts when it moves more than its relative threshold from its *reference* (its value at
+the last replan). Each crossing is recorded; the drift horizon ``H`` of a signal is the exponential
+moving average of the steps between its crossings (1 before any interval has been seen), and
+estimates how long a new plan will stay right. References reset after every replan, so that steady
+growth keeps triggering.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from runtime.control.policy import SIGNALS, JobPolicy
+
+HORIZON_ALPHA = 0.5
+"""Weight of the newest interval in the drift horizon's moving average."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Trigger:
+    kind: str
+    """``pool`` (the slots changed), ``failure`` (slots lost or a step failed), ``memory``
+    (a violation is predicted within the lookahead), or ``drift``."""
+    signal: str = ""
+    value: float = 0.0
+    reference: float = 0.0
+    step: int = 0
+    detail: str = ""
+
+    @property
+    def urgent(self) -> bool:
+        """Urgent triggers waive profitability (feasibility only): a failure, slots taken away,
+        or a memory violation predicted within the lookahead. More slots are not urgent."""
+        if self.kind == "pool":
+            return self.value < self.reference
+        return self.kind in ("failure", "memory")
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+class DriftHorizon:
+    """EMA of the steps between a signal's threshold crossings."""
+
+    def __init__(self, alpha: float = HORIZON_ALPHA):
+        self.alpha = alpha
+        self.value = 1.0
+        self.last_crossing: int | None = None
+        self.intervals = 0
+
+    def crossed(self, step: int) -> None:
+        if self.last_crossing is not None:
+            interval = step - self.last_crossing
+            self.value = (
+                float(interval)
+                if self.intervals == 0
+                else self.alpha * interval + (1 - self.alpha) * self.value
+            )
+            self.intervals += 1
+        self.last_crossing = step
+
+
+class Monitor:
+    """Feed it one step's signals at a time; it answers with the triggers they fire."""
+
+    def __init__(self, policy: JobPolicy):
+        self.policy = policy
+        self.reference: dict[str, float] = {}
+        self.horizon = {s: DriftHorizon() for s in SIGNALS}
+        self.history: dict[str, list[tuple[int, float]]] = {s: [] for s in SIGNALS}
+        self.pool: int | None = None
+
+    def observe(self, step: int, signals: dict[str, float], *, pool: int) -> list[Trigger]:
+        triggers = []
+        if self.pool is not None and pool != self.pool:
+            triggers.append(
+                Trigger(
+                    kind="pool",
+                    value=pool,
+                    reference=self.pool,
+                    step=step,
+                    detail=f"slots {self.pool} -> {pool}",
+                )
+            )
+        self.pool = pool
+        for name, value in signals.items():
+            if name not in SIGNALS:
+                raise ValueError(f"signals.{name}: unknown signal")
+            self.history[name].append((step, value))
+            reference = self.reference.setdefault(name, value)
+            if reference and abs(value - reference) / abs(reference) > self.policy.threshold(name):
+                self.horizon[name].crossed(step)
+                triggers.append(
+                    Trigger(
+                        kind="drift",
+                        signal=name,
+                        value=value,
+                        reference=reference,
+                        step=step,
+                        detail=f"{name} {reference:.4g} -> {value:.4g}",
+                    )
+                )
+        return triggers
+
+    def replanned(self) -> None:
+        """A new plan is in place: every signal's reference becomes its latest value."""
+        for name, history in self.history.items():
+            if history:
+                self.reference[name] = history[-1][1]
+
+    def trend(self, signal: str, ahead: int, window: int = 8) -> float | None:
+        """The signal ``ahead`` steps on, extrapolated linearly over the last ``window`` steps."""
+        points = self.history[signal][-window:]
+        if len(points) < 2:
+            return points[-1][1] if points else None
+        (s0, v0), (s1, v1) = points[0], points[-1]
+        slope = (v1 - v0) / (s1 - s0) if s1 != s0 else 0.0
+        return v1 + slope * ahead
+
+    def horizon_of(self, signal: str) -> float:
+        """H: the EMA of steps between the signal's crossings (1 before any interval)."""
+        return self.horizon[signal].value if signal else 1.0
+
+    def effective_horizon(self, signal: str, step: int) -> float:
+        """What admission uses: H, or the steps the signal has stayed quiet since its last
+        crossing if that is longer. A signal that has held still for k steps is likely to hold a
+        while more, so a move deferred as too slow to repay is admitted once the calm lasts."""
+        if not signal:
+            return 1.0
+        last = self.horizon[signal].last_crossing
+        quiet = step - last if last is not None else 0
+        return max(self.horizon[signal].value, float(quiet))

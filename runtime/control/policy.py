@@ -1,0 +1,98 @@
+"""A job's control policy: thresholds, the payback confidence, the approval gate. Validated whole
+at submission, so a bad value is an error naming its field, never a failure mid-run."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+SIGNALS = ("gen_len", "step_time", "peak_memory", "efficiency")
+"""Drift signals: mean generated length, measured step seconds, the fullest slot's peak memory
+fraction, and achieved efficiency (predicted over measured step time)."""
+DEFAULT_THRESHOLD = 0.30
+APPROVAL_MODES = ("auto", "manual", "manual_above")
+ADMISSIONS = ("payback", "always_faster", "never", "restart")
+"""``payback`` is Nereus's rule; ``always_faster`` admits whatever is predicted faster (DynaRL-style);
+``never`` keeps the plan unless forced; ``restart`` admits by payback but moves by checkpoint/restart."""
+
+
+class PolicyError(ValueError):
+    """A policy value out of range or unknown; the message names the field."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class JobPolicy:
+    thresholds: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    """Relative drift per signal that triggers a replan; unset signals use 30%."""
+    gamma: float = 0.5
+    """Admit when cost / saving <= gamma × H (the drift horizon in steps)."""
+    approval: str = "auto"
+    approval_above_s: float = 0.0
+    """With ``manual_above``: transitions predicted to cost more than this wait for a person."""
+    approval_timeout_s: float = 3600.0
+    """A proposal nobody answers is dropped after this long; the job keeps its plan."""
+    admission: str = "payback"
+    lookahead_steps: int = 10
+    """How far ahead a memory violation is predicted from the signals' trend."""
+    fixed_layouts: bool = False
+    """Keep every model-stage's (tp, pp); replan only data parallelism."""
+
+    def __post_init__(self) -> None:
+        for name, value in self.thresholds.items():
+            if name not in SIGNALS:
+                raise PolicyError(
+                    f"policy.thresholds.{name}: unknown signal; valid: {', '.join(SIGNALS)}"
+                )
+            if not _number(value) or not 0 < value <= 10:
+                raise PolicyError(
+                    f"policy.thresholds.{name}: must be a number in (0, 10], got {value!r}"
+                )
+        if not _number(self.gamma) or not 0 < self.gamma <= 100:
+            raise PolicyError(f"policy.gamma: must be a number in (0, 100], got {self.gamma!r}")
+        if self.approval not in APPROVAL_MODES:
+            raise PolicyError(
+                f"policy.approval: expected one of {', '.join(APPROVAL_MODES)}, "
+                f"got {self.approval!r}"
+            )
+        for field in ("approval_above_s", "approval_timeout_s"):
+            value = getattr(self, field)
+            if not _number(value) or value < 0:
+                raise PolicyError(f"policy.{field}: must be a number >= 0, got {value!r}")
+        if self.admission not in ADMISSIONS:
+            raise PolicyError(
+                f"policy.admission: expected one of {', '.join(ADMISSIONS)}, got {self.admission!r}"
+            )
+        if (
+            isinstance(self.lookahead_steps, bool)
+            or not isinstance(self.lookahead_steps, int)
+            or not 0 <= self.lookahead_steps <= 10_000
+        ):
+            raise PolicyError(
+                f"policy.lookahead_steps: must be an integer in [0, 10000], "
+                f"got {self.lookahead_steps!r}"
+            )
+
+    def threshold(self, signal: str) -> float:
+        return float(self.thresholds.get(signal, DEFAULT_THRESHOLD))
+
+    @classmethod
+    def from_json(cls, data: Any) -> JobPolicy:
+        if not isinstance(data, Mapping):
+            raise PolicyError("policy: must be an object")
+        known = {f.name for f in dataclasses.fields(cls)}
+        for key in data:
+            if key not in known:
+                raise PolicyError(f"policy.{key}: unknown field; valid: {', '.join(sorted(known))}")
+        thresholds = data.get("thresholds", {})
+        if not isinstance(thresholds, Mapping):
+            raise PolicyError("policy.thresholds: must be an object of signal: fraction")
+        return cls(**{**data, "thresholds": dict(thresholds)})
+
+    def to_json(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "thresholds": dict(self.thresholds)}
+
+
+def _number(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int | float) and math.isfinite(value)

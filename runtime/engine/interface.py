@@ -1,0 +1,75 @@
+"""The engine interface: what the controller and the job loop need from where units live.
+
+Two engines honour it: the simulated cluster (``runtime/engine/sim.py``) and the Ray engine
+(``runtime/engine/ray_engine.py``, real units on slot actors). Nothing above this interface knows
+which one runs, except that every report of the simulated one says ``simulated=True``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
+
+from runtime.planner.plan import Plan
+from runtime.planner.workload import PpoWorkload
+from runtime.transition.dag import TransitionDag
+from runtime.transition.units import Units
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepReport:
+    """One PPO step as measured by the engine."""
+
+    step: int
+    ok: bool
+    seconds: float
+    """Seconds the step took (simulated seconds on the simulated engine)."""
+    gen_len: float
+    """Mean generated tokens per response this step."""
+    stage_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+    op_times: tuple[tuple[str, float, float], ...] = ()
+    """(operation class, ideal seconds, measured seconds): what calibration learns from."""
+    peak_memory: float = 0.0
+    """The fullest slot's peak as a fraction of its capacity."""
+    failure: str = ""
+    simulated: bool = False
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TransitionOutcome:
+    ok: bool
+    seconds: float
+    units: dict
+    """Each persistent model-stage's intact units afterwards."""
+    lost_slots: tuple[int, ...] = ()
+    failure: str = ""
+    simulated: bool = False
+
+
+class Engine(Protocol):
+    """Where a job's units live and its steps run."""
+
+    kind: str
+    simulated: bool
+
+    def now(self) -> float:
+        """Seconds since the job started (simulated on the simulated engine)."""
+
+    def pool_size(self) -> int:
+        """Slots the job may use now."""
+
+    def lost_slots(self) -> frozenset[int]:
+        """Slots whose state is gone (revoked or failed) since the last placement."""
+
+    def start(self, plan: Plan, workload: PpoWorkload) -> None:
+        """Place the plan's units (fresh state, or the job's checkpoint)."""
+
+    def units(self) -> Units:
+        """The persistent units that exist now."""
+
+    def step(self, plan: Plan, workload: PpoWorkload, step: int) -> StepReport: ...
+
+    def transition(self, dag: TransitionDag) -> TransitionOutcome: ...
+
+    def restart(self, plan: Plan, workload: PpoWorkload) -> float:
+        """Checkpoint/restart onto ``plan``; returns its seconds."""

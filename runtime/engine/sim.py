@@ -1,0 +1,248 @@
+"""The simulated cluster: the engine interface in simulated time, with a hidden true model.
+
+Everything it reports is labelled simulated. What it hides from the planner:
+
+- **True efficiencies.** Each operation class runs at the planner's default efficiency times a
+  factor drawn per cluster (0.6–1.2), so the planner starts wrong and must learn online.
+- **Interference** that shifts over time: communication classes slow by up to ``interference``
+  along a slow wave (other tenants on the links), and per-step noise (``noise``, lognormal).
+- **True memory.** Activations and KV caches take ``memory_factor`` of what the planner's model
+  says, and the device has no headroom: a plan the planner thought feasible can run out of memory
+  and fail its step.
+
+Steps cost what the true model says for the plan's layouts at the trace's generated length.
+Transitions play the compiled DAG with true primitive times (bytes over links at true
+efficiencies, plus the per-primitive overhead the EMU benchmark measures on real slots);
+checkpoint/restart costs a restart plus saving and loading the whole persistent state at the
+storage bandwidth. The trace's pool changes and failures revoke the highest slots or the named one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+
+from runtime.engine.interface import StepReport, TransitionOutcome
+from runtime.engine.traces import Trace
+from runtime.planner import cost, memory
+from runtime.planner.catalog import Accelerator
+from runtime.planner.cost import DEFAULT_EFFICIENCY
+from runtime.planner.plan import Plan
+from runtime.planner.shapes import LayoutShape
+from runtime.planner.workload import PpoWorkload
+from runtime.transition import cost as transition_cost
+from runtime.transition.dag import TransitionDag
+from runtime.transition.simulate import simulate
+from runtime.transition.units import Units, bytes_on, units_of
+
+COMMUNICATION = ("tp_allreduce", "pp_p2p", "dp_allreduce", "weight_sync", "transition")
+STALL_S = 60.0
+"""Simulated seconds a job that cannot run on its pool waits before trying again."""
+REBUILD_TRUTH = 1.25
+"""True rebuild time of a derived model-stage over the compiler's estimate."""
+EMU_OVERHEAD = 1.6
+"""True primitive time over the ideal one (the EMU benchmark measures 1.25–2× on real slots)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrueModel:
+    """What the cluster really does; the planner never reads it."""
+
+    efficiency: dict[str, float]
+    noise: float = 0.03
+    interference: float = 0.3
+    interference_period_s: float = 4 * 3600.0
+    memory_factor: float = 1.15
+    restart_fixed_s: float = 120.0
+    """Process start, NCCL/Ray set-up, model load warm-up."""
+    storage_bytes_per_s: float = 2e9
+    """Checkpoint bandwidth per node."""
+
+    @classmethod
+    def draw(cls, seed: int, **overrides) -> TrueModel:
+        rng = random.Random(seed)
+        family = {}
+        efficiency = {}
+        for op_class, default in DEFAULT_EFFICIENCY.items():
+            name = op_class.partition(":")[0]
+            family.setdefault(name, rng.uniform(0.6, 1.2))
+            efficiency[op_class] = min(1.0, default * family[name] * rng.uniform(0.95, 1.05))
+        return cls(efficiency=efficiency, **overrides)
+
+    def efficiency_at(self, seconds: float) -> dict[str, float]:
+        """True efficiencies at a simulated time: communication slowed by the interference wave."""
+        wave = 0.5 * (1 - math.cos(2 * math.pi * seconds / self.interference_period_s))
+        slow = 1 + self.interference * wave
+        return {
+            c: e / slow if c.partition(":")[0] in COMMUNICATION else e
+            for c, e in self.efficiency.items()
+        }
+
+
+class SimulatedEngine:
+    """The engine interface over a simulated cluster driven by a trace."""
+
+    kind = "simulated"
+    simulated = True
+
+    def __init__(self, trace: Trace, accelerator: Accelerator, *, truth: TrueModel, seed: int = 0):
+        if accelerator.name != trace.accelerator:
+            raise ValueError(
+                f"accelerator: the trace is for {trace.accelerator}, not {accelerator.name}"
+            )
+        self.trace = trace
+        self.acc = accelerator
+        self.truth = truth
+        self.rng = random.Random(seed)
+        self.clock = 0.0
+        self._units: dict = {}
+        self._lost: set[int] = set()
+        self._pool = trace.gpus_at(0.0)
+        self._failures_seen = 0.0
+
+    # --- the interface --------------------------------------------------------------------------
+
+    def now(self) -> float:
+        return self.clock
+
+    def pool_size(self) -> int:
+        return self._pool
+
+    def lost_slots(self) -> frozenset[int]:
+        return frozenset(self._lost)
+
+    def start(self, plan: Plan, workload: PpoWorkload) -> None:
+        self._check_fits(plan)
+        self._units = units_of(plan, workload)
+        self._lost.clear()
+
+    def units(self) -> Units:
+        return dict(self._units)
+
+    def step(self, plan: Plan, workload: PpoWorkload, step: int) -> StepReport:
+        self._check_fits(plan)
+        gone = sorted(
+            {s for ms in plan.model_stages for s in ms.slots if s >= self._pool or s in self._lost}
+        )
+        if gone:  # the job cannot run here: it waits a minute for the pool to change
+            self._advance(STALL_S)
+            return StepReport(
+                step=step,
+                ok=False,
+                seconds=STALL_S,
+                gen_len=float(self.trace.gen_len_at(step)),
+                failure=f"slot {gone[0]} is gone (simulated)",
+                simulated=True,
+            )
+        gen_len = self.trace.gen_len_at(step) * math.exp(self.rng.gauss(0, 0.02))
+        now = workload.with_gen_len(max(1, round(gen_len)))
+        eff = self.truth.efficiency_at(self.clock)
+        modes = {s.stage: s.mode for s in plan.stages}
+        per_stage: dict[str, list[float]] = {}
+        op_times: list[tuple[str, float, float]] = []
+        peak = 0.0
+        for ms in now.model_stages():
+            layout = plan.model_stage(ms.name).layout
+            shape = LayoutShape.of_layout(ms, now, self.acc, layout)
+            ideal, _ = cost.ideal_breakdown(shape, num_slots=plan.num_slots)
+            total, _ = cost.predict(shape, num_slots=plan.num_slots, efficiency=eff)
+            jitter = math.exp(self.rng.gauss(0, self.truth.noise))
+            per_stage.setdefault(ms.stage, []).append(float(total[0]) * jitter)
+            for op_class, seconds in ideal.items():
+                ideal_s = float(seconds[0])
+                if ideal_s > 0:
+                    measured = ideal_s / eff[op_class] * math.exp(self.rng.gauss(0, 0.03))
+                    op_times.append((op_class, ideal_s, measured))
+            use = memory.memory_breakdown(shape, num_slots=plan.num_slots)
+            scaled = sum(
+                float(v[0]) * (self.truth.memory_factor if k in ("activations", "kv_cache") else 1)
+                for k, v in use.items()
+            )
+            peak = max(peak, scaled / self.acc.memory_bytes)
+        stage_seconds = {
+            stage: (sum(ts) if modes[stage] == "colocated" else max(ts))
+            for stage, ts in per_stage.items()
+        }
+        seconds = sum(stage_seconds.values())
+        ok, failure = True, ""
+        if peak > 1.0:  # out of memory part-way: the step's work is lost
+            ok, failure = False, f"out of memory: {peak:.0%} of a device (simulated)"
+            seconds *= 0.5
+        self._advance(seconds)
+        return StepReport(
+            step=step,
+            ok=ok,
+            seconds=seconds,
+            gen_len=gen_len,
+            stage_seconds=stage_seconds,
+            op_times=tuple(op_times),
+            peak_memory=peak,
+            failure=failure,
+            simulated=True,
+        )
+
+    def transition(self, dag: TransitionDag) -> TransitionOutcome:
+        eff = self.truth.efficiency_at(self.clock)
+
+        def true_seconds(node) -> float:
+            predicted = transition_cost.predict(node.primitive, self.acc, eff).seconds
+            return predicted * EMU_OVERHEAD * math.exp(self.rng.gauss(0, self.truth.noise))
+
+        result = simulate(dag, durations=true_seconds)
+        rebuild = sum(
+            seconds * REBUILD_TRUTH * math.exp(self.rng.gauss(0, self.truth.noise))
+            for seconds in dag.rebuilds.values()
+        )
+        result = dataclasses.replace(result, makespan_s=result.makespan_s + rebuild)
+        lost = self.trace.failures_between(self.clock, self.clock + result.makespan_s)
+        self._advance(result.makespan_s)
+        if not result.ok or lost:
+            return TransitionOutcome(
+                ok=False,
+                seconds=result.makespan_s,
+                units=self._intact(),
+                lost_slots=tuple(sorted(self._lost)),
+                failure=result.reason or f"slot {lost[0]} failed during the transition",
+                simulated=True,
+            )
+        self._units = dict(dag.target)
+        return TransitionOutcome(
+            ok=True, seconds=result.makespan_s, units=self.units(), simulated=True
+        )
+
+    def restart(self, plan: Plan, workload: PpoWorkload) -> float:
+        """Save every persistent unit, restart the processes, load onto ``plan``."""
+        state = sum(
+            sum(bytes_on(u).values()) for us in units_of(plan, workload).values() for u in us
+        )
+        nodes = max(1, math.ceil(plan.num_slots / self.acc.gpus_per_node))
+        seconds = self.truth.restart_fixed_s + 2 * state / (self.truth.storage_bytes_per_s * nodes)
+        self._advance(seconds)
+        self._units = units_of(plan, workload)
+        self._lost.clear()
+        return seconds
+
+    # --- the world moving on ----------------------------------------------------------------------
+
+    def _advance(self, seconds: float) -> None:
+        start, self.clock = self.clock, self.clock + seconds
+        pool = self.trace.gpus_at(self.clock)
+        if pool < self._pool:  # reclaimed: the highest slots go, with their state
+            self._lost.update(range(pool, self._pool))
+        elif pool > self._pool:  # slots (back) in the pool arrive empty and usable
+            self._lost.difference_update(range(self._pool, pool))
+        self._pool = pool
+        for slot in self.trace.failures_between(start, self.clock):
+            if slot < self._pool:
+                self._lost.add(slot)
+
+    def _intact(self) -> dict:
+        return {
+            name: tuple(u for u in units if not set(u.slots) & self._lost)
+            for name, units in self._units.items()
+        }
+
+    def _check_fits(self, plan: Plan) -> None:
+        if plan.accelerator != self.acc.name:
+            raise ValueError(f"plan.accelerator: {plan.accelerator} on a {self.acc.name} cluster")

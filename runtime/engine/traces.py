@@ -1,0 +1,262 @@
+"""Traces of the world a job runs in: generated length over steps, slots over time, node failures.
+
+A trace file is JSON Lines. The first line is the header, every other line one record:
+
+    {"trace": "growth-16", "version": 1, "steps": 1000, "accelerator": "h100-sxm", "gpus": 16}
+    {"at_step": 0, "gen_len": 500}
+    {"at_step": 1000, "gen_len": 8000}
+    {"at_s": 3600, "gpus": 24}
+    {"at_s": 7200, "fail_slot": 3}
+
+``gen_len`` points are joined linearly (a held-out shape is any polyline); ``gpus`` sets the pool
+size from that simulated time on; ``fail_slot`` kills one slot at that time (its state is lost; the
+pool shrinks by one until a later ``gpus`` record). ``generate`` makes seeded traces of the shapes
+the experiments use; ``load`` reads a file and names the line and field of anything malformed.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import json
+import math
+import random
+from pathlib import Path
+
+FORMAT_VERSION = 1
+SHAPES = ("growth", "plateau", "step", "oscillate", "noisy", "shrink")
+
+
+class TraceError(ValueError):
+    """A malformed trace: the message names the line and the field."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Trace:
+    name: str
+    steps: int
+    accelerator: str
+    gpus: int
+    """Slots at time 0."""
+    gen_len: tuple[tuple[int, float], ...]
+    """(step, generated tokens) points, by step."""
+    pool: tuple[tuple[float, int], ...] = ()
+    """(simulated seconds, slots) changes, by time."""
+    failures: tuple[tuple[float, int], ...] = ()
+    """(simulated seconds, slot index) failures, by time."""
+
+    def gen_len_at(self, step: int) -> int:
+        steps = [s for s, _ in self.gen_len]
+        i = bisect.bisect_right(steps, step)
+        if i == 0:
+            return max(1, round(self.gen_len[0][1]))
+        if i == len(steps):
+            return max(1, round(self.gen_len[-1][1]))
+        (s0, v0), (s1, v1) = self.gen_len[i - 1], self.gen_len[i]
+        return max(1, round(v0 + (v1 - v0) * (step - s0) / (s1 - s0)))
+
+    def gpus_at(self, seconds: float) -> int:
+        count = self.gpus
+        for at, value in self.pool:
+            if at <= seconds:
+                count = value
+        return count
+
+    def failures_between(self, start: float, end: float) -> list[int]:
+        return [slot for at, slot in self.failures if start < at <= end]
+
+    def pool_changes(self) -> int:
+        return len(self.pool)
+
+    def to_lines(self) -> list[str]:
+        lines = [
+            json.dumps(
+                {
+                    "trace": self.name,
+                    "version": FORMAT_VERSION,
+                    "steps": self.steps,
+                    "accelerator": self.accelerator,
+                    "gpus": self.gpus,
+                }
+            )
+        ]
+        lines += [json.dumps({"at_step": s, "gen_len": v}) for s, v in self.gen_len]
+        lines += [json.dumps({"at_s": t, "gpus": g}) for t, g in self.pool]
+        lines += [json.dumps({"at_s": t, "fail_slot": s}) for t, s in self.failures]
+        return lines
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text("\n".join(self.to_lines()) + "\n")
+
+
+def _int(value, where: str, *, minimum: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise TraceError(f"{where}: must be an integer of at least {minimum}, got {value!r}")
+    return value
+
+
+def _number(value, where: str, *, minimum: float = 0.0) -> float:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value < minimum
+    ):
+        raise TraceError(f"{where}: must be a finite number of at least {minimum}, got {value!r}")
+    return float(value)
+
+
+def parse(lines: list[str], *, source: str = "trace") -> Trace:
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise TraceError(f"{source}:{number}: not JSON ({exc.msg})") from None
+        if not isinstance(record, dict):
+            raise TraceError(f"{source}:{number}: expected an object, got {type(record).__name__}")
+        records.append((number, record))
+    if not records:
+        raise TraceError(f"{source}: empty; the first line must be the header")
+    number, header = records[0]
+    where = f"{source}:{number}"
+    if "trace" not in header:
+        raise TraceError(f"{where}: field 'trace': the first line must be the header")
+    if header.get("version") != FORMAT_VERSION:
+        raise TraceError(
+            f"{where}: field 'version': expected {FORMAT_VERSION}, got {header.get('version')!r}"
+        )
+    for field in ("steps", "accelerator", "gpus"):
+        if field not in header:
+            raise TraceError(f"{where}: field '{field}': missing from the header")
+    if not isinstance(header["accelerator"], str):
+        raise TraceError(f"{where}: field 'accelerator': must be a name")
+    steps = _int(header["steps"], f"{where}: field 'steps'", minimum=1)
+    gpus = _int(header["gpus"], f"{where}: field 'gpus'", minimum=1)
+    gen_len, pool, failures = [], [], []
+    for number, record in records[1:]:
+        where = f"{source}:{number}"
+        kinds = [k for k in ("gen_len", "gpus", "fail_slot") if k in record]
+        if len(kinds) != 1:
+            raise TraceError(
+                f"{where}: expected exactly one of 'gen_len', 'gpus', 'fail_slot', got "
+                f"{sorted(record)}"
+            )
+        kind = kinds[0]
+        unknown = set(record) - {kind, "at_step", "at_s"}
+        if unknown:
+            raise TraceError(f"{where}: field '{sorted(unknown)[0]}': unknown")
+        if kind == "gen_len":
+            if "at_step" not in record:
+                raise TraceError(f"{where}: field 'at_step': a gen_len point needs it")
+            at = _int(record["at_step"], f"{where}: field 'at_step'")
+            gen_len.append((at, _number(record["gen_len"], f"{where}: field 'gen_len'", minimum=1)))
+            continue
+        if "at_s" not in record:
+            raise TraceError(f"{where}: field 'at_s': a {kind} record needs it")
+        at_s = _number(record["at_s"], f"{where}: field 'at_s'")
+        if kind == "gpus":
+            pool.append((at_s, _int(record["gpus"], f"{where}: field 'gpus'", minimum=1)))
+        else:
+            failures.append((at_s, _int(record["fail_slot"], f"{where}: field 'fail_slot'")))
+    if not gen_len:
+        raise TraceError(f"{source}: field 'gen_len': at least one point is needed")
+    gen_len.sort()
+    if len({s for s, _ in gen_len}) != len(gen_len):
+        raise TraceError(f"{source}: field 'at_step': two gen_len points at the same step")
+    return Trace(
+        name=str(header["trace"]),
+        steps=steps,
+        accelerator=header["accelerator"],
+        gpus=gpus,
+        gen_len=tuple(gen_len),
+        pool=tuple(sorted(pool)),
+        failures=tuple(sorted(failures)),
+    )
+
+
+def load(path: str | Path) -> Trace:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise TraceError(f"{path}: cannot read ({exc.strerror})") from None
+    return parse(text.splitlines(), source=str(path))
+
+
+def generate(
+    shape: str,
+    *,
+    seed: int = 0,
+    steps: int = 1000,
+    gpus: int = 16,
+    accelerator: str = "h100-sxm",
+    start_len: int = 500,
+    end_len: int = 8000,
+    spot: bool = False,
+    hours: float = 10.0,
+    grow_to: int | None = None,
+    failures: int = 0,
+) -> Trace:
+    """A seeded trace of one of ``SHAPES``; ``spot`` adds a spot-like pool (over a dozen changes in
+    ``hours``), ``grow_to`` a pool that doubles towards that size, ``failures`` slot failures."""
+    if shape not in SHAPES:
+        raise TraceError(f"shape: expected one of {', '.join(SHAPES)}, got {shape!r}")
+    rng = random.Random(seed)
+    points: list[tuple[int, float]]
+    if shape == "growth":  # the seed's: 500 -> 8,000 tokens over 1,000 steps, roughly exponential
+        points = [
+            (s, start_len * (end_len / start_len) ** (s / steps)) for s in range(0, steps + 1, 50)
+        ]
+    elif shape == "plateau":  # grows fast, then stays
+        knee = steps // 4
+        points = [(0, start_len), (knee, end_len * 0.6), (steps, end_len * 0.65)]
+    elif shape == "step":  # jumps at random steps
+        cuts = sorted(rng.sample(range(1, steps), 3))
+        levels = sorted(rng.uniform(start_len, end_len) for _ in cuts)
+        points, level = [(0, float(start_len))], float(start_len)
+        for cut, new in zip(cuts, levels, strict=True):
+            points += [(cut - 1, level), (cut, new)]
+            level = new
+        points.append((steps, level))
+    elif shape == "oscillate":  # length swings up and down (a curriculum, a mixed task set)
+        period = max(20, steps // rng.randint(4, 8))
+        mid, amp = (start_len + end_len) / 4, (end_len - start_len) / 5
+        points = [
+            (s, mid + amp * math.sin(2 * math.pi * s / period))
+            for s in range(0, steps + 1, max(1, period // 8))
+        ]
+    elif shape == "noisy":  # drifting with bursts: a random walk in log space
+        value, points = float(start_len), []
+        for s in range(0, steps + 1, 25):
+            points.append((s, value))
+            value = min(end_len, max(start_len / 2, value * math.exp(rng.gauss(0.03, 0.25))))
+    else:  # "shrink": long answers get shorter (a length penalty kicks in)
+        points = [(0, end_len * 0.5), (steps // 3, end_len * 0.5), (steps, start_len)]
+    pool: list[tuple[float, int]] = []
+    if spot:  # 14 changes in ``hours``: instances reclaimed and returned a few at a time
+        count, unit = gpus, max(1, gpus // 8)
+        for t in sorted(rng.uniform(0, hours * 3600) for _ in range(14)):
+            delta = unit * rng.choice((1, 2)) * (1 if rng.random() < 0.5 else -1)
+            count = min(2 * gpus, max(gpus // 2, count + delta))
+            pool.append((round(t, 1), count))
+    if grow_to:
+        t, count = 0.0, gpus
+        while count < grow_to:
+            t += hours * 3600 / max(1, math.log2(grow_to / gpus) + 1)
+            count = min(grow_to, count * 2)
+            pool.append((round(t, 1), count))
+    fails = []
+    for _ in range(failures):
+        fails.append((round(rng.uniform(0.1, 0.9) * hours * 3600, 1), rng.randrange(gpus)))
+    return Trace(
+        name=f"{shape}-{gpus}-s{seed}",
+        steps=steps,
+        accelerator=accelerator,
+        gpus=gpus,
+        gen_len=tuple((s, round(v, 1)) for s, v in points),
+        pool=tuple(sorted(pool)),
+        failures=tuple(sorted(fails)),
+    )
