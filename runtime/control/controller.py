@@ -149,6 +149,7 @@ class Controller:
         candidate = self._candidate(engine, self.workload)
         self.fixed = {ms.name: (ms.layout.tp, ms.layout.pp) for ms in candidate.model_stages}
         self.plan = candidate
+        self.monitor.pool = engine.pool_size()
         engine.start(candidate, self.workload)
         self.emit({"event": "control.plan", "plan": candidate.to_json(), "reason": "initial"})
         return candidate

@@ -1,0 +1,115 @@
+"""Triggers, drift horizons, admission branches and policy validation, with exact numbers."""
+
+import math
+
+import pytest
+
+from runtime.control import DriftHorizon, JobPolicy, Monitor, PolicyError, Trigger, decide
+
+
+def test_the_drift_horizon_is_an_ema_of_steps_between_crossings():
+    h = DriftHorizon()
+    assert h.value == 1.0  # before any interval
+    h.crossed(10)
+    assert h.value == 1.0  # one crossing is not an interval yet
+    h.crossed(20)
+    assert h.value == 10.0  # the first interval is taken as it is
+    h.crossed(40)
+    assert h.value == 0.5 * 20 + 0.5 * 10  # then alpha = 0.5
+    h.crossed(44)
+    assert h.value == 0.5 * 4 + 0.5 * 15
+
+
+def test_a_signal_triggers_past_its_threshold_and_its_reference_resets_on_replan():
+    monitor = Monitor(JobPolicy(thresholds={"gen_len": 0.5}))
+    assert monitor.observe(0, {"gen_len": 100.0, "step_time": 10.0}, pool=8) == []
+    assert monitor.observe(1, {"gen_len": 150.0, "step_time": 12.9}, pool=8) == []  # 50%, 29%
+    fired = monitor.observe(2, {"gen_len": 151.0, "step_time": 13.1}, pool=8)
+    assert [(t.kind, t.signal) for t in fired] == [("drift", "gen_len"), ("drift", "step_time")]
+    assert fired[0].reference == 100.0 and fired[0].value == 151.0 and not fired[0].urgent
+    monitor.replanned()
+    assert monitor.reference == {"gen_len": 151.0, "step_time": 13.1}
+    assert monitor.observe(3, {"gen_len": 200.0}, pool=8) == []  # 32% of 151 < 50%
+    fired = monitor.observe(4, {"gen_len": 230.0}, pool=8)  # steady growth keeps triggering
+    assert [t.signal for t in fired] == ["gen_len"]
+    assert monitor.horizon_of("gen_len") == 2.0  # crossings at steps 2 and 4
+    assert monitor.effective_horizon("gen_len", 4) == 2.0
+    assert monitor.effective_horizon("gen_len", 30) == 26.0  # calm for 26 steps since step 4
+
+
+def test_pool_changes_trigger_and_only_a_shrink_is_urgent():
+    monitor = Monitor(JobPolicy())
+    monitor.observe(0, {}, pool=16)
+    (grow,) = monitor.observe(1, {}, pool=24)
+    assert (grow.kind, grow.value, grow.reference, grow.urgent) == ("pool", 24, 16, False)
+    (shrink,) = monitor.observe(2, {}, pool=8)
+    assert shrink.urgent
+    assert Trigger(kind="failure").urgent and Trigger(kind="memory").urgent
+
+
+def test_the_trend_extrapolates_the_last_window_linearly():
+    monitor = Monitor(JobPolicy())
+    for step, value in enumerate([100, 110, 120, 130]):
+        monitor.observe(step, {"gen_len": float(value)}, pool=8)
+    assert monitor.trend("gen_len", 10) == 130 + 10 * 10
+    assert Monitor(JobPolicy()).trend("gen_len", 5) is None
+
+
+ARGS = {"current_s": 10.0, "candidate_s": 8.0, "cost_s": 6.0, "gamma": 0.5, "urgent": False}
+
+
+def test_payback_admits_exactly_when_cost_over_saving_is_within_gamma_h():
+    # saving 2 s/step, cost 6 s: pays back in 3 steps; gamma 0.5
+    at = decide(admission="payback", horizon_steps=6.0, **ARGS)  # 3 <= 0.5 × 6
+    assert at.admit and at.payback_steps == 3.0 and at.saving_s == 2.0
+    assert at.reason == "pays back in 3.00 steps <= gamma 0.5 × H 6.00"
+    under = decide(admission="payback", horizon_steps=5.99, **ARGS)
+    assert not under.admit and "> gamma 0.5 × H 5.99" in under.reason
+
+
+def test_every_other_admission_branch():
+    dynarl = decide(admission="always_faster", horizon_steps=1.0, **ARGS)
+    assert dynarl.admit and dynarl.reason == "faster by 2.000 s/step"
+    slower = decide(admission="always_faster", horizon_steps=1.0, **{**ARGS, "candidate_s": 10.5})
+    assert not slower.admit and slower.reason.startswith("not faster: saves -0.500")
+    assert math.isinf(slower.payback_steps) and slower.to_json()["payback_steps"] is None
+    never = decide(admission="never", horizon_steps=100.0, **ARGS)
+    assert not never.admit and never.reason == "the policy never adapts"
+    urgent = decide(admission="payback", horizon_steps=1.0, **{**ARGS, "urgent": True})
+    assert urgent.admit and urgent.reason == "urgent: feasibility only"
+    infeasible = decide(
+        admission="payback", horizon_steps=100.0, infeasible="slot 3 is full", **ARGS
+    )
+    assert not infeasible.admit and infeasible.reason == "infeasible: slot 3 is full"
+    urgent_but_infeasible = decide(
+        admission="payback", horizon_steps=1.0, infeasible="x", **{**ARGS, "urgent": True}
+    )
+    assert not urgent_but_infeasible.admit
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({"thresholds": {"tokens": 0.3}}, r"policy.thresholds.tokens: unknown signal"),
+        ({"thresholds": {"gen_len": 0}}, r"policy.thresholds.gen_len: must be a number in"),
+        ({"thresholds": {"gen_len": True}}, r"policy.thresholds.gen_len"),
+        ({"thresholds": [0.3]}, r"policy.thresholds: must be an object"),
+        ({"gamma": -1}, r"policy.gamma: must be a number in \(0, 100\]"),
+        ({"gamma": float("nan")}, r"policy.gamma"),
+        ({"approval": "sometimes"}, r"policy.approval: expected one of auto, manual"),
+        ({"approval_timeout_s": -5}, r"policy.approval_timeout_s: must be a number >= 0"),
+        ({"admission": "greedy"}, r"policy.admission: expected one of payback"),
+        ({"lookahead_steps": 2.5}, r"policy.lookahead_steps"),
+        ({"colour": "red"}, r"policy.colour: unknown field"),
+        ([], r"policy: must be an object"),
+    ],
+)
+def test_bad_policies_are_refused_naming_the_field(data, message):
+    with pytest.raises(PolicyError, match=message):
+        JobPolicy.from_json(data)
+
+
+def test_a_policy_round_trips_and_defaults_to_thirty_percent():
+    policy = JobPolicy.from_json({"thresholds": {"gen_len": 0.2}, "gamma": 0.25})
+    assert policy.threshold("gen_len") == 0.2 and policy.threshold("step_time") == 0.30
+    assert JobPolicy.from_json(policy.to_json()) == policy

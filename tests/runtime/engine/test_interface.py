@@ -1,0 +1,115 @@
+"""One suite, both engines: the simulated cluster honours the engine interface the Ray engine
+honours (placing a plan's units, transitions to a target, checkpoint/restart onto another plan).
+
+The Ray engine runs on 6 CPU slots (Ray actors standing in for GPUs, which this machine lacks)
+joined by gloo; the simulated one on a 6-slot trace. The PPO step itself is covered per engine
+(the simulated step here; the Ray one with the PPO runtime)."""
+
+import pytest
+
+from runtime.engine.ray_cluster import ray_connection
+from runtime.engine.ray_engine import RayEngine
+from runtime.engine.sim import SimulatedEngine, TrueModel
+from runtime.engine.slots import SlotPool
+from runtime.engine.traces import Trace
+from runtime.planner import default_catalog
+from runtime.planner.plan import Layout, ModelStagePlan, Plan, StagePlan
+from runtime.planner.workload import STAGES, PpoWorkload
+from runtime.transition import Cluster, diff
+
+CATALOG = default_catalog()
+ACC = CATALOG.accelerator("cpu-slot")
+WORKLOAD = PpoWorkload.for_model(CATALOG.model("tiny-llama"))
+NAMES = [ms.name for ms in WORKLOAD.model_stages()]
+SLOTS = 6
+
+
+def _plan(actor, critic) -> Plan:
+    layouts = {n: (Layout(dp=1, tp=1, pp=1), ((0,),)) for n in NAMES}
+    layouts["actor@training"], layouts["critic@training"] = actor, critic
+    return Plan(
+        accelerator=ACC.name,
+        num_slots=SLOTS,
+        model_stages=tuple(
+            ModelStagePlan(
+                name=name,
+                layout=layout,
+                units=units,
+                predicted_s=0.0,
+                breakdown=(),
+                memory_per_slot=(),
+            )
+            for name, (layout, units) in layouts.items()
+        ),
+        stages=tuple(StagePlan(stage=s, mode="colocated", predicted_s=0.0) for s in STAGES),
+        predicted_step_s=0.0,
+    )
+
+
+FIRST = _plan((Layout(dp=1, tp=2, pp=1), ((0, 1),)), (Layout(dp=2, tp=1, pp=1), ((2,), (3,))))
+SECOND = _plan((Layout(dp=2, tp=1, pp=1), ((0,), (1,))), (Layout(dp=1, tp=2, pp=1), ((4, 5),)))
+THIRD = _plan((Layout(dp=1, tp=1, pp=2), ((2, 3),)), (Layout(dp=1, tp=2, pp=1), ((0, 1),)))
+
+
+@pytest.fixture(scope="module")
+def ray_pool():
+    with ray_connection(None, num_cpus=SLOTS):
+        pool = SlotPool.create(SLOTS, call_timeout_s=60)
+        try:
+            yield pool
+        finally:
+            pool.close()
+
+
+@pytest.fixture(params=["simulated", pytest.param("ray", marks=pytest.mark.ray)])
+def engine(request, tmp_path):
+    if request.param == "simulated":
+        trace = Trace(name="flat", steps=10, accelerator=ACC.name, gpus=SLOTS, gen_len=((0, 64.0),))
+        return SimulatedEngine(trace, ACC, truth=TrueModel.draw(1), seed=1)
+    return RayEngine(request.getfixturevalue("ray_pool"), checkpoint_dir=tmp_path)
+
+
+def _shape(units) -> dict:
+    return {
+        name: sorted((u.layout.tp, u.layout.pp, u.slots) for u in us) for name, us in units.items()
+    }
+
+
+def _expected(plan: Plan) -> dict:
+    return {
+        name: sorted(
+            (plan.model_stage(name).layout.tp, plan.model_stage(name).layout.pp, tuple(u))
+            for u in plan.model_stage(name).units
+        )
+        for name in ("actor@training", "critic@training")
+    }
+
+
+def test_an_engine_places_transitions_and_restarts(engine):
+    engine.start(FIRST, WORKLOAD)
+    assert engine.pool_size() == SLOTS and not engine.lost_slots()
+    assert _shape(engine.units()) == _expected(FIRST)
+
+    cluster = Cluster(accelerator=ACC, num_slots=SLOTS, capacity_bytes=(1e12,) * SLOTS)
+    dag = diff(engine.units(), SECOND, cluster, WORKLOAD, derived_from=FIRST)
+    before = engine.now()
+    outcome = engine.transition(dag)
+    assert outcome.ok and outcome.seconds > 0 and not outcome.failure
+    assert outcome.simulated == engine.simulated
+    assert _shape(engine.units()) == _expected(SECOND)
+    assert engine.now() >= before
+
+    seconds = engine.restart(THIRD, WORKLOAD)
+    assert seconds > 0
+    assert _shape(engine.units()) == _expected(THIRD)
+
+
+def test_the_simulated_step_is_labelled_and_calibratable():
+    trace = Trace(name="flat", steps=10, accelerator=ACC.name, gpus=SLOTS, gen_len=((0, 64.0),))
+    engine = SimulatedEngine(trace, ACC, truth=TrueModel.draw(1), seed=1)
+    engine.start(FIRST, WORKLOAD)
+    report = engine.step(FIRST, WORKLOAD, 0)
+    assert report.ok and report.simulated and report.seconds > 0
+    assert report.op_times and all(ideal > 0 and real > 0 for _, ideal, real in report.op_times)
+    assert abs(report.gen_len - 64) / 64 < 0.1
+    assert engine.now() == pytest.approx(report.seconds)
