@@ -124,5 +124,45 @@ def plan_command(
     )
 
 
+@app.command("simulate")
+def simulate_command(
+    trace: Annotated[
+        str, typer.Option(help="A trace file (JSON Lines), or gen:<shape> to generate one.")
+    ],
+    policy: Annotated[
+        str, typer.Option(help="nereus, dynarl, never, restart or dp-only.")
+    ] = "nereus",
+    gpus: Annotated[
+        int | None, typer.Option(help="Slots at the start (default: the trace's).")
+    ] = None,
+    model: Annotated[str, typer.Option(help="Model of all four roles.")] = "llama-3.1-8b",
+    gpu: Annotated[str, typer.Option(help="Accelerator kind.")] = "h100-sxm",
+    steps: Annotated[int | None, typer.Option(min=1, help="Steps (default: the trace's).")] = None,
+    seed: Annotated[int, typer.Option(help="Seed of the generated trace and true model.")] = 0,
+    policy_file: Annotated[
+        str | None, typer.Option(help="JSON file of policy settings (thresholds, gamma, ...).")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+    events: Annotated[str | None, typer.Option(help="Write every event to this file.")] = None,
+) -> None:
+    """Run the controller on the simulated cluster (every figure it prints is simulated)."""
+    from nereus.simulate_cli import simulate
+
+    raise typer.Exit(
+        code=simulate(
+            trace_spec=trace,
+            policy=policy,
+            gpus=gpus,
+            model=model,
+            gpu=gpu,
+            steps=steps,
+            seed=seed,
+            policy_file=policy_file,
+            as_json=as_json,
+            events_file=events,
+        )
+    )
+
+
 def main() -> None:
     app()

@@ -74,6 +74,7 @@ class Controller:
         emit: Callable[[Event], None] | None = None,
         calibrator: Calibrator | None = None,
         capacity_bytes: float | None = None,
+        fixed: dict[str, tuple[int, int]] | None = None,
     ):
         self.workload = workload
         self.acc = accelerator
@@ -82,7 +83,8 @@ class Controller:
         self.monitor = Monitor(policy)
         self.capacity = capacity_bytes or memory_budget(accelerator.memory_bytes)
         self.plan: Plan | None = None
-        self.fixed: dict[str, tuple[int, int]] = {}
+        self.fixed: dict[str, tuple[int, int]] = dict(fixed or {})
+        """With ``policy.fixed_layouts``: each model-stage's (tp, pp); default: the first plan's."""
         self.pending: Proposal | None = None
         self.events: list[Event] = []
         self._emit_to = emit
@@ -147,7 +149,8 @@ class Controller:
 
     def initial_plan(self, engine: Engine) -> Plan:
         candidate = self._candidate(engine, self.workload)
-        self.fixed = {ms.name: (ms.layout.tp, ms.layout.pp) for ms in candidate.model_stages}
+        if not self.fixed:
+            self.fixed = {ms.name: (ms.layout.tp, ms.layout.pp) for ms in candidate.model_stages}
         self.plan = candidate
         self.monitor.pool = engine.pool_size()
         engine.start(candidate, self.workload)
@@ -237,7 +240,7 @@ class Controller:
     def _memory_ahead(self, step: int) -> list[Trigger]:
         """A violation predicted within the lookahead, from the generated length's trend; once
         fired, it waits a lookahead before firing again for the same plan."""
-        ahead = self.monitor.trend("gen_len", self.policy.lookahead_steps)
+        ahead = self.monitor.trend("gen_len", self.policy.lookahead_steps, window=16)
         if ahead is None or ahead <= self._gen_len or self.plan is None:
             return []
         if self._memory_quiet_until > step:

@@ -30,11 +30,13 @@ class Trigger:
 
     @property
     def urgent(self) -> bool:
-        """Urgent triggers waive profitability (feasibility only): a failure, slots taken away,
-        or a memory violation predicted within the lookahead. More slots are not urgent."""
+        """Urgent triggers waive profitability (feasibility only): a failure or slots taken
+        away. More slots are not urgent; nor is a predicted memory violation: a forecast from a
+        trend can be a false alarm (an oscillating length turns back), so its candidate must pay
+        like any other, and a violation that does come is a failure, handled urgently."""
         if self.kind == "pool":
             return self.value < self.reference
-        return self.kind in ("failure", "memory")
+        return self.kind in ("failure",)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)

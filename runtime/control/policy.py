@@ -34,7 +34,7 @@ class JobPolicy:
     approval_timeout_s: float = 3600.0
     """A proposal nobody answers is dropped after this long; the job keeps its plan."""
     admission: str = "payback"
-    lookahead_steps: int = 10
+    lookahead_steps: int = 5
     """How far ahead a memory violation is predicted from the signals' trend."""
     fixed_layouts: bool = False
     """Keep every model-stage's (tp, pp); replan only data parallelism."""

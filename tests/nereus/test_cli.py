@@ -165,3 +165,28 @@ def test_plan_without_a_feasible_layout_names_the_constraint(tmp_path):
     done = _run(["plan", "--model", "llama-3.1-70b", "--gpus", "8"], live.service_env(tmp_path))
     assert done.returncode == 2
     assert "nereus plan: memory: " in done.stderr and "GiB over the" in done.stderr
+
+
+def test_simulate_prints_simulated_figures_and_names_bad_input(tmp_path):
+    env = live.service_env(tmp_path)
+    done = _run(
+        ["simulate", "--trace", "gen:growth", "--gpus", "16", "--steps", "20", "--json"], env
+    )
+    assert done.returncode == 0, done.stderr
+    data = json.loads(done.stdout)
+    assert data["simulated"] is True and data["steps"] == 20 and data["mean_step_s"] > 0
+    text = _run(["simulate", "--trace", "gen:growth", "--gpus", "16", "--steps", "5"], env)
+    assert text.stdout.startswith("SIMULATED:")
+    trace = tmp_path / "bad.jsonl"
+    trace.write_text(
+        '{"trace": "t", "version": 1, "steps": 5, "accelerator": "h100-sxm", "gpus": 8}\n'
+        '{"at_step": 0, "gen_len": "long"}\n'
+    )
+    done = _run(["simulate", "--trace", str(trace)], env)
+    assert done.returncode == 2 and f"{trace}:2: field 'gen_len'" in done.stderr
+    done = _run(["simulate", "--trace", "gen:growth", "--policy", "greedy"], env)
+    assert done.returncode == 2 and "--policy: unknown 'greedy'" in done.stderr
+    policy = tmp_path / "policy.json"
+    policy.write_text('{"gamma": 7000}')
+    done = _run(["simulate", "--trace", "gen:growth", "--policy-file", str(policy)], env)
+    assert done.returncode == 2 and "policy.gamma: must be a number in (0, 100]" in done.stderr

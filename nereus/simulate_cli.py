@@ -1,0 +1,121 @@
+"""``nereus simulate``: the controller, planner and transitions on the simulated cluster.
+
+Everything it prints is simulated: step times, transitions and restarts come from the simulated
+engine's hidden true model, never from hardware.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import typer
+
+from runtime.control import Controller, JobPolicy, PolicyError, run_job
+from runtime.engine.sim import SimulatedEngine, TrueModel
+from runtime.engine.traces import SHAPES, TraceError, generate, load
+from runtime.planner import PlanningError, PpoWorkload, default_catalog
+from runtime.planner.catalog import CatalogError
+
+POLICIES = {
+    "nereus": {"admission": "payback"},
+    "dynarl": {"admission": "always_faster"},
+    "never": {"admission": "never"},
+    "restart": {"admission": "restart"},
+    "dp-only": {"admission": "payback", "fixed_layouts": True},
+}
+
+
+class SimulateError(ValueError):
+    """Bad input to ``nereus simulate``; the message names the option."""
+
+
+def load_trace(spec: str, *, steps: int | None, gpus: int | None, seed: int, accelerator: str):
+    """A trace file, or ``gen:<shape>`` for a generated one (with a spot-like pool)."""
+    if spec.startswith("gen:"):
+        shape = spec[4:]
+        if shape not in SHAPES:
+            raise SimulateError(
+                f"--trace: unknown shape {shape!r}; choose one of {', '.join(SHAPES)}"
+            )
+        return generate(
+            shape,
+            seed=seed,
+            steps=steps or 1000,
+            gpus=gpus or 16,
+            accelerator=accelerator,
+            spot=True,
+        )
+    if not Path(spec).exists():
+        raise SimulateError(f"--trace: no such file {spec!r} (or use gen:<shape>)")
+    trace = load(spec)
+    changes = {}
+    if steps:
+        changes["steps"] = steps
+    if gpus:
+        changes["gpus"] = gpus
+    return dataclasses.replace(trace, **changes) if changes else trace
+
+
+def simulate(
+    *,
+    trace_spec: str,
+    policy: str,
+    gpus: int | None,
+    model: str,
+    gpu: str,
+    steps: int | None,
+    seed: int,
+    policy_file: str | None,
+    as_json: bool,
+    events_file: str | None,
+) -> int:
+    try:
+        if policy not in POLICIES:
+            raise SimulateError(
+                f"--policy: unknown {policy!r}; choose one of {', '.join(POLICIES)}"
+            )
+        if gpus is not None and gpus < 1:
+            raise SimulateError(f"--gpus: must be at least 1, got {gpus}")
+        settings = dict(POLICIES[policy])
+        if policy_file:
+            try:
+                extra = json.loads(Path(policy_file).read_text())
+            except (OSError, json.JSONDecodeError) as exc:
+                raise SimulateError(f"--policy-file: cannot read a JSON policy ({exc})") from None
+            settings = {**(extra if isinstance(extra, dict) else {"_": extra}), **settings}
+        job_policy = JobPolicy.from_json(settings)
+        catalog = default_catalog()
+        accelerator = catalog.accelerator(gpu)
+        trace = load_trace(trace_spec, steps=steps, gpus=gpus, seed=seed, accelerator=gpu)
+        if trace.accelerator != accelerator.name:
+            raise SimulateError(
+                f"--gpu: the trace is for {trace.accelerator}, not {accelerator.name}"
+            )
+        workload = PpoWorkload.for_model(catalog.model(model), gen_len=trace.gen_len_at(0))
+        engine = SimulatedEngine(trace, accelerator, truth=TrueModel.draw(seed), seed=seed)
+        controller = Controller(workload, accelerator, job_policy)
+        summary = run_job(engine, controller, trace.steps)
+    except (SimulateError, TraceError, PolicyError, CatalogError, PlanningError) as exc:
+        typer.echo(f"nereus simulate: {exc}", err=True)
+        return 2
+    if events_file:
+        Path(events_file).write_text("\n".join(json.dumps(e) for e in controller.events) + "\n")
+    result = {"simulated": True, "trace": trace.name, "policy": policy, **summary.to_json()}
+    if as_json:
+        typer.echo(json.dumps(result, indent=2))
+        return 0
+    typer.echo(
+        f"SIMULATED: {model} on {trace.gpus} × {accelerator.name}, trace {trace.name}, "
+        f"policy {policy}"
+    )
+    typer.echo(f"  steps              {summary.steps} ({summary.failed_steps} failed)")
+    typer.echo(f"  mean s/step        {summary.mean_step_s:.2f}")
+    typer.echo(f"  run time           {summary.seconds / 3600:.2f} h")
+    typer.echo(
+        f"  transitions        {summary.transitions}, {summary.transition_seconds:.1f} s "
+        f"({summary.transition_seconds / summary.seconds:.3%} of the run)"
+    )
+    typer.echo(f"  restarts           {summary.restarts}, {summary.restart_seconds:.1f} s")
+    return 0
