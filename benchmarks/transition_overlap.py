@@ -214,44 +214,27 @@ def summarise(result: dict) -> dict:
 def _small_pair(rng: random.Random, workload: PpoWorkload, acc):
     """Random layouts and placements of tiny-llama's seven model-stages on 8 CPU slots, a few
     kept where they are so that the others move through their slots."""
-    from runtime.planner.plan import Layout, StagePlan
-    from runtime.planner.workload import STAGES
+    from runtime.planner.plan import Layout
 
-    def random_plan(keep: dict | None = None) -> Plan:
-        stages = []
+    def random_layouts() -> dict:
+        out = {}
         for ms in workload.model_stages():
-            if keep and ms.name in keep:
-                stages.append(keep[ms.name])
-                continue
             tp = rng.choice((1, 2, 4))
             pp = rng.choice([p for p in (1, 2, 4) if tp * p <= 8])
             dp = rng.randint(1, 8 // (tp * pp))
             slots = rng.sample(range(8), 8)
             units = tuple(tuple(slots[i * tp * pp : (i + 1) * tp * pp]) for i in range(dp))
-            stages.append(
-                ModelStagePlan(
-                    name=ms.name,
-                    layout=Layout(dp=dp, tp=tp, pp=pp),
-                    units=units,
-                    predicted_s=0.0,
-                    breakdown=(),
-                    memory_per_slot=(),
-                )
-            )
-        return Plan(
-            accelerator=acc.name,
-            num_slots=8,
-            model_stages=tuple(stages),
-            stages=tuple(StagePlan(stage=s, mode="colocated", predicted_s=0.0) for s in STAGES),
-            predicted_step_s=0.0,
-        )
+            out[ms.name] = (Layout(dp=dp, tp=tp, pp=pp), units)
+        return out
 
-    current = random_plan()
-    kept = rng.sample([ms.name for ms in current.model_stages], 3)
-    target = random_plan({ms.name: ms for ms in current.model_stages if ms.name in kept})
-    before = occupancy(units_of(current, workload), 8)
-    after = occupancy(units_of(target, workload), 8)
-    cap = max(max(before), max(after)) * rng.uniform(1.0, 1.6)
+    before = random_layouts()
+    kept = rng.sample(sorted(before), 3)
+    after = {**random_layouts(), **{name: before[name] for name in kept}}
+    current = Plan.of_units(accelerator=acc.name, num_slots=8, layouts=before)
+    target = Plan.of_units(accelerator=acc.name, num_slots=8, layouts=after)
+    held = occupancy(units_of(current, workload), 8)
+    wanted = occupancy(units_of(target, workload), 8)
+    cap = max(max(held), max(wanted)) * rng.uniform(1.0, 1.6)
     return current, target, Cluster(accelerator=acc, num_slots=8, capacity_bytes=(cap,) * 8)
 
 

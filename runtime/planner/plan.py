@@ -122,6 +122,40 @@ class Plan:
                             )
                         seen[slot] = ms.name
 
+    @classmethod
+    def of_units(
+        cls,
+        *,
+        accelerator: str,
+        num_slots: int,
+        layouts: dict[str, tuple[Layout, tuple[tuple[int, ...], ...]]],
+        mode: str = "colocated",
+    ) -> Plan:
+        """A plan written by hand (a person's override, a test, a trace): each model-stage's
+        layout and units, every stage in ``mode``, nothing predicted yet."""
+        stages = {name.partition("@")[2] for name in layouts}
+        return cls(
+            accelerator=accelerator,
+            num_slots=num_slots,
+            model_stages=tuple(
+                ModelStagePlan(
+                    name=name,
+                    layout=layout,
+                    units=tuple(tuple(u) for u in units),
+                    predicted_s=0.0,
+                    breakdown=(),
+                    memory_per_slot=(),
+                )
+                for name, (layout, units) in layouts.items()
+            ),
+            stages=tuple(
+                StagePlan(stage=s, mode=mode, predicted_s=0.0)
+                for s in ("generation", "inference", "training")
+                if s in stages
+            ),
+            predicted_step_s=0.0,
+        )
+
     def model_stage(self, name: str) -> ModelStagePlan:
         for ms in self.model_stages:
             if ms.name == name:

@@ -13,8 +13,8 @@ from runtime.engine.sim import SimulatedEngine, TrueModel
 from runtime.engine.slots import SlotPool
 from runtime.engine.traces import Trace
 from runtime.planner import default_catalog
-from runtime.planner.plan import Layout, ModelStagePlan, Plan, StagePlan
-from runtime.planner.workload import STAGES, PpoWorkload
+from runtime.planner.plan import Layout, Plan
+from runtime.planner.workload import PpoWorkload
 from runtime.transition import Cluster, diff
 
 CATALOG = default_catalog()
@@ -27,23 +27,7 @@ SLOTS = 6
 def _plan(actor, critic) -> Plan:
     layouts = {n: (Layout(dp=1, tp=1, pp=1), ((0,),)) for n in NAMES}
     layouts["actor@training"], layouts["critic@training"] = actor, critic
-    return Plan(
-        accelerator=ACC.name,
-        num_slots=SLOTS,
-        model_stages=tuple(
-            ModelStagePlan(
-                name=name,
-                layout=layout,
-                units=units,
-                predicted_s=0.0,
-                breakdown=(),
-                memory_per_slot=(),
-            )
-            for name, (layout, units) in layouts.items()
-        ),
-        stages=tuple(StagePlan(stage=s, mode="colocated", predicted_s=0.0) for s in STAGES),
-        predicted_step_s=0.0,
-    )
+    return Plan.of_units(accelerator=ACC.name, num_slots=SLOTS, layouts=layouts)
 
 
 FIRST = _plan((Layout(dp=1, tp=2, pp=1), ((0, 1),)), (Layout(dp=2, tp=1, pp=1), ((2,), (3,))))

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 from runtime.emu.primitives import Destroy, Extend, Merge, Split
 from runtime.planner import default_catalog, plan
-from runtime.planner.plan import Layout, ModelStagePlan, Plan, StagePlan
-from runtime.planner.workload import STAGES, PpoWorkload
+from runtime.planner.plan import Layout, Plan
+from runtime.planner.workload import PpoWorkload
 from runtime.transition import Cluster, TransitionRefusedError, diff, simulate
 from runtime.transition.dag import max_closure
 from runtime.transition.units import occupancy, units_of
@@ -26,23 +26,7 @@ NAMES = [ms.name for ms in WORKLOAD.model_stages()]
 
 
 def _plan(layouts: dict, num_slots: int) -> Plan:
-    return Plan(
-        accelerator=ACC.name,
-        num_slots=num_slots,
-        model_stages=tuple(
-            ModelStagePlan(
-                name=name,
-                layout=layout,
-                units=units,
-                predicted_s=0.0,
-                breakdown=(),
-                memory_per_slot=(),
-            )
-            for name, (layout, units) in layouts.items()
-        ),
-        stages=tuple(StagePlan(stage=s, mode="colocated", predicted_s=0.0) for s in STAGES),
-        predicted_step_s=0.0,
-    )
+    return Plan.of_units(accelerator=ACC.name, num_slots=num_slots, layouts=layouts)
 
 
 @st.composite

@@ -12,8 +12,8 @@ from runtime.engine.ray_cluster import ray_connection
 from runtime.engine.slots import SlotPool
 from runtime.planner import default_catalog
 from runtime.planner.calibration import Calibrator
-from runtime.planner.plan import Layout, ModelStagePlan, Plan, StagePlan
-from runtime.planner.workload import STAGES, PpoWorkload
+from runtime.planner.plan import Layout, Plan
+from runtime.planner.workload import PpoWorkload
 from runtime.transition import Cluster, Executor, diff
 from runtime.transition.units import occupancy, units_of
 
@@ -28,23 +28,7 @@ NUM_SLOTS = 8
 
 def _plan(layouts) -> Plan:
     base = {n: (Layout(dp=1, tp=1, pp=1), ((0,),)) for n in NAMES}
-    return Plan(
-        accelerator=ACC.name,
-        num_slots=NUM_SLOTS,
-        model_stages=tuple(
-            ModelStagePlan(
-                name=name,
-                layout=layout,
-                units=units,
-                predicted_s=0.0,
-                breakdown=(),
-                memory_per_slot=(),
-            )
-            for name, (layout, units) in {**base, **layouts}.items()
-        ),
-        stages=tuple(StagePlan(stage=s, mode="colocated", predicted_s=0.0) for s in STAGES),
-        predicted_step_s=0.0,
-    )
+    return Plan.of_units(accelerator=ACC.name, num_slots=NUM_SLOTS, layouts={**base, **layouts})
 
 
 # actor@training leaves 4-5 for 6-7 and changes its layout; critic@training leaves 6-7 for 2-3;
