@@ -316,7 +316,7 @@ class Controller:
             # Too slow to repay now: keep it, and admit it if the signal stays calm long enough.
             self.deferred = (candidate, current_s, candidate_s, cost, trigger)
         if not verdict.admit:
-            if broken:
+            if broken and not self._salvage(trigger, workload, engine):
                 # The urgent path's fallback: no feasible live transition from the intact units.
                 self._restart(candidate, workload, engine, because=verdict.reason)
             return
@@ -361,6 +361,33 @@ class Controller:
             tag=f"t{self.transitions + self.restarts + 1}",
             derived_from=self.plan,
         )
+
+    def _salvage(self, trigger: Trigger, workload: PpoWorkload, engine: Engine) -> bool:
+        """When the planner's candidate cannot be reached live: keep running on what survived.
+        Every model-stage keeps its intact units (fewer data-parallel replicas, same layouts), so
+        the transition only releases the broken units' remains; a normal replan can improve on it
+        later, when it pays. False when some model-stage has no intact unit left."""
+        assert self.plan is not None
+        lost, size = engine.lost_slots(), engine.pool_size()
+        layouts = {}
+        for ms in self.plan.model_stages:
+            kept = tuple(u for u in ms.units if not any(s in lost or s >= size for s in u))
+            if not kept:
+                return False
+            layouts[ms.name] = (dataclasses.replace(ms.layout, dp=len(kept)), kept)
+        salvage = dataclasses.replace(
+            Plan.of_units(accelerator=self.acc.name, num_slots=size, layouts=layouts),
+            stages=self.plan.stages,
+            models=self.plan.models,
+        )
+        try:
+            dag = self._compile(engine, salvage, workload)
+        except TransitionRefusedError as exc:
+            self.emit(self._decision(trigger, salvage, None, f"salvage impossible: {exc}"))
+            return False
+        self.emit(self._decision(trigger, salvage, None, "salvage: keep the intact units", dag=dag))
+        self._apply(salvage, workload, dag, engine)
+        return True
 
     def _reconsider(self, step: int, engine: Engine) -> None:
         """Re-run admission for the deferred candidate with the horizon as it is now."""

@@ -108,3 +108,43 @@ def test_the_step_loop_accounts_for_all_the_time():
     assert summary.transitions == 1 and summary.mean_step_s == pytest.approx(summary.seconds / 6)
     steps = [e for e in controller.events if e["event"] == "step"]
     assert len(steps) == 6 and all(e["simulated"] for e in steps)
+
+
+def _failing(*slots) -> SimulatedEngine:
+    trace = Trace(
+        name="f",
+        steps=4,
+        accelerator=ACC.name,
+        gpus=16,
+        gen_len=((0, 1024.0),),
+        failures=tuple((1.0 + i, s) for i, s in enumerate(slots)),
+    )
+    return SimulatedEngine(trace, ACC, truth=TrueModel.draw(3, noise=0.0), seed=1)
+
+
+def test_a_failed_slot_is_replanned_from_the_intact_units():
+    """Slot 0 fails during the first step: the actor's training unit on 0-3 is broken, its
+    replica on 4-7 is intact, so the job moves on by a live transition, not a restart."""
+    engine = _failing(0)
+    controller = Controller(WORKLOAD, ACC, JobPolicy())
+    first = controller.initial_plan(engine)
+    assert first.model_stage("actor@training").units[0][0] == 0
+    assert first.model_stage("actor@training").layout.dp == 2
+    _steps(controller, engine, range(3))
+    assert controller.restarts == 0 and controller.transitions >= 1
+    assert all(0 not in ms.slots for ms in controller.plan.model_stages)
+    actor = engine.units()["actor@training"]
+    assert actor and all(0 not in u.slots for u in actor)
+    assert all(e["ok"] for e in controller.events if e["event"] == "step")
+
+
+def test_without_an_intact_replica_the_job_restarts_from_its_checkpoint():
+    """Slots 0 and 4 fail: both of the actor's training units are broken (no replica holds its
+    state), so the urgent path falls back to checkpoint/restart, and says why."""
+    engine = _failing(0, 4)
+    controller = Controller(WORKLOAD, ACC, JobPolicy())
+    controller.initial_plan(engine)
+    _steps(controller, engine, range(3))
+    assert controller.restarts >= 1
+    restart = next(e for e in controller.events if e["event"] == "control.restart")
+    assert restart["from_checkpoint"] and "no intact unit" in restart["reason"]
