@@ -316,7 +316,8 @@ class Controller:
             # Too slow to repay now: keep it, and admit it if the signal stays calm long enough.
             self.deferred = (candidate, current_s, candidate_s, cost, trigger)
         if not verdict.admit:
-            if broken and not self._salvage(trigger, workload, engine):
+            salvaged = self._off_pool(engine) and self._salvage(trigger, workload, engine)
+            if broken and not salvaged:
                 # The urgent path's fallback: no feasible live transition from the intact units.
                 self._restart(candidate, workload, engine, because=verdict.reason)
             return
