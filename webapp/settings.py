@@ -42,7 +42,9 @@ INSTALLED_APPS = [
     "rest_framework",
     "drf_spectacular",
     "webapp.realtime",
+    "webapp.projects",
     "webapp.jobs",
+    "webapp.api",
 ]
 
 MIDDLEWARE = [
@@ -78,7 +80,11 @@ TEMPLATES = [
 DATABASES = {"default": CONFIG.database}
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 # Migrations live in the top-level migrations/ package, one sub-package per app.
-MIGRATION_MODULES = {"realtime": "migrations.realtime", "jobs": "migrations.jobs"}
+MIGRATION_MODULES = {
+    "realtime": "migrations.realtime",
+    "projects": "migrations.projects",
+    "jobs": "migrations.jobs",
+}
 
 AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
@@ -165,10 +171,15 @@ NEREUS_MAX_DRIVER_DELIVERIES = 3
 # --- REST framework -------------------------------------------------------------------------
 REST_FRAMEWORK = {
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    # The bearer class comes first so that a request without credentials gets a 401 naming the
+    # scheme (DRF asks the first class for WWW-Authenticate), not a 403.
     "DEFAULT_AUTHENTICATION_CLASSES": [
+        "webapp.api.authentication.BearerTokenAuthentication",
         "rest_framework.authentication.SessionAuthentication",
     ],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+    "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
+    "EXCEPTION_HANDLER": "webapp.api.exceptions.exception_handler",
 }
 SPECTACULAR_SETTINGS = {
     "TITLE": "Nereus API",

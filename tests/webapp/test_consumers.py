@@ -15,9 +15,10 @@ from django.contrib.auth import BACKEND_SESSION_KEY, HASH_SESSION_KEY, SESSION_K
 from django.contrib.sessions.backends.db import SessionStore
 from django.utils import timezone
 
+from tests.support.jobs import make_job
 from webapp.jobs import services
 from webapp.jobs.consumers import CLOSE_NOT_FOUND, CLOSE_UNAUTHENTICATED
-from webapp.jobs.models import Job, JobEvent
+from webapp.jobs.models import JobEvent
 from webapp.jobs.routing import websocket_urlpatterns
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.asyncio]
@@ -39,7 +40,7 @@ def _setup():
     users = get_user_model()
     alice = users.objects.create_user(username="alice", password="pw-alice-1234")
     bob = users.objects.create_user(username="bob", password="pw-bob-1234")
-    job = Job.objects.create(name="j", owner=alice, spec={"num_slots": 1, "num_steps": 1})
+    job = make_job(owner=alice)
     return job, _session_for(alice), _session_for(bob)
 
 

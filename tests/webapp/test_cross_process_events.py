@@ -63,8 +63,8 @@ def test_event_written_by_another_process_reaches_the_websocket(env, tmp_path, r
         """
 import json
 from django.contrib.auth import get_user_model
-from webapp.jobs.models import Job
-job = Job.objects.create(name="x", owner=get_user_model().objects.get(username="alice"), spec={})
+from tests.support.jobs import make_job
+job = make_job(owner=get_user_model().objects.get(username="alice"), name="x", spec={})
 print(json.dumps(job.pk))
 """,
     )

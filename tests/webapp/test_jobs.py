@@ -5,8 +5,10 @@ from django.contrib.auth import get_user_model
 from django.core.exceptions import ValidationError
 from django.test import override_settings
 
+from tests.support.jobs import make_job
 from webapp.jobs import errors, services
 from webapp.jobs.models import ALLOWED_MOVES, FailureReason, Job, JobEvent, JobState
+from webapp.projects.models import Role
 
 pytestmark = pytest.mark.django_db
 
@@ -25,7 +27,7 @@ def bob():
 
 @pytest.fixture
 def job(alice):
-    return Job.objects.create(name="j", owner=alice, spec=SPEC)
+    return make_job(owner=alice, spec=SPEC)
 
 
 def test_submit_validates_the_spec_and_logs_the_submission(alice):
@@ -122,7 +124,7 @@ def test_pages_need_a_login(client, job):
 
 
 def test_list_page_shows_own_jobs_and_submits(client, alice, bob, job):
-    Job.objects.create(name="bobs-secret-job", owner=bob, spec=SPEC)
+    make_job(owner=bob, name="bobs-secret-job", spec=SPEC)
     client.force_login(alice)
     page = client.get("/jobs/").content.decode()
     assert "bobs-secret-job" not in page and "<td>j</td>" in page
@@ -147,6 +149,37 @@ def test_other_peoples_jobs_are_not_found(client, bob, job):
     assert client.post(f"/jobs/{job.pk}/cancel/").status_code == 404
     job.refresh_from_db()
     assert job.state == JobState.PENDING
+
+
+def test_project_members_see_each_others_jobs_and_only_operators_cancel(client, alice, bob, job):
+    from webapp.projects.services import membership_set
+
+    membership_set(project=job.project, user=bob, role=Role.VIEWER)
+    client.force_login(bob)
+    assert "<td>j</td>" in client.get("/jobs/").content.decode()
+    page = client.get(f"/jobs/{job.pk}/").content.decode()
+    assert f"/jobs/{job.pk}/cancel/" not in page
+    assert client.post(f"/jobs/{job.pk}/cancel/").status_code == 403
+    job.refresh_from_db()
+    assert job.state == JobState.PENDING
+    membership_set(project=job.project, user=bob, role=Role.OPERATOR)
+    assert f"/jobs/{job.pk}/cancel/" in client.get(f"/jobs/{job.pk}/").content.decode()
+    assert client.post(f"/jobs/{job.pk}/cancel/").status_code == 302
+    job.refresh_from_db()
+    assert job.state == JobState.CANCELLED
+
+
+def test_the_submit_form_offers_only_projects_where_one_may_submit(client, alice, bob, job):
+    from webapp.projects.services import membership_set
+
+    membership_set(project=job.project, user=bob, role=Role.VIEWER)
+    client.force_login(bob)
+    response = client.post(
+        "/jobs/",
+        {"project": job.project.pk, "name": "n", "num_slots": 1, "num_steps": 1, "seed": 0},
+    )
+    assert response.status_code == 200 and "project" in response.context["form"].errors
+    assert Job.objects.count() == 1
 
 
 def test_detail_page_loads_plotly_from_static_and_labels_the_engine(client, alice, job):

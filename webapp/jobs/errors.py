@@ -4,6 +4,9 @@ ILLEGAL_MOVE = "a job in state {current} cannot move to {target}"
 STALE_EPOCH = "epoch {epoch} is older than the job's current epoch {current}; the write is refused"
 JOB_FINISHED = "job {job_id} has already finished ({state})"
 TOO_MANY_DELIVERIES = "the driver task was delivered {count} times without finishing"
+IDEMPOTENCY_MISMATCH = (
+    "Idempotency-Key {key!r} was used for a different request; use a new key for a new job"
+)
 
 
 class JobError(ValueError):
@@ -12,3 +15,7 @@ class JobError(ValueError):
 
 class StaleEpochError(JobError):
     """A write from a driver that has been superseded."""
+
+
+class IdempotencyError(JobError):
+    """An Idempotency-Key reused with a different request body."""

@@ -72,6 +72,7 @@ class Job(models.Model):
     owner = models.ForeignKey(
         settings.AUTH_USER_MODEL, on_delete=models.PROTECT, related_name="jobs"
     )
+    project = models.ForeignKey("projects.Project", on_delete=models.PROTECT, related_name="jobs")
     state = models.CharField(max_length=32, choices=JobState.choices, default=JobState.PENDING)
     failure_reason = models.CharField(
         max_length=32, choices=FailureReason.choices, default=FailureReason.NONE, blank=True
@@ -86,10 +87,26 @@ class Job(models.Model):
     updated_at = models.DateTimeField(auto_now=True)
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
+    idempotency_key = models.CharField(
+        max_length=255, blank=True, default="", help_text="The submitter's Idempotency-Key."
+    )
+    request_hash = models.CharField(
+        max_length=64, blank=True, default="", help_text="SHA-256 of the submitted request body."
+    )
 
     class Meta:
         ordering = ["-id"]
-        indexes = [models.Index(fields=["owner", "state"])]
+        indexes = [
+            models.Index(fields=["owner", "state"]),
+            models.Index(fields=["project", "state"]),
+        ]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["owner", "idempotency_key"],
+                condition=~models.Q(idempotency_key=""),
+                name="jobs_idempotency_key_per_owner",
+            )
+        ]
 
     def __str__(self) -> str:
         return f"job {self.pk} ({self.state})"

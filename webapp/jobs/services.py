@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 from datetime import UTC, datetime
 from typing import Any
@@ -10,31 +12,111 @@ from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
 from django.conf import settings
 from django.core.exceptions import ValidationError
-from django.db import transaction
+from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from webapp.jobs import errors
+from webapp.jobs import errors, selectors
 from webapp.jobs.models import ALLOWED_MOVES, FailureReason, Job, JobEvent, JobState
+from webapp.projects import errors as project_errors
+from webapp.projects.models import ApiToken, Project, Role
+from webapp.projects.selectors import require_role
+from webapp.projects.services import project_personal_for
 
 logger = logging.getLogger(__name__)
 
 
 @transaction.atomic
-def job_submit(*, user, name: str, spec: dict[str, Any]) -> Job:
-    """Validate the spec, store the job and enqueue its driver once the row is committed."""
+def job_submit(
+    *,
+    user,
+    name: str,
+    spec: dict[str, Any],
+    project: Project | None = None,
+    token: ApiToken | None = None,
+    idempotency_key: str = "",
+    request_hash: str = "",
+) -> Job:
+    """Validate the spec, store the job and enqueue its driver once the row is committed.
+
+    Needs the operator role in ``project``; without one, the job goes to the token's project, or
+    to the user's personal project.
+    """
     from runtime.jobs.spec import SftJobSpec
 
+    if project is None:
+        project = token.project if token is not None else project_personal_for(user)
+    require_role(user, project, Role.OPERATOR, token=token)
     try:
         validated = SftJobSpec.from_json(spec)
     except ValueError as exc:
         field = str(exc).split(":", 1)[0]
         raise ValidationError({field: str(exc)}) from exc
-    job = Job.objects.create(name=name, owner=user, spec=validated.to_json())
+    job = Job.objects.create(
+        name=name,
+        owner=user,
+        project=project,
+        spec=validated.to_json(),
+        idempotency_key=idempotency_key,
+        request_hash=request_hash,
+    )
     job_event_append(
         job=job, epoch=job.epoch, kind="job.submitted", data={"by": user.get_username()}
     )
     transaction.on_commit(lambda: _enqueue_driver(job.pk))
     return job
+
+
+def request_fingerprint(body: Any) -> str:
+    """SHA-256 of a JSON request body in canonical form (sorted keys, no spaces)."""
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+
+def job_submit_idempotent(
+    *,
+    user,
+    name: str,
+    spec: dict[str, Any],
+    project: Project | None,
+    idempotency_key: str,
+    body: Any,
+    token: ApiToken | None = None,
+) -> tuple[Job, bool]:
+    """Submit once per (user, key): returns ``(job, replayed)``. The same key with the same body
+    returns the job it made; with a different body, ``IdempotencyError``."""
+    fingerprint = request_fingerprint(body)
+    existing = Job.objects.filter(owner=user, idempotency_key=idempotency_key).first()
+    if existing is not None:
+        return _replay(existing, user=user, token=token, fingerprint=fingerprint), True
+    try:
+        with transaction.atomic():
+            job = job_submit(
+                user=user,
+                name=name,
+                spec=spec,
+                project=project,
+                token=token,
+                idempotency_key=idempotency_key,
+                request_hash=fingerprint,
+            )
+    except IntegrityError:
+        # A concurrent request with the same key committed first; PostgreSQL made this insert wait
+        # for it, so its job is visible now.
+        existing = Job.objects.filter(owner=user, idempotency_key=idempotency_key).first()
+        if existing is None:
+            raise
+        return _replay(existing, user=user, token=token, fingerprint=fingerprint), True
+    return job, False
+
+
+def _replay(job: Job, *, user, token: ApiToken | None, fingerprint: str) -> Job:
+    mismatch = errors.IdempotencyError(errors.IDEMPOTENCY_MISMATCH.format(key=job.idempotency_key))
+    if job.request_hash != fingerprint:
+        raise mismatch
+    try:  # a token of another project must not learn of the job through its key
+        return selectors.job_get_for(user, job_id=job.pk, token=token)
+    except project_errors.NotFoundError:
+        raise mismatch from None
 
 
 def _enqueue_driver(job_id: int) -> None:
@@ -116,6 +198,14 @@ def job_cancel(*, job_id: int) -> Job:
         return job
     target = JobState.CANCELLED if job.state == JobState.PENDING else JobState.CANCELLING
     return job_move(job=job, target=target)
+
+
+def job_cancel_for(*, user, job_id: int, token: ApiToken | None = None) -> Job:
+    """Cancel on behalf of a person: the job must be visible to them (else ``NotFoundError``) and
+    they need the operator role in its project (else ``RoleError``)."""
+    job = selectors.job_get_for(user, job_id=job_id, token=token)
+    require_role(user, job.project, Role.OPERATOR, token=token)
+    return job_cancel(job_id=job.pk)
 
 
 class DatabaseEventSink:

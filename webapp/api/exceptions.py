@@ -1,0 +1,74 @@
+"""One error shape for the whole API: ``{"code", "message", "fields"}``.
+
+``fields`` maps a field's dotted path (``spec.num_slots``, ``after``, ``Idempotency-Key``) to its
+problems; it is empty for errors that are not about one field. Domain errors of the services map to
+statuses here, so views never translate them one by one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.core.exceptions import ValidationError as DjangoValidationError
+from rest_framework import exceptions, status
+from rest_framework.views import exception_handler as drf_exception_handler
+
+from webapp.jobs import errors as job_errors
+from webapp.projects import errors as project_errors
+
+INVALID_INPUT = "invalid input; see fields"
+
+
+class Conflict(exceptions.APIException):
+    status_code = status.HTTP_409_CONFLICT
+    default_detail = "the request conflicts with the current state"
+    default_code = "conflict"
+
+
+def _translate(exc: Exception) -> Exception:
+    if isinstance(exc, DjangoValidationError):
+        detail = (
+            exc.message_dict if hasattr(exc, "error_dict") else {"non_field_errors": exc.messages}
+        )
+        return exceptions.ValidationError(detail)
+    if isinstance(exc, project_errors.NotFoundError):
+        return exceptions.NotFound(str(exc))
+    if isinstance(exc, project_errors.RoleError):
+        return exceptions.PermissionDenied(str(exc))
+    if isinstance(exc, job_errors.IdempotencyError):
+        return Conflict(str(exc), code="idempotency_key_reused")
+    if isinstance(exc, job_errors.JobError):
+        return Conflict(str(exc))
+    return exc
+
+
+def flatten(detail: Any, prefix: str = "") -> dict[str, list[str]]:
+    """DRF's nested error detail as ``{"a.b": [messages]}``."""
+    if isinstance(detail, dict):
+        flat: dict[str, list[str]] = {}
+        for key, value in detail.items():
+            flat.update(flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+        return flat
+    if isinstance(detail, list) and any(isinstance(item, dict | list) for item in detail):
+        flat = {}
+        for index, item in enumerate(detail):
+            flat.update(flatten(item, f"{prefix}.{index}" if prefix else str(index)))
+        return flat
+    items = detail if isinstance(detail, list) else [detail]
+    return {prefix or "non_field_errors": [str(item) for item in items]}
+
+
+def exception_handler(exc: Exception, context: dict):
+    """DRF's handler, then the response body rewritten to the one shape."""
+    exc = _translate(exc)
+    response = drf_exception_handler(exc, context)
+    if response is None:
+        return None  # not an API error: a real bug, left to surface as a 500
+    if isinstance(exc, exceptions.ValidationError):
+        body = {"code": "invalid", "message": INVALID_INPUT, "fields": flatten(exc.detail)}
+    else:
+        detail = exc.detail if isinstance(exc, exceptions.APIException) else response.data
+        code = getattr(detail, "code", None) or getattr(exc, "default_code", "error")
+        body = {"code": str(code), "message": str(detail), "fields": {}}
+    response.data = body
+    return response

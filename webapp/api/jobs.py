@@ -1,0 +1,239 @@
+"""``/api/v1/jobs/``: submit, list, retrieve, cancel, and read a job's events.
+
+One thin class per operation: validate the input, call a service or selector, render the output.
+Visibility and roles are decided by the services and selectors; their errors become responses in
+``webapp.api.exceptions``.
+"""
+
+from __future__ import annotations
+
+from django.urls import reverse
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiParameter, extend_schema, inline_serializer
+from rest_framework import serializers, status
+from rest_framework.parsers import JSONParser
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from runtime.jobs.spec import SftJobSpec
+from webapp.api.authentication import request_token
+from webapp.api.pagination import MAX_ID, IdCursorPagination
+from webapp.jobs import selectors, services
+from webapp.jobs.models import Job, JobState
+from webapp.projects import errors as project_errors
+from webapp.projects.selectors import project_get_for
+
+IDEMPOTENCY_HEADER = "Idempotency-Key"
+BAD_IDEMPOTENCY_KEY = "expected 1 to 255 printable ASCII characters"
+UNKNOWN_FIELD = "unknown field"
+NO_SUCH_PROJECT = "no such project"
+SPEC_NOT_OBJECT = "expected a JSON object"
+EVENTS_PAGE = 100
+EVENTS_PAGE_MAX = 1000
+
+
+class JobOutput(serializers.ModelSerializer):
+    project = serializers.SlugRelatedField(slug_field="slug", read_only=True)
+    owner = serializers.CharField(source="owner.get_username", read_only=True)
+
+    class Meta:
+        model = Job
+        fields = [
+            "id",
+            "name",
+            "project",
+            "owner",
+            "state",
+            "failure_reason",
+            "failure_detail",
+            "spec",
+            "epoch",
+            "created_at",
+            "updated_at",
+            "started_at",
+            "finished_at",
+        ]
+        read_only_fields = fields
+
+
+class EventOutput(serializers.Serializer):
+    id = serializers.IntegerField()
+    job = serializers.IntegerField()
+    epoch = serializers.IntegerField()
+    kind = serializers.CharField()
+    data = serializers.DictField()
+    at = serializers.DateTimeField()
+
+
+def _project_or_field_error(request, slug: str | None):
+    if slug is None:
+        return None
+    try:
+        return project_get_for(request.user, slug=slug, token=request_token(request))
+    except project_errors.NotFoundError:
+        # The same answer whether it does not exist or is someone else's.
+        raise serializers.ValidationError({"project": [NO_SUCH_PROJECT]}) from None
+
+
+def _job_or_404(request, job_id: int) -> Job:
+    return selectors.job_get_for(request.user, job_id=job_id, token=request_token(request))
+
+
+class JobListCreateApi(APIView):
+    """List the jobs you can see, or submit one."""
+
+    parser_classes = [JSONParser]
+
+    class SubmitInput(serializers.Serializer):
+        project = serializers.SlugField(
+            required=False,
+            help_text="Project slug; default: the token's project, or your personal project.",
+        )
+        name = serializers.CharField(max_length=200)
+        spec = serializers.JSONField(
+            help_text="The job spec (see runtime/jobs/spec.py); missing fields take defaults."
+        )
+
+        def validate(self, attrs):
+            unknown = sorted(set(self.initial_data) - set(self.fields))
+            if unknown:
+                raise serializers.ValidationError({name: [UNKNOWN_FIELD] for name in unknown})
+            return attrs
+
+        def validate_spec(self, value):
+            if not isinstance(value, dict):
+                raise serializers.ValidationError(SPEC_NOT_OBJECT)
+            try:
+                SftJobSpec.from_json(value)
+            except ValueError as exc:
+                field, _, message = str(exc).partition(": ")
+                raise serializers.ValidationError({field: [message or str(exc)]}) from None
+            return value
+
+    class ListFilter(serializers.Serializer):
+        state = serializers.ChoiceField(choices=JobState.choices, required=False)
+        project = serializers.SlugField(required=False)
+
+    @extend_schema(
+        operation_id="jobs_list",
+        parameters=[
+            ListFilter,
+            OpenApiParameter("cursor", OpenApiTypes.STR, description="From the previous page."),
+            OpenApiParameter("limit", OpenApiTypes.INT, description="Page size, at most 200."),
+        ],
+        responses={200: JobOutput(many=True)},
+    )
+    def get(self, request):
+        filters = self.ListFilter(data=request.query_params)
+        filters.is_valid(raise_exception=True)
+        project = _project_or_field_error(request, filters.validated_data.get("project"))
+        jobs = selectors.job_list_for(
+            request.user,
+            token=request_token(request),
+            state=filters.validated_data.get("state"),
+            project=project,
+        )
+        paginator = IdCursorPagination()
+        page = paginator.paginate_queryset(jobs, request, view=self)
+        return paginator.get_paginated_response(JobOutput(page, many=True).data)
+
+    @extend_schema(
+        operation_id="jobs_submit",
+        request=SubmitInput,
+        parameters=[
+            OpenApiParameter(
+                IDEMPOTENCY_HEADER,
+                OpenApiTypes.STR,
+                OpenApiParameter.HEADER,
+                description="Retry-safe submission: the same key and body return the same job "
+                "(200); the same key with another body is a 409.",
+            )
+        ],
+        responses={201: JobOutput, 200: JobOutput},
+    )
+    def post(self, request):
+        key = request.headers.get(IDEMPOTENCY_HEADER)
+        if key is not None and not (0 < len(key) <= 255 and key.isascii() and key.isprintable()):
+            raise serializers.ValidationError({IDEMPOTENCY_HEADER: [BAD_IDEMPOTENCY_KEY]})
+        data = self.SubmitInput(data=request.data)
+        data.is_valid(raise_exception=True)
+        fields = data.validated_data
+        submit = {
+            "user": request.user,
+            "token": request_token(request),
+            "name": fields["name"],
+            "spec": fields["spec"],
+            "project": _project_or_field_error(request, fields.get("project")),
+        }
+        if key is None:
+            job, replayed = services.job_submit(**submit), False
+        else:
+            job, replayed = services.job_submit_idempotent(
+                **submit, idempotency_key=key, body=request.data
+            )
+        response = Response(
+            JobOutput(job).data, status=status.HTTP_200_OK if replayed else status.HTTP_201_CREATED
+        )
+        response["Location"] = reverse("api:job-detail", kwargs={"job_id": job.pk})
+        if replayed:
+            response["Idempotent-Replayed"] = "true"
+        return response
+
+
+class JobDetailApi(APIView):
+    """One job."""
+
+    @extend_schema(operation_id="jobs_retrieve", responses={200: JobOutput})
+    def get(self, request, job_id: int):
+        return Response(JobOutput(_job_or_404(request, job_id)).data)
+
+
+class JobCancelApi(APIView):
+    """Ask a job to stop (operator role or above): pending jobs end at once, running ones at their
+    next step boundary. A finished job answers 409."""
+
+    @extend_schema(operation_id="jobs_cancel", request=None, responses={200: JobOutput})
+    def post(self, request, job_id: int):
+        job = services.job_cancel_for(
+            user=request.user, job_id=job_id, token=request_token(request)
+        )
+        return Response(JobOutput(job).data)
+
+
+class JobEventsApi(APIView):
+    """A job's events with ids above ``after``, oldest first; ``next`` reads the following page."""
+
+    class Query(serializers.Serializer):
+        after = serializers.IntegerField(min_value=0, max_value=MAX_ID, default=0)
+        limit = serializers.IntegerField(
+            min_value=1, max_value=EVENTS_PAGE_MAX, default=EVENTS_PAGE
+        )
+
+    @extend_schema(
+        operation_id="jobs_events",
+        parameters=[Query],
+        responses={
+            200: inline_serializer(
+                "JobEventPage",
+                {
+                    "next": serializers.CharField(allow_null=True),
+                    "results": EventOutput(many=True),
+                },
+            )
+        },
+    )
+    def get(self, request, job_id: int):
+        query = self.Query(data=request.query_params)
+        query.is_valid(raise_exception=True)
+        job = _job_or_404(request, job_id)
+        after, limit = query.validated_data["after"], query.validated_data["limit"]
+        events = selectors.job_events_since(job=job, after_id=after, limit=limit + 1)
+        more = len(events) > limit
+        events = events[:limit]
+        next_url = None
+        if more:
+            params = request.query_params.copy()
+            params["after"] = str(events[-1].pk)
+            params["limit"] = str(limit)
+            next_url = request.build_absolute_uri(f"{request.path}?{params.urlencode()}")
+        return Response({"next": next_url, "results": [e.as_message() for e in events]})

@@ -1,0 +1,8 @@
+from django.apps import AppConfig
+
+
+class ProjectsConfig(AppConfig):
+    """Projects, their members' roles, and project-scoped API tokens."""
+
+    name = "webapp.projects"
+    label = "projects"
