@@ -3,16 +3,20 @@
 (a) checkpoint/restart: torch.distributed.checkpoint saves every shard, the slot actors and their
     groups are torn down, new ones start and load into the new layout (DCP reshards on load);
 (b) shard-level: every tensor reassembled at a root and re-broadcast on its own, no unit boundary;
-(c) the EMU primitives.
+(c) the EMU primitives, twice: cold, the first time, when every buffer a primitive receives into or
+    builds is fresh memory (each page faults in on first touch), and warm, run again on the same
+    slots after the cold run's units were released, so its buffers come from the slots' arenas
+    (what a job's later transitions see); warm is the median of ``--repeats`` runs.
 
 Cases: scale 2→4 and 4→8 slots (Extend), TP 2→4 (Merge), PP 2→1 (Split), DP 2→1 (Destroy), on a
 Llama-shaped model with about 300 MB of training state (bf16 weights, fp32 master weights and Adam
 moments). Slots are CPU worker processes joined by gloo on loopback. Every method's result is
 verified with the layout-independent checksum; the comparison is on the time to move the state
 (groups, data, restart), with the verification reported beside it. Also measured here: gloo
-broadcast and all-gather bandwidth, for the time the bytes that must move take at best.
+broadcast and all-gather bandwidth, for the time the bytes that must move take at best, and each
+primitive's raw communication pattern (same groups, same bytes, pre-faulted buffers).
 
-    python benchmarks/transition_cost.py [--repeats 1]
+    python benchmarks/transition_cost.py [--repeats 3]
 """
 
 from __future__ import annotations
@@ -72,6 +76,8 @@ class Case:
     collective: str
     pattern: tuple[str, tuple[tuple[int, ...], ...], float] | None = None
     """The primitive's raw communication: (kind, groups, bytes per rank as a share of one unit)."""
+    previous_pattern: str | None = None
+    """The kind of pattern the primitive used before, timed on the same groups and bytes."""
 
 
 def _cases() -> list[Case]:
@@ -112,7 +118,8 @@ def _cases() -> list[Case]:
             lambda eng: [eng.split(Split(unit=p2, axis="pp", k=2))[1]],
             lambda state: state,
             "broadcast",
-            ("exchange", ((0, 1),), 0.5),
+            ("p2p_exchange", ((0, 1),), 0.5),
+            "exchange",
         ),
         Case(
             "DP 2->1",
@@ -145,8 +152,7 @@ def _state_bytes(engine: UnitEngine, unit: Unit) -> int:
     )
 
 
-def run_emu(pool: SlotPool, case: Case) -> dict:
-    engine = _setup(pool, case)
+def _time_emu(engine: UnitEngine, case: Case) -> dict:
     started = time.perf_counter()
     reports = case.emu(engine)
     total = time.perf_counter() - started
@@ -158,7 +164,48 @@ def run_emu(pool: SlotPool, case: Case) -> dict:
         "bytes": sum(r.bytes_moved for r in reports),
         "busiest_bytes": max([max(r.bytes_per_slot.values(), default=0) for r in reports]),
         "group_setup_s": sum(r.group_setup_s for r in reports),
+        "reused_bytes": sum(r.reused_bytes for r in reports),
+        "freed_bytes": sum(r.freed_bytes for r in reports),
+        "cached_bytes": sum(r.cached_bytes for r in reports),
+        "per_slot": _per_slot(case, reports),
     }
+
+
+def _per_slot(case: Case, reports) -> dict[int, dict[str, int]]:
+    """Per slot: bytes of the source and target shards it holds, bytes it received, and its peak
+    (units and in-flight buffers, as the primitive measured it)."""
+    from runtime.emu.slot_ops import _nbytes
+
+    def held(units, slot):
+        return sum(_nbytes(u.layout.shards(u.position_of(slot))) for u in units if slot in u.slots)
+
+    moved = [u for u in case.targets if u not in case.sources]
+    gone = [u for u in case.sources if u not in case.targets]
+    out = {}
+    for report in reports:
+        for slot, peak in report.peak_bytes.items():
+            out[slot] = {
+                "old": held(gone, slot),
+                "new": held(moved, slot),
+                "received": report.bytes_per_slot.get(slot, 0),
+                "peak": peak,
+            }
+    return out
+
+
+def run_emu(pool: SlotPool, case: Case, repeats: int) -> dict:
+    """Cold (the first run, its buffers fresh memory), then warm: ``repeats`` runs on the same
+    slots, each after the previous run's units were released into the arenas; the median."""
+    engine = _setup(pool, case)
+    engine.empty_cache()  # nothing cached from earlier cases: every buffer is fresh memory
+    cold = _time_emu(engine, case)
+    runs = []
+    for _ in range(repeats):
+        runs.append(_time_emu(_setup(pool, case), case))
+    runs.sort(key=lambda r: r["seconds"])
+    warm = runs[len(runs) // 2]
+    _setup(pool, case).empty_cache()  # the baselines find the slots as they were before
+    return {**cold, "warm": {**warm, "runs_s": [r["seconds"] for r in runs]}}
 
 
 def run_shard_level(pool: SlotPool, case: Case) -> dict:
@@ -226,7 +273,10 @@ def measure_bandwidth(pool: SlotPool, nbytes: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.parse_args()
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="warm EMU runs per case (the median is reported)"
+    )
+    args = parser.parse_args()
     rows, records = [], []
     with ray_connection(None, num_cpus=POOL):
         pool = SlotPool.create(POOL, call_timeout_s=600)
@@ -236,25 +286,28 @@ def main() -> None:
             if state is None:
                 engine = _setup(pool, case)
                 state = _state_bytes(engine, case.sources[0])
-            emu = run_emu(pool, case)
+            emu = run_emu(pool, case, max(1, args.repeats))
             shard = run_shard_level(pool, case)
             pool, ckpt = run_checkpoint_restart(pool, case)
             must = case.must_move(state)
             # The bytes that must move, at the bandwidth one pair of slots gets from the same gloo
             # collective here: with two cores, concurrent pairs share it rather than add up.
             ideal = must / bandwidth[case.collective] if case.collective in bandwidth else 0.0
-            raw = None
+            raw = previous = None
             if case.pattern is not None:
                 kind, groups, share = case.pattern
                 pool.run(slot_ops.ensure_groups, groups=list(groups))
-                raw = max(
-                    pool.run(
-                        baselines.measure_pattern,
-                        groups=list(groups),
-                        nbytes=int(share * state),
-                        kind=kind,
+                for name in [kind] + ([case.previous_pattern] if case.previous_pattern else []):
+                    seconds = max(
+                        pool.run(
+                            baselines.measure_pattern,
+                            groups=list(groups),
+                            nbytes=int(share * state),
+                            kind=name,
+                        )
                     )
-                )
+                    raw, previous = (seconds, previous) if name == kind else (raw, seconds)
+            warm = emu["warm"]
             data_s = emu["seconds"] - emu["group_setup_s"]
             record = {
                 "case": case.name,
@@ -270,6 +323,12 @@ def main() -> None:
                 "emu_data_over_ideal": data_s / ideal if ideal else None,
                 "raw_pattern_s": raw,
                 "emu_over_raw_pattern": emu["seconds"] / raw if raw else None,
+                "raw_previous_pattern_s": previous,
+                "previous_pattern": case.previous_pattern,
+                "checkpoint_over_warm": ckpt["seconds"] / warm["seconds"],
+                "shard_over_warm": shard["seconds"] / warm["seconds"],
+                "warm_over_ideal": warm["seconds"] / ideal if ideal else None,
+                "warm_over_raw_pattern": warm["seconds"] / raw if raw else None,
             }
             records.append(record)
             rows.append(
@@ -287,6 +346,10 @@ def main() -> None:
                     f"{record['emu_data_over_ideal']:.2f}x" if ideal else "-",
                     f"{raw:.3f}" if raw else "-",
                     f"{emu['seconds'] / raw:.2f}x" if raw else "-",
+                    f"{warm['seconds']:.3f}",
+                    f"{record['shard_over_warm']:.1f}x",
+                    f"{record['warm_over_ideal']:.2f}x" if ideal else "-",
+                    f"{record['warm_over_raw_pattern']:.2f}x" if raw else "-",
                     f"{emu['group_setup_s']:.3f}",
                     f"{emu['verify_s']:.2f}",
                 ]
@@ -311,6 +374,10 @@ def main() -> None:
             "data/ideal",
             "raw s",
             "EMU/raw",
+            "warm s",
+            "shard/warm",
+            "warm/ideal",
+            "warm/raw",
             "groups s",
             "verify s",
         ],
@@ -321,6 +388,7 @@ def main() -> None:
         {
             "model": dataclasses.asdict(MODEL),
             "slots": POOL,
+            "repeats": args.repeats,
             "bandwidth_bytes_per_s": bandwidth,
             "results": records,
         },

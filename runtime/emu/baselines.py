@@ -96,19 +96,30 @@ def measure_collective(
 def measure_pattern(
     ctx: SlotContext, *, groups: list[tuple[int, ...]], nbytes: int, kind: str, repeats: int = 3
 ) -> float:
-    """Best seconds of a primitive's communication pattern on raw buffers of ``nbytes`` per rank:
-    ``broadcast`` from each group's first rank (Extend), or ``exchange``, each member broadcasting
-    in turn (Split on gloo); all groups at once, as the primitive runs them. Every slot calls it."""
+    """Best seconds of a primitive's communication pattern on raw buffers of ``nbytes`` per rank,
+    all groups at once, as the primitive runs them: ``broadcast`` from each group's first rank
+    (Extend), ``exchange``, each member broadcasting in turn (a TP Split on gloo), or
+    ``p2p_exchange``, every member sending to and receiving from every other at once, point to
+    point (a pipeline Split on gloo). Every slot calls it."""
     import time
 
     group = next((g for g in groups if ctx.rank in g), None)
     handle = ctx.state["groups"][tuple(sorted(group))] if group else None
     buffer = torch.ones(nbytes, dtype=torch.uint8, device=ctx.device)
+    peers = [m for m in group if m != ctx.rank] if group else []
+    inboxes = [torch.ones(nbytes, dtype=torch.uint8, device=ctx.device) for _ in peers]
     best = float("inf")
     for _ in range(repeats):
         dist.barrier()
         started = time.perf_counter()
-        if group is not None:
+        if group is not None and kind == "p2p_exchange":
+            works = [
+                dist.irecv(b, src=p, group=handle) for p, b in zip(peers, inboxes, strict=True)
+            ]
+            works += [dist.isend(buffer, dst=p, group=handle) for p in peers]
+            for work in works:
+                work.wait()
+        elif group is not None:
             senders = group[:1] if kind == "broadcast" else group
             for src in senders:
                 dist.broadcast(buffer, src=src, group=handle)

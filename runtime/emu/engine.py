@@ -3,6 +3,11 @@
 Every primitive is two-phase: the destination units are built while the source is intact, their
 logical checksums are compared with the source's, and only then is the source released (so a
 failure part-way leaves a usable unit behind). Each returns a ``PrimitiveReport``.
+
+A primitive costs the driver two round trips to its slots: one that moves the state and returns
+each slot's contribution to the new units' checksums with the result, and, once the driver has
+compared them with the source's, one that releases the source. Released buffers stay in the slots'
+arenas for the next primitive to reuse (reported as ``cached_bytes``) until ``empty_cache``.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import contextlib
 import dataclasses
 import threading
 import time
+import weakref
 
 from runtime.emu import slot_ops
 from runtime.emu.integrity import combine
@@ -35,12 +41,27 @@ class PrimitiveReport:
     group_setup_s: float
     groups_created: int
     peak_bytes: dict[int, int]
-    """Per slot: the most state and buffer bytes held during the primitive."""
+    """Per slot: the most bytes its units and in-flight buffers held at once during the primitive
+    (each storage once; buffers cached in the slot's arena are not counted: the arena only ever
+    holds what the slot held before, see ``slot_ops._Arena``)."""
     freed_bytes: int = 0
     move_s: float = 0.0
     """Group setup and data movement, before verification."""
     verify_s: float = 0.0
-    """Computing and comparing the destinations' logical checksums."""
+    """Computing (on the slots, the slowest slot's time) and comparing the destinations' logical
+    checksums."""
+    cached_bytes: int = 0
+    """Of ``freed_bytes``, what the slots keep in their arenas to reuse (``UnitEngine.empty_cache``
+    gives it back)."""
+    reused_bytes: int = 0
+    """Buffers the slots took from their arenas instead of fresh memory, all slots together."""
+
+
+_POOL_GROUPS: weakref.WeakKeyDictionary[SlotPool, set[tuple[int, ...]]] = (
+    weakref.WeakKeyDictionary()
+)
+"""Groups known to exist on each pool's slots, whichever engine made them."""
+_POOL_GROUPS_LOCK = threading.Lock()
 
 
 class UnitEngine:
@@ -60,11 +81,15 @@ class UnitEngine:
         """Create the process groups not made yet. Collective over the whole pool (creating a
         torch.distributed group is), so a transition makes all of its groups before it starts
         primitives concurrently; returns ``{"created", "seconds"}``."""
+        with _POOL_GROUPS_LOCK:
+            self._groups |= _POOL_GROUPS.get(self.pool, set())
         needed = sorted({tuple(sorted(set(g))) for g in groups if len(set(g)) > 1} - self._groups)
         if not needed:
             return {"created": 0, "seconds": 0.0}
         setup = self.pool.run(slot_ops.ensure_groups, groups=needed)
         self._groups.update(needed)
+        with _POOL_GROUPS_LOCK:
+            _POOL_GROUPS.setdefault(self.pool, set()).update(needed)
         return {
             "created": max(s["created"] for s in setup),
             "seconds": max(s["seconds"] for s in setup),
@@ -94,6 +119,13 @@ class UnitEngine:
         if unit.unit_id not in self.verified:
             self.verified[unit.unit_id] = self.checksum(unit)
         return self.verified[unit.unit_id]
+
+    def empty_cache(self, slots=None) -> int:
+        """Free the buffers the slots' arenas keep (all slots, or ``slots``); returns the bytes.
+        Call it before handing slots to work that allocates outside the units. Like any call on
+        a slot it waits for the primitive running there, if any."""
+        on = sorted(set(range(self.pool.num_slots) if slots is None else slots) - self.lost_slots)
+        return sum(r["freed_bytes"] for r in self.pool.run(slot_ops.empty_cache, on=on))
 
     def read(self, unit: Unit) -> dict:
         """The unit's shards gathered to the driver: {key: [(ShardSpec, tensor), ...]}."""
@@ -170,6 +202,7 @@ class UnitEngine:
             groups_created=0,
             peak_bytes={},
             freed_bytes=sum(r["freed_bytes"] for r in results),
+            cached_bytes=sum(r.get("cached_bytes", 0) for r in results),
         )
 
     # --- helpers ----------------------------------------------------------------------------------
@@ -181,14 +214,17 @@ class UnitEngine:
         setup = self.prepare_groups(groups)
         on = list(on)
         try:
-            results = self.pool.run(fn, on=on, spec=spec)
+            # One round trip moves the state and brings back each slot's checksum contributions.
+            results = self.pool.run(fn, on=on, spec=spec, verify=True)
         except BaseException:
             # Part-way failure: drop whatever destination state was built; the source is intact.
             self._release_quietly(targets)
             raise
-        moved = time.perf_counter()
+        returned = time.perf_counter()
+        checksum_s = max(r.get("checksum_s", 0.0) for r in results)
         expected = self._verified_checksum(sources[0])
-        got = self._checksums(targets)
+        contributions = [r.get("checksums") or [0] * len(targets) for r in results]
+        got = [combine(*(c[i] for c in contributions)) for i in range(len(targets))]
         for target, value in zip(targets, got, strict=True):
             if value != expected:
                 self._release_quietly(targets)
@@ -200,13 +236,14 @@ class UnitEngine:
                 self.units[target.unit_id] = target
                 self.verified[target.unit_id] = expected
         verified = time.perf_counter()
-        freed = 0
+        freed = cached = 0
         if release_source:
             slots = sorted({s for u in sources for s in u.slots})
             released = self.pool.run(
                 slot_ops.release, on=slots, unit_ids=[u.unit_id for u in sources]
             )
             freed = sum(r["freed_bytes"] for r in released)
+            cached = sum(r.get("cached_bytes", 0) for r in released)
             with self._lock:
                 for unit in sources:
                     del self.units[unit.unit_id]
@@ -222,8 +259,8 @@ class UnitEngine:
                 if r["bytes_received"]
             },
             duration_s=time.perf_counter() - started,
-            move_s=moved - started,
-            verify_s=verified - moved,
+            move_s=returned - started - checksum_s,
+            verify_s=checksum_s + verified - returned,
             group_setup_s=setup["seconds"],
             groups_created=setup["created"],
             peak_bytes={
@@ -232,6 +269,8 @@ class UnitEngine:
                 if r.get("peak_bytes")
             },
             freed_bytes=freed,
+            cached_bytes=cached,
+            reused_bytes=sum(r.get("reused_bytes", 0) for r in results),
         )
 
     def _release_quietly(self, units: list[Unit]) -> None:

@@ -9,8 +9,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from runtime.emu import checkpoint
-from runtime.emu.engine import UnitEngine
+from runtime.emu import checkpoint, slot_ops
+from runtime.emu.engine import IntegrityError, UnitEngine
 from runtime.emu.layout import UnitLayout
 from runtime.emu.primitives import Destroy, Extend, Merge, Split, TransitionError, Unit
 from runtime.emu.slot_ops import reference_values
@@ -39,6 +39,7 @@ def engine():
 def fresh(engine):
     for unit in list(engine.units.values()):
         engine.destroy(Destroy(unit=unit))
+    engine.empty_cache()
     return engine
 
 
@@ -131,6 +132,8 @@ def test_groups_are_created_once_and_reused(fresh):
     _, first = engine.split(Split(unit=_new(engine, 2, 1, (0, 1), "x"), axis="tp", k=2))
     _, second = engine.split(Split(unit=_new(engine, 2, 1, (0, 1), "y"), axis="tp", k=2))
     assert second.groups_created == 0 and second.group_setup_s <= first.group_setup_s + 0.05
+    # Another engine on the same pool knows the groups exist without asking the slots.
+    assert UnitEngine(engine.pool).prepare_groups([(0, 1)]) == {"created": 0, "seconds": 0.0}
 
 
 def test_bad_requests_are_refused_before_anything_moves(fresh):
@@ -175,6 +178,7 @@ def test_random_walks_of_primitives_keep_every_unit_bit_exact(engine, walk, tmp_
         move()
         for unit in engine.units.values():
             assert engine.checksum(unit) == reference
+        _assert_arenas_bounded(engine)
     for unit in list(engine.units.values()):
         _assert_bit_exact(engine, unit)
         shadow = dataclasses.replace(unit, unit_id=f"dcp-{unit.unit_id}")
@@ -237,3 +241,171 @@ def test_dcp_load_follows_tensor_rank_order_not_slot_order(fresh, tmp_path):
     engine.units["dcp-m"] = shadow
     assert engine.checksum(shadow) == engine.checksum(merged)
     _assert_bit_exact(engine, shadow)
+
+
+def _assert_arenas_bounded(engine: UnitEngine) -> None:
+    """No slot holds more, units and arena together, than its units and buffers in flight ever
+    held at once."""
+    for stats in engine.pool.run(slot_ops.memory_stats):
+        assert stats["state_bytes"] + stats["arena_bytes"] <= stats["high_water"], stats
+        assert stats["arena_buffers"] <= slot_ops.ARENA_MAX_BUFFERS
+
+
+def _slot_bytes(unit: Unit, slot: int) -> int:
+    return slot_ops._nbytes(unit.layout.shards(unit.position_of(slot)))
+
+
+def test_released_buffers_are_cached_reused_and_given_back(fresh):
+    engine = fresh
+    unit = _new(engine, 2, 1, (0, 1), "a")
+    copy, report = engine.extend(Extend(source=unit, slots=(2, 3), unit_id="e"))
+    assert report.reused_bytes == 0  # the arenas were empty: fresh memory
+    received = report.bytes_per_slot
+    assert received == {2: _slot_bytes(copy, 2), 3: _slot_bytes(copy, 3)}
+    assert report.peak_bytes[2] == received[2]  # the receive buffer is the new unit's storage
+
+    report = engine.destroy(Destroy(unit=copy))
+    assert report.freed_bytes == sum(received.values()) == report.cached_bytes
+    stats = engine.pool.run(slot_ops.memory_stats, on=[2, 3])
+    assert [s["arena_bytes"] for s in stats] == [received[2], received[3]]
+    assert all(s["state_bytes"] == 0 for s in stats)
+    _assert_arenas_bounded(engine)
+
+    again, report = engine.extend(Extend(source=unit, slots=(2, 3), unit_id="e2"))
+    assert report.reused_bytes == report.bytes_moved == sum(received.values())
+    _assert_bit_exact(engine, again)
+    assert [s["arena_bytes"] for s in engine.pool.run(slot_ops.memory_stats, on=[2, 3])] == [0, 0]
+
+    report = engine.destroy(Destroy(unit=again))
+    assert engine.empty_cache() == report.cached_bytes == report.freed_bytes
+    assert all(s["arena_bytes"] == 0 for s in engine.pool.run(slot_ops.memory_stats))
+
+
+def test_the_arena_gives_way_when_fresh_memory_is_needed(fresh):
+    """A request the arena cannot serve frees cached buffers first: the slot never holds more
+    than it held before."""
+    engine = fresh
+    big = _new(engine, 1, 1, (4,), "big")
+    engine.destroy(Destroy(unit=big))
+    (before,) = engine.pool.run(slot_ops.memory_stats, on=[4])
+    assert before["arena_bytes"] == _slot_bytes(big, 4) == before["high_water"]
+    small = _new(engine, 2, 1, (4, 5), "small", training=False)  # no cached buffer fits
+    (after,) = engine.pool.run(slot_ops.memory_stats, on=[4])
+    assert after["state_bytes"] == _slot_bytes(small, 4)
+    assert after["arena_bytes"] == 0 and after["high_water"] == before["high_water"]
+
+
+def test_release_never_caches_storage_something_else_still_holds(fresh):
+    engine = fresh
+    unit = _new(engine, 2, 1, (0, 1), "p")
+
+    def pin(ctx):  # a view of slot 0's shard buffer that outlives the unit
+        state = ctx.state["units"]["p"]
+        ctx.state["pinned"] = next(iter(state.values()))[:1]
+        return True
+
+    def unpin(ctx):
+        return ctx.state.pop("pinned", None) is not None
+
+    engine.pool.run(pin, on=[0])
+    try:
+        report = engine.destroy(Destroy(unit=unit))
+        stats = engine.pool.run(slot_ops.memory_stats, on=[0, 1])
+        assert report.freed_bytes == _slot_bytes(unit, 0) + _slot_bytes(unit, 1)
+        assert report.cached_bytes == _slot_bytes(unit, 1)
+        assert [s["arena_bytes"] for s in stats] == [0, _slot_bytes(unit, 1)]
+    finally:
+        assert engine.pool.run(unpin, on=[0]) == [True]
+
+
+def test_tensor_split_cuts_peers_shards_bucket_by_bucket(fresh, monkeypatch):
+    """With small buckets a TP Split never holds a peer's whole shard set: per slot the peak is the
+    old shards, the new ones and one bucket."""
+    engine = fresh
+    unit = _new(engine, 2, 2, range(4), "t")
+
+    def set_bucket(ctx, *, size):
+        previous, slot_ops.BUCKET_BYTES = slot_ops.BUCKET_BYTES, size
+        return previous
+
+    bucket = 256 * 1024
+    monkeypatch.setattr(slot_ops, "BUCKET_BYTES", bucket)
+    previous = engine.pool.run(set_bucket, size=bucket)
+    try:
+        spec = Split(unit=unit, axis="tp", k=2)
+        parts, report = engine.split(spec)
+    finally:
+        engine.pool.run(set_bucket, size=previous[0])
+    for part in parts:
+        _assert_bit_exact(engine, part)
+    groups = {s: g for g in spec.peer_groups() for s in g}
+    for slot in range(4):
+        (peer,) = (m for m in groups[slot] if m != slot)
+        shards = unit.layout.shards(unit.position_of(peer))
+        largest = max(slot_ops._nbytes(b) for b in slot_ops._buckets(shards))
+        new = next(_slot_bytes(p, slot) for p in parts if slot in p.slots)
+        old, received = _slot_bytes(unit, slot), report.bytes_per_slot[slot]
+        assert received == slot_ops._nbytes(shards) > largest
+        assert report.peak_bytes[slot] <= old + new + largest < old + new + received
+
+
+def test_pipeline_split_keeps_the_received_buffers_as_they_are(fresh, monkeypatch):
+    """A PP Split copies nothing: each slot keeps its old buffer and the one it received as the new
+    unit's storage. Units that live in several buffers then move as several runs, or packed when
+    there are too many."""
+    engine = fresh
+    unit = _new(engine, 1, 4, range(4), "pp")
+    parts, report = engine.split(Split(unit=unit, axis="pp", k=2))
+    assert report.freed_bytes == 0  # the old buffers live on in the new units
+    for slot in range(4):
+        old, received = _slot_bytes(unit, slot), report.bytes_per_slot[slot]
+        new = next(_slot_bytes(p, slot) for p in parts if slot in p.slots)
+        assert report.peak_bytes[slot] == old + received == new
+
+    def buffers_of(ctx, *, unit_id):
+        return len({t.untyped_storage().data_ptr() for t in ctx.state["units"][unit_id].values()})
+
+    first = parts[0]
+    assert engine.pool.run(buffers_of, on=first.slots, unit_id=first.unit_id) == [2, 2]
+    for part in parts:
+        _assert_bit_exact(engine, part)
+
+    # Several runs per position: an Extend and a second Split send them without packing ...
+    copy, _ = engine.extend(Extend(source=first, slots=(4, 5), unit_id="c"))
+    _assert_bit_exact(engine, copy)
+    halves, _ = engine.split(Split(unit=copy, axis="pp", k=2))
+    for half in halves:
+        _assert_bit_exact(engine, half)
+
+    # ... and with more runs than a header describes, the sender packs them first.
+    def set_runs(ctx, *, runs):
+        previous, slot_ops.MAX_RUNS = slot_ops.MAX_RUNS, runs
+        return previous
+
+    previous = engine.pool.run(set_runs, runs=1)
+    try:
+        packed, _ = engine.extend(Extend(source=parts[1], slots=(6, 7), unit_id="k"))
+    finally:
+        engine.pool.run(set_runs, runs=previous[0])
+    _assert_bit_exact(engine, packed)
+    _assert_arenas_bounded(engine)
+
+
+def test_a_destination_that_does_not_match_its_source_is_dropped(fresh):
+    """The checksums come back with the move; a mismatch releases the destination and leaves the
+    source registered."""
+    engine = fresh
+    unit = _new(engine, 2, 1, (0, 1), "c")
+
+    def flip(ctx):
+        first = next(iter(ctx.state["units"]["c"].values()))
+        first.view(-1).view(torch.uint8)[0] ^= 1
+        return True
+
+    engine.pool.run(flip, on=[1])  # after the source's checksum was verified
+    with pytest.raises(IntegrityError, match="extend: bad checksum"):
+        engine.extend(Extend(source=unit, slots=(2, 3), unit_id="bad"))
+    assert set(engine.units) == {"c"}
+    assert [s["state_bytes"] for s in engine.pool.run(slot_ops.memory_stats, on=[2, 3])] == [0, 0]
+    engine.pool.run(flip, on=[1])
+    assert engine.checksum(unit) == engine.verified["c"]

@@ -179,3 +179,28 @@ def test_an_uneven_split_is_refused_before_anything_moves():
     )
     good = Split(unit=even, axis="tp", k=2)
     UnitEngine._check_split_covers(good, good.targets())
+
+
+def test_the_arena_hands_out_the_best_fit_and_stays_bounded():
+    from runtime.emu import slot_ops
+
+    arena = slot_ops._Arena(enabled=True)
+    for n in (100, 1000, 1200, 4000):
+        arena.put(torch.empty(n, dtype=torch.uint8))
+    # The smallest that fits; unit storage at most 1/SLACK larger than asked for (1000 + 125).
+    assert arena.take(900, pinned=True).numel() == 1000
+    assert arena.take(1100, pinned=True).numel() == 1200
+    assert arena.take(1000, pinned=True) is None
+    assert arena.take(1000, pinned=False).numel() == 4000  # a transient buffer: any larger one
+    assert [b.numel() for b in arena.buffers] == [100]
+    # Never more than ARENA_MAX_BUFFERS kept (the oldest go), and trimmed oldest first.
+    for n in range(1, slot_ops.ARENA_MAX_BUFFERS + 1):
+        arena.put(torch.empty(n, dtype=torch.uint8))
+    assert [b.numel() for b in arena.buffers] == list(range(1, slot_ops.ARENA_MAX_BUFFERS + 1))
+    freed = arena.trim(slot_ops.ARENA_MAX_BUFFERS)
+    assert arena.nbytes <= slot_ops.ARENA_MAX_BUFFERS
+    assert [b.numel() for b in arena.buffers] == [slot_ops.ARENA_MAX_BUFFERS]
+    assert freed == sum(range(1, slot_ops.ARENA_MAX_BUFFERS))
+    assert arena.trim(0) == slot_ops.ARENA_MAX_BUFFERS and not arena.buffers
+    # CUDA slots leave caching to PyTorch's allocator.
+    assert slot_ops._Arena(enabled=False).put(torch.empty(1, dtype=torch.uint8)) is False
