@@ -19,6 +19,10 @@ import itertools
 
 from runtime.emu.layout import ShardError, UnitLayout
 
+BUCKET_BYTES = 32 * 2**20
+"""Bytes per broadcast when received shards are cut up into new ones (a TP Split over gloo): the
+receive buffer is one bucket (or one shard, if a shard is larger), not the peer's whole set."""
+
 
 class TransitionError(ValueError):
     """A primitive the units and slots cannot make; raised before anything moves."""

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from runtime import kernels
 from runtime.emu.integrity import combine, shard_checksum
 from runtime.emu.layout import ShardSpec
-from runtime.emu.primitives import Extend, Merge, Split, Unit
+from runtime.emu.primitives import BUCKET_BYTES, Extend, Merge, Split, Unit
 from runtime.emu.reshard import Copy, plan_copies
 from runtime.engine.slots import SlotContext
 
@@ -40,9 +40,6 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 MAX_RUNS = 64
 """Contiguous runs a sender describes in the header it broadcasts first; with more, it packs."""
-BUCKET_BYTES = 32 * 2**20
-"""Bytes per broadcast when received shards are cut up into new ones (a TP Split): the receive
-buffer is one bucket, not the peer's whole shard set."""
 SLACK = 8
 """A cached buffer at most 1/SLACK larger than asked for may become a unit's storage."""
 ARENA_MAX_BUFFERS = 16

@@ -29,7 +29,7 @@ import math
 from collections.abc import Mapping, Sequence
 
 from runtime.emu.layout import ShardError, UnitLayout
-from runtime.emu.primitives import Destroy, Extend, Merge, Split, Unit
+from runtime.emu.primitives import BUCKET_BYTES, Destroy, Extend, Merge, Split, Unit
 from runtime.planner.catalog import Accelerator
 from runtime.planner.memory import memory_budget
 from runtime.planner.plan import Plan
@@ -40,6 +40,7 @@ from runtime.transition.simulate import simulate
 from runtime.transition.units import (
     Units,
     bytes_on,
+    largest_shard_bytes,
     occupancy,
     persistent_stages,
     unit_layout,
@@ -268,6 +269,8 @@ class _Builder:
 
     def __init__(self, cluster: Cluster, efficiency, tag: str):
         self.acc = cluster.accelerator
+        # CPU slots exchange over gloo (bucketed, zero-copy pipeline splits); GPUs over NCCL.
+        self.gloo = cluster.accelerator.name == "cpu-slot"
         self.efficiency = efficiency
         self.tag = tag
         self.nodes: list[Node] = []
@@ -315,15 +318,28 @@ class _Builder:
         old = bytes_on(unit)
         new = {s: b for part in parts for s, b in bytes_on(part).items()}
         group_of = {s: g for g in spec.peer_groups() for s in g}
-        received = {s: sum(old[m] for m in group_of[s] if m != s) for s in unit.slots}
+        acquire, release = {}, {}
+        for s in unit.slots:
+            peers = [m for m in group_of[s] if m != s]
+            if not self.gloo:  # NCCL: one padded all-gather, a send and k receive buffers
+                transient = (len(peers) + 2) * max(old[m] for m in group_of[s])
+                acquire[s], release[s] = new[s] + transient, old[s] + transient
+            elif axis == "pp":  # peers' stages arrive beside the slot's own: nothing copied
+                acquire[s], release[s] = new[s] - old[s], 0
+            else:  # tp over gloo: cut from one bucket at a time into the new buffer
+                bucket = max(
+                    BUCKET_BYTES,
+                    *(largest_shard_bytes(unit.layout, unit.position_of(m)) for m in peers),
+                )
+                acquire[s], release[s] = new[s] + bucket, old[s] + bucket
         node = self._add(
             spec,
             model_stage=unit.model_stage,
             consumes=[unit.unit_id],
             produces=parts,
             slots=unit.slots,
-            acquire={s: new[s] + received[s] for s in unit.slots},
-            release={s: old[s] + received[s] for s in unit.slots},
+            acquire=acquire,
+            release=release,
             after=[after] if after else [],
         )
         return node, parts

@@ -66,6 +66,12 @@ def position_bytes(layout: UnitLayout, position: int) -> int:
     return sum(s.numel * _BYTES[s.dtype] for s in layout.shards(position))
 
 
+@functools.lru_cache(maxsize=8192)
+def largest_shard_bytes(layout: UnitLayout, position: int) -> int:
+    """The largest single shard the slot at ``position`` holds."""
+    return max((s.numel * _BYTES[s.dtype] for s in layout.shards(position)), default=0)
+
+
 def bytes_on(unit: Unit) -> dict[int, int]:
     """{slot: bytes of ``unit``'s state on it}."""
     return {slot: position_bytes(unit.layout, i) for i, slot in enumerate(unit.slots)}
