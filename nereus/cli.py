@@ -10,6 +10,7 @@ from typing import Annotated
 import typer
 
 import nereus
+from nereus import client as client_help
 
 app = typer.Typer(
     help="Nereus: adaptive parallelism for LLM post-training.",
@@ -162,6 +163,138 @@ def simulate_command(
             events_file=events,
         )
     )
+
+
+# --- the REST API from a CI pipeline (nereus.client_cli) -------------------------------------
+
+_API_EPILOG = client_help.CONFIG_HELP + "\n\n" + client_help.EXIT_CODES_HELP
+_Url = Annotated[
+    str | None,
+    typer.Option(help="Service URL (default: $NEREUS_URL, else http://127.0.0.1:8000)."),
+]
+_Token = Annotated[
+    str | None,
+    typer.Option(help="API token (default: $NEREUS_TOKEN; prefer the variable in CI)."),
+]
+_Json = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
+_Interval = Annotated[
+    float, typer.Option("--interval", min=0.05, max=3600, help="Seconds between polls.")
+]
+
+
+@app.command("submit", epilog=_API_EPILOG)
+def submit_command(
+    spec: Annotated[str, typer.Option(help="JSON file of the job spec ('-': standard input).")],
+    project: Annotated[
+        str | None, typer.Option(help="Project slug (default: the token's project).")
+    ] = None,
+    name: Annotated[
+        str | None, typer.Option(help="Job name (default: the spec file's name).")
+    ] = None,
+    idempotency_key: Annotated[
+        str | None,
+        typer.Option(help="Retry-safe: the same key and body return the same job."),
+    ] = None,
+    wait: Annotated[bool, typer.Option(help="Follow the job to its end, like watch.")] = False,
+    interval: _Interval = 1.0,
+    as_json: _Json = False,
+    url: _Url = None,
+    token: _Token = None,
+) -> None:
+    """Submit a job (POST /api/v1/jobs/) and print its id."""
+    from nereus.client_cli import submit
+
+    raise typer.Exit(
+        code=submit(
+            spec_file=spec,
+            project=project,
+            name=name,
+            idempotency_key=idempotency_key,
+            wait=wait,
+            interval_s=interval,
+            as_json=as_json,
+            url=url,
+            token=token,
+        )
+    )
+
+
+@app.command("status", epilog=_API_EPILOG)
+def status_command(
+    job_id: Annotated[int, typer.Argument(min=1)],
+    as_json: _Json = False,
+    url: _Url = None,
+    token: _Token = None,
+) -> None:
+    """Print a job (GET /api/v1/jobs/<id>/)."""
+    from nereus.client_cli import status
+
+    raise typer.Exit(code=status(job_id=job_id, as_json=as_json, url=url, token=token))
+
+
+@app.command("watch", epilog=_API_EPILOG)
+def watch_command(
+    job_id: Annotated[int, typer.Argument(min=1)],
+    interval: _Interval = 1.0,
+    as_json: _Json = False,
+    url: _Url = None,
+    token: _Token = None,
+) -> None:
+    """Print a job's events until it ends (a progress bar for steps on a terminal)."""
+    from nereus.client_cli import watch
+
+    raise typer.Exit(
+        code=watch(job_id=job_id, interval_s=interval, as_json=as_json, url=url, token=token)
+    )
+
+
+def _decide(
+    decision: str,
+    proposal_id: int,
+    comment: str | None,
+    as_json: bool,
+    url: str | None,
+    token: str | None,
+) -> None:
+    from nereus.client_cli import decide
+
+    raise typer.Exit(
+        code=decide(
+            decision=decision,
+            proposal_id=proposal_id,
+            comment=comment,
+            as_json=as_json,
+            url=url,
+            token=token,
+        )
+    )
+
+
+_Comment = Annotated[str | None, typer.Option(help="Why (required).")]
+
+
+@app.command("approve", epilog=_API_EPILOG)
+def approve_command(
+    proposal_id: Annotated[int, typer.Argument(min=1)],
+    comment: _Comment = None,
+    as_json: _Json = False,
+    url: _Url = None,
+    token: _Token = None,
+) -> None:
+    """Approve a plan-change proposal (POST /api/v1/proposals/<id>/approve/)."""
+    _decide("approve", proposal_id, comment, as_json, url, token)
+
+
+@app.command("reject", epilog=_API_EPILOG)
+def reject_command(
+    proposal_id: Annotated[int, typer.Argument(min=1)],
+    comment: _Comment = None,
+    as_json: _Json = False,
+    url: _Url = None,
+    token: _Token = None,
+) -> None:
+    """Reject a plan-change proposal (POST /api/v1/proposals/<id>/reject/)."""
+    _decide("reject", proposal_id, comment, as_json, url, token)
 
 
 def main() -> None:

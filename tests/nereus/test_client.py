@@ -1,0 +1,312 @@
+"""``nereus submit|status|watch|approve|reject`` against a real web server (a Daphne process on
+loopback with its own SQLite database), each command run as a subprocess with a project token,
+checking what it prints and the exit code a pipeline branches on."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import json
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from nereus import client
+from nereus.client_cli import EventPrinter
+from nereus.processes import free_port
+from tests.support import live
+
+NEREUS = str(Path(sys.executable).with_name("nereus"))
+PROXY_VARIABLES = ("http_proxy", "https_proxy", "all_proxy", "HTTP_PROXY", "HTTPS_PROXY")
+
+CREDENTIALS = """
+import json
+from django.contrib.auth import get_user_model
+from webapp.projects import services
+alice = get_user_model().objects.create_user(username="alice", password="pw-alice-1234")
+project = services.project_create(user=alice, name="CI", slug="ci")
+_, operator = services.token_create(user=alice, project=project, name="ci", role="operator")
+_, viewer = services.token_create(user=alice, project=project, name="read", role="viewer")
+old, revoked = services.token_create(user=alice, project=project, name="old")
+services.token_revoke(user=alice, project=project, token_id=old.pk)
+print(json.dumps({"operator": operator, "viewer": viewer, "revoked": revoked}))
+"""
+
+
+@dataclasses.dataclass(frozen=True)
+class Service:
+    url: str
+    env: dict[str, str]
+    tokens: dict[str, str]
+
+    def cli_env(self, token: str | None = "operator", **overrides: str) -> dict[str, str]:
+        env = {**self.env, "NEREUS_URL": self.url, **overrides}
+        if token is None:
+            env.pop("NEREUS_TOKEN", None)
+        else:
+            env["NEREUS_TOKEN"] = self.tokens[token]
+        return env
+
+    def cancel(self, job_id: int) -> dict:
+        request = urllib.request.Request(
+            f"{self.url}/api/v1/jobs/{job_id}/cancel/",
+            method="POST",
+            headers={"Authorization": f"Bearer {self.tokens['operator']}"},
+        )
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return json.loads(response.read())
+
+
+@contextlib.contextmanager
+def _service(var_dir: Path) -> Iterator[Service]:
+    """A migrated service with a project 'ci' and tokens, served by Daphne on loopback."""
+    env = live.service_env(var_dir, **dict.fromkeys(PROXY_VARIABLES))
+    env.pop("NEREUS_TOKEN", None)
+    env.pop("NEREUS_URL", None)
+    live.manage(env, "migrate", "--no-input")
+    tokens = live.django_shell(env, CREDENTIALS)
+    with live.web_server(env, var_dir / "logs") as url:
+        yield Service(url=url, env=env, tokens=tokens)
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    """One service for the tests that need no worker: their jobs stay pending until cancelled."""
+    with _service(tmp_path_factory.mktemp("client-service")) as running:
+        yield running
+
+
+@pytest.fixture
+def spec_file(tmp_path) -> Path:
+    path = tmp_path / "tiny-sft.json"
+    path.write_text(json.dumps({"num_slots": 1, "num_steps": 3}))
+    return path
+
+
+def _run(args, env, timeout=60):
+    return subprocess.run(
+        [NEREUS, *args], env=env, cwd=live.REPO, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def _popen(args, env):
+    return subprocess.Popen(
+        [NEREUS, *args],
+        env=env,
+        cwd=live.REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _read_until(proc, needle: str) -> list[str]:
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if needle in line:
+            return lines
+    raise AssertionError(f"exited ({proc.wait()}) before {needle!r}:\n{''.join(lines)}")
+
+
+def _no_traceback(done) -> None:
+    assert "Traceback" not in done.stderr, done.stderr
+
+
+def test_submit_prints_the_id_and_a_resubmit_with_the_same_key_returns_it(service, spec_file):
+    env = service.cli_env()
+    args = ["submit", "--spec", str(spec_file), "--idempotency-key", "pipeline-41"]
+    first = _run(args, env)
+    assert first.returncode == 0, first.stderr
+    job_id = int(first.stdout.strip())
+    again = _run([*args, "--json"], env)
+    assert again.returncode == 0, again.stderr
+    job = json.loads(again.stdout)
+    assert job["id"] == job_id and job["name"] == "tiny-sft" and job["project"] == "ci"
+    assert "already made job" in again.stderr
+
+    spec_file.write_text(json.dumps({"num_slots": 1, "num_steps": 4}))
+    conflict = _run(args, env)
+    assert conflict.returncode == client.EXIT_CONFLICT, conflict.stderr
+    assert "HTTP 409" in conflict.stderr
+    _no_traceback(conflict)
+
+
+def test_status_prints_the_job_and_json_for_scripts(service, spec_file):
+    env = service.cli_env()
+    job_id = int(_run(["submit", "--spec", str(spec_file), "--name", "nightly"], env).stdout)
+    done = _run(["status", str(job_id)], env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"job {job_id}  nightly\n")
+    assert "  state     pending" in done.stdout and "  steps     3" in done.stdout
+    job = json.loads(_run(["status", str(job_id), "--json"], env).stdout)
+    assert job["id"] == job_id and job["spec"]["num_steps"] == 3 and job["owner"] == "alice"
+
+
+def test_watch_follows_until_the_job_is_cancelled_and_exits_1(service, spec_file):
+    env = service.cli_env()
+    job_id = int(_run(["submit", "--spec", str(spec_file)], env).stdout)
+    proc = _popen(["watch", str(job_id), "--interval", "0.2"], env)
+    try:
+        head = _read_until(proc, "job.submitted")
+        assert head[0] == f"job {job_id} (ci): pending\n"
+        service.cancel(job_id)
+        rest, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == client.EXIT_JOB_FAILED, err
+    lines = rest.splitlines()
+    assert any("job.state" in line and line.endswith(" state=cancelled") for line in lines), rest
+    assert lines[-1] == f"job {job_id} cancelled"
+
+
+def test_submit_wait_json_streams_events_and_ends_with_the_final_job(service, spec_file):
+    env = service.cli_env()
+    proc = _popen(
+        ["submit", "--spec", str(spec_file), "--wait", "--json", "--interval", "0.2"], env
+    )
+    try:
+        first = json.loads(proc.stdout.readline())
+        job_id = first["job"]["id"]
+        _read_until(proc, "job.submitted")
+        service.cancel(job_id)
+        rest, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == client.EXIT_JOB_FAILED, err
+    records = [json.loads(line) for line in rest.splitlines()]
+    assert records[-1]["job"]["state"] == "cancelled"
+    kinds = [r["event"]["kind"] for r in records[:-1]]
+    assert kinds and set(kinds) <= {"job.state"} and kinds[-1] == "job.state"
+
+
+def test_a_bad_spec_field_is_named_and_exits_2(service, tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"num_slots": 0}))
+    done = _run(["submit", "--spec", str(bad)], service.cli_env())
+    assert done.returncode == client.EXIT_USAGE
+    assert "HTTP 400" in done.stderr and "spec.num_slots: expected 1 <= num_slots <= 64" in (
+        done.stderr
+    )
+    _no_traceback(done)
+    as_json = _run(["submit", "--spec", str(bad), "--json"], service.cli_env())
+    assert "spec.num_slots" in json.loads(as_json.stdout)["error"]["fields"]
+
+    bad.write_text("{not json")
+    done = _run(["submit", "--spec", str(bad)], service.cli_env())
+    assert done.returncode == client.EXIT_USAGE and "--spec: " in done.stderr
+    _no_traceback(done)
+
+
+def test_a_revoked_token_exits_3_and_so_does_a_role_too_low(service, spec_file):
+    done = _run(["status", "1"], service.cli_env(token="revoked"))
+    assert done.returncode == client.EXIT_AUTH and "HTTP 401" in done.stderr
+    _no_traceback(done)
+    done = _run(["submit", "--spec", str(spec_file)], service.cli_env(token="viewer"))
+    assert done.returncode == client.EXIT_AUTH and "HTTP 403" in done.stderr
+    _no_traceback(done)
+
+
+def test_an_unknown_job_or_proposal_exits_4(service):
+    for args in (
+        ["status", "987654"],
+        ["watch", "987654"],
+        ["approve", "987654", "--comment", "fine"],  # 404 with or without the endpoint
+    ):
+        done = _run(args, service.cli_env())
+        assert done.returncode == client.EXIT_NOT_FOUND, done.stderr
+        assert "HTTP 404" in done.stderr
+        _no_traceback(done)
+
+
+def test_a_missing_token_names_the_variable_and_exits_2(service, spec_file):
+    for args in (["status", "1"], ["submit", "--spec", str(spec_file)], ["watch", "1"]):
+        done = _run(args, service.cli_env(token=None))
+        assert done.returncode == client.EXIT_USAGE
+        assert "NEREUS_TOKEN" in done.stderr
+        _no_traceback(done)
+
+
+def test_an_unreachable_service_exits_6_with_the_url(service, spec_file):
+    url = f"http://127.0.0.1:{free_port()}"
+    env = service.cli_env(NEREUS_URL=url)
+    for args in (
+        ["status", "1"],
+        ["watch", "1"],
+        ["submit", "--spec", str(spec_file)],
+        ["approve", "1", "--comment", "looks right"],
+        ["reject", "1", "--comment", "too risky"],
+    ):
+        done = _run(args, env)
+        assert done.returncode == client.EXIT_UNREACHABLE, (args, done.stderr)
+        assert url in done.stderr
+        _no_traceback(done)
+
+
+def test_approve_and_reject_refuse_a_missing_comment_before_any_request(service):
+    # An unreachable URL: the refusal must come from the client, not the server.
+    env = service.cli_env(NEREUS_URL=f"http://127.0.0.1:{free_port()}")
+    for args in (["approve", "7"], ["reject", "7", "--comment", "  "]):
+        done = _run(args, env)
+        assert done.returncode == client.EXIT_USAGE
+        assert f"nereus {args[0]}: comment: required" in done.stderr
+        _no_traceback(done)
+
+
+def test_on_a_terminal_steps_draw_a_progress_bar_and_otherwise_plain_lines():
+    events = [
+        {"id": 1, "kind": "job.state", "at": "2026-01-01T10:00:00+00:00", "data": {}},
+        {"id": 2, "kind": "step.finished", "at": "2026-01-01T10:00:01+00:00", "data": {"step": 0}},
+        {"id": 3, "kind": "step.finished", "at": "2026-01-01T10:00:02+00:00", "data": {"step": 1}},
+    ]
+    tty, plain = io.StringIO(), io.StringIO()
+    for out, is_tty in ((tty, True), (plain, False)):
+        printer = EventPrinter(total_steps=4, as_json=False, tty=is_tty, out=out)
+        for event in events:
+            printer.event(event)
+        printer.close()
+    assert "\r" in tty.getvalue() and tty.getvalue().endswith("step 2/4\n")
+    printer = EventPrinter(total_steps=2, as_json=False, tty=True, out=(done := io.StringIO()))
+    for event in events:
+        printer.event(event)
+    printer.event({**events[0], "id": 4})
+    assert done.getvalue().endswith("step 2/2\n     4 10:00:00 job.state\n")
+    assert "[" + "#" * 15 + "." * 15 + "]" in tty.getvalue()
+    assert "\r" not in plain.getvalue() and "\x1b" not in plain.getvalue()
+    assert [line.split()[2] for line in plain.getvalue().splitlines()] == [
+        "job.state",
+        "step.finished",
+        "step.finished",
+    ]
+    assert "[2/4] step=1" in plain.getvalue()
+
+
+@pytest.mark.ray
+def test_submit_wait_follows_a_real_job_to_success_and_exits_0(tmp_path, spec_file):
+    """A Celery worker runs the job on a local Ray instance; the client prints every step."""
+    with _service(tmp_path / "var") as running, live.celery_worker(running.env, tmp_path / "w"):
+        env = running.cli_env()
+        args = ["submit", "--spec", str(spec_file), "--wait", "--interval", "0.2"]
+        done = _run(args, env, timeout=240)
+        assert done.returncode == client.EXIT_OK, done.stdout + done.stderr
+        lines = done.stdout.splitlines()
+        job_id = int(lines[0])
+        assert [line.split()[3] for line in lines if "step.finished" in line] == [
+            "[1/3]",
+            "[2/3]",
+            "[3/3]",
+        ]
+        assert lines[-1] == f"job {job_id} succeeded"
+        # Watching a finished job replays its log and exits at once.
+        again = _run(["watch", str(job_id), "--json"], env)
+    assert again.returncode == client.EXIT_OK, again.stderr
+    records = [json.loads(line) for line in again.stdout.splitlines()]
+    assert records[-1]["job"]["state"] == "succeeded"
+    assert [r["event"]["kind"] for r in records[:-1]].count("step.finished") == 3
