@@ -30,6 +30,14 @@ def layout_rule(model: ModelConfig, accelerator: Accelerator, tp: int, pp: int) 
     if model.num_kv_heads % tp:
         # Shard KV heads, never replicate them: the EMU layouts split whole heads across ranks.
         return f"{model.num_kv_heads} KV heads are not divisible by tp={tp}"
+    for field, size in (
+        ("intermediate_size", model.intermediate_size),
+        ("vocab_size", model.vocab_size),
+    ):
+        if size % tp:
+            # DTensor's Shard(dim) of an uneven size computes wrong results (vocabulary) or
+            # fails (MLP); the model layer refuses them, so the planner never proposes them.
+            return f"{field}={size} is not divisible by tp={tp}"
     if model.num_layers % pp:
         return f"{model.num_layers} layers are not divisible by pp={pp}"
     return None

@@ -1,6 +1,7 @@
 """The global search: exact against exhaustive enumeration, deterministic, valid placements,
 alternatives, rejections with reasons, and infeasibility that says what binds."""
 
+import dataclasses
 import math
 import os
 import subprocess
@@ -247,7 +248,7 @@ def test_same_plan_under_another_hash_seed():
 
 
 def test_a_layout_the_model_cannot_take_is_refused_with_the_field():
-    from runtime.planner.space import check_layout
+    from runtime.planner.space import check_layout, valid_layouts
 
     model, acc = (
         CATALOG.model("qwen2.5-7b"),
@@ -266,3 +267,11 @@ def test_a_layout_the_model_cannot_take_is_refused_with_the_field():
             check_layout(model, acc, num_slots=16, **layout)
         assert str(info.value).startswith(message), str(info.value)
     check_layout(model, acc, num_slots=16, dp=2, tp=4, pp=2)
+    # Uneven MLP or vocabulary splits cannot run under DTensor: never proposed, refused if asked.
+    odd = dataclasses.replace(CATALOG.model("tiny-llama"), name="odd", vocab_size=510)
+    with pytest.raises(ValueError, match=r"tp: vocab_size=510 is not divisible by tp=4"):
+        check_layout(odd, acc, num_slots=16, dp=1, tp=4, pp=1)
+    narrow = dataclasses.replace(CATALOG.model("tiny-llama"), name="narrow", intermediate_size=350)
+    with pytest.raises(ValueError, match=r"tp: intermediate_size=350 is not divisible by tp=4"):
+        check_layout(narrow, acc, num_slots=16, dp=1, tp=4, pp=1)
+    assert all(tp in (1, 2) for tp, _ in valid_layouts(odd, acc, 16)[0])
