@@ -9,6 +9,7 @@ calls. Every remote call has an outer timeout so that a hung peer becomes an err
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import os
 import resource
@@ -101,9 +102,12 @@ class SlotWorker:
         }
 
     def leave_group(self) -> None:
+        # Drop the cached subgroups and every tensor first: a gloo group that outlives
+        # destroy_process_group can abort the process at exit (pytorch/pytorch#179291).
+        self.ctx.state.clear()
+        gc.collect()
         if dist.is_initialized():
             dist.destroy_process_group()
-        self.ctx.state.clear()
 
 
 class SlotPool:
