@@ -44,6 +44,7 @@ INSTALLED_APPS = [
     "webapp.realtime",
     "webapp.projects",
     "webapp.jobs",
+    "webapp.plans",
     "webapp.api",
 ]
 
@@ -84,6 +85,7 @@ MIGRATION_MODULES = {
     "realtime": "migrations.realtime",
     "projects": "migrations.projects",
     "jobs": "migrations.jobs",
+    "plans": "migrations.plans",
 }
 
 AUTH_PASSWORD_VALIDATORS = [
@@ -167,6 +169,8 @@ CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 NEREUS_RAY_ADDRESS = CONFIG.ray_address
 # A job whose driver task was delivered this many times without finishing is failed, not retried.
 NEREUS_MAX_DRIVER_DELIVERIES = 3
+# Whether the person who proposed a plan override may approve it too (two people by default).
+NEREUS_ALLOW_SELF_APPROVAL = False
 
 # --- REST framework -------------------------------------------------------------------------
 REST_FRAMEWORK = {
@@ -186,6 +190,12 @@ SPECTACULAR_SETTINGS = {
     "DESCRIPTION": "Submit, watch and steer adaptive PPO post-training jobs.",
     "VERSION": "v1",
     "SERVE_INCLUDE_SCHEMA": False,
+    # Several models have a "state"; name each choice set after its model.
+    "ENUM_NAME_OVERRIDES": {
+        "StateEnum": "webapp.jobs.models.JobState",  # the jobs' name, kept as it was published
+        "TransitionStateEnum": "webapp.plans.models.TransitionState",
+        "ProposalStateEnum": "webapp.plans.models.ProposalState",
+    },
 }
 
 # --- Production switch ----------------------------------------------------------------------

@@ -14,6 +14,7 @@ from rest_framework import exceptions, status
 from rest_framework.views import exception_handler as drf_exception_handler
 
 from webapp.jobs import errors as job_errors
+from webapp.plans import errors as plan_errors
 from webapp.projects import errors as project_errors
 
 INVALID_INPUT = "invalid input; see fields"
@@ -35,6 +36,10 @@ def _translate(exc: Exception) -> Exception:
         return exceptions.NotFound(str(exc))
     if isinstance(exc, project_errors.RoleError):
         return exceptions.PermissionDenied(str(exc))
+    if isinstance(exc, plan_errors.SelfApprovalError):
+        return Conflict(str(exc), code="self_approval")
+    if isinstance(exc, plan_errors.ProposalError):
+        return Conflict(str(exc), code="not_waiting")
     if isinstance(exc, job_errors.IdempotencyError):
         return Conflict(str(exc), code="idempotency_key_reused")
     if isinstance(exc, job_errors.JobError):

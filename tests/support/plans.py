@@ -1,0 +1,131 @@
+"""Controller events for web tests, built with the real runtime: plans from the planner, DAGs from
+the transition compiler, verdicts from admission, and a real controller on the simulated cluster."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+from runtime.control import Controller, JobPolicy
+from runtime.control.admission import decide
+from runtime.engine.sim import SimulatedEngine, TrueModel
+from runtime.engine.traces import Trace
+from runtime.planner import PpoWorkload, default_catalog, plan
+from runtime.transition import Cluster, diff
+
+CATALOG = default_catalog()
+CPU = CATALOG.accelerator("cpu-slot")
+TINY = PpoWorkload.for_model(CATALOG.model("tiny-llama"))
+H100 = CATALOG.accelerator("h100-sxm")
+LLAMA_8B = PpoWorkload.for_model(CATALOG.model("llama-3.1-8b"), gen_len=1024)
+
+
+@functools.cache
+def _plans(num_slots: int, pool: int):
+    best = plan(TINY, CPU, num_slots, num_alternatives=0).best
+    return dataclasses.replace(best, num_slots=pool)
+
+
+def plan_json(num_slots: int = 4, *, pool: int = 8) -> dict[str, Any]:
+    """The planner's best plan for the tiny model on ``num_slots`` of a pool of ``pool`` slots."""
+    return copy.deepcopy(_plans(num_slots, pool).to_json())
+
+
+@functools.cache
+def _dag(source: int, target: int, pool: int):
+    cluster = Cluster(accelerator=CPU, num_slots=pool, capacity_bytes=(1e15,) * pool)
+    return diff(_plans(source, pool), _plans(target, pool), cluster, TINY)
+
+
+def dag_json(source: int = 4, target: int = 8, *, pool: int = 8) -> dict[str, Any]:
+    """The compiled transition DAG between the plans on ``source`` and ``target`` slots."""
+    return copy.deepcopy(_dag(source, target, pool).to_json())
+
+
+def verdict_json(source: int = 4, target: int = 8, **overrides) -> dict[str, Any]:
+    """Admission's verdict on moving from ``source`` to ``target`` slots."""
+    arguments = {
+        "admission": "payback",
+        "current_s": _plans(source, 8).predicted_step_s,
+        "candidate_s": _plans(target, 8).predicted_step_s,
+        "cost_s": _dag(source, target, 8).predicted_s,
+        "horizon_steps": 10.0,
+        "gamma": 0.5,
+        "urgent": False,
+        **overrides,
+    }
+    return decide(**arguments).to_json()
+
+
+def initial_event(num_slots: int = 4) -> dict[str, Any]:
+    return {"event": "control.plan", "plan": plan_json(num_slots), "reason": "initial"}
+
+
+def decision_event(source: int = 4, target: int = 8, **verdict) -> dict[str, Any]:
+    judged = verdict_json(source, target, **verdict)
+    return {
+        "event": "control.decision",
+        "trigger": {"kind": "pool", "signal": "", "value": 8.0, "reference": 4.0, "step": 3},
+        "candidate": plan_json(target),
+        "current": plan_json(source),
+        "verdict": judged,
+        "admit": judged["admit"],
+        "reason": judged["reason"],
+        "horizon_steps": 10.0,
+        "gamma": 0.5,
+        "predicted_transition_s": _dag(source, target, 8).predicted_s,
+    }
+
+
+def proposal_event(proposal_id: int = 1, source: int = 4, target: int = 8) -> dict[str, Any]:
+    return {
+        "event": "control.proposal",
+        "proposal": proposal_id,
+        "plan": plan_json(target),
+        "verdict": verdict_json(source, target),
+    }
+
+
+def transition_event(source: int = 4, target: int = 8, *, ok: bool = True) -> dict[str, Any]:
+    dag = dag_json(source, target)
+    return {
+        "event": "control.transition",
+        "ok": ok,
+        "predicted_s": dag["predicted_s"],
+        "actual_s": dag["predicted_s"] * 1.1,
+        "nodes": len(dag["nodes"]),
+        "failure": "" if ok else "slot 3 stopped answering",
+        "simulated": True,
+        "dag": dag,
+    }
+
+
+def simulated_controller(
+    emit: Callable[[dict], None], **policy
+) -> tuple[Controller, SimulatedEngine]:
+    """A real controller for an 8B model on a simulated pool of 16 H100s that grows to 32 during
+    step 0 (so it wants to move), emitting to ``emit``; its initial plan is already made."""
+    trace = Trace(
+        name="grow",
+        steps=20,
+        accelerator=H100.name,
+        gpus=16,
+        gen_len=((0, 1024.0),),
+        pool=((1.0, 32),),
+    )
+    engine = SimulatedEngine(trace, H100, truth=TrueModel.draw(3, noise=0.0), seed=1)
+    controller = Controller(
+        LLAMA_8B, H100, JobPolicy(**{"admission": "always_faster", **policy}), emit=emit
+    )
+    controller.initial_plan(engine)
+    return controller, engine
+
+
+def run_steps(controller: Controller, engine: SimulatedEngine, steps: range) -> None:
+    for step in steps:
+        controller.before_step(engine, step)
+        report = engine.step(controller.plan, LLAMA_8B, step)
+        controller.after_step(report, engine)

@@ -1,0 +1,20 @@
+"""Error texts about plans and proposals; tests import them rather than repeating the words."""
+
+NOT_WAITING = "proposal {proposal_id} is {state}, not waiting"
+EXPIRED = "proposal {proposal_id} expired at {expires_at}; the job kept its plan"
+SUPERSEDED_EPOCH = (
+    "proposal {proposal_id} belongs to driver epoch {epoch}; the job is at epoch {current}"
+)
+JOB_FINISHED = "proposal {proposal_id}: its job has finished ({state})"
+SELF_APPROVAL = "you proposed this change; another approver must approve it"
+COMMENT_REQUIRED = "a comment is required: say why"
+BAD_DECISION = "expected 'approve' or 'reject', got {decision!r}"
+BAD_EVENT = "event.{field}: {problem}"
+
+
+class ProposalError(ValueError):
+    """A decision that the proposal's current state does not allow."""
+
+
+class SelfApprovalError(ProposalError):
+    """The person who proposed a change tried to approve it themselves."""

@@ -1,0 +1,386 @@
+"""Writes about plans, transitions and proposals.
+
+``record_controller_event`` turns the runtime controller's events into rows and appends each to
+the job's event log. ``proposal_decide`` records a person's answer to a proposal and appends a
+``command.approve`` / ``command.reject`` event; the job's driver is meant to read those commands
+and pass them to ``Controller.command``, but that driver integration is not built yet, so today a
+decision is recorded and logged without reaching a running controller.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.conf import settings
+from django.core.exceptions import ValidationError
+from django.db import transaction
+from django.utils import timezone
+
+from runtime.control.policy import JobPolicy, PolicyError
+from runtime.planner.plan import Plan as RuntimePlan
+from webapp.jobs import errors as job_errors
+from webapp.jobs.models import Job, JobEvent
+from webapp.jobs.services import job_event_append
+from webapp.plans import errors
+from webapp.plans.models import Plan, Proposal, ProposalState, Transition, TransitionState
+from webapp.projects.models import ApiToken, Role
+from webapp.projects.selectors import require_role
+
+DECISIONS = ("approve", "reject")
+# What the controller reports about a proposal, as the state it leaves the proposal in.
+OUTCOMES = {
+    "control.approved": ProposalState.APPROVED,
+    "control.rejected": ProposalState.REJECTED,
+    "control.expired": ProposalState.EXPIRED,
+    "control.stale": ProposalState.STALE,
+}
+
+
+# --- the controller's events -----------------------------------------------------------------
+
+
+@transaction.atomic
+def record_controller_event(
+    *,
+    job: Job,
+    event: Mapping[str, Any],
+    event_id: str = "",
+    epoch: int | None = None,
+    at: datetime | None = None,
+) -> JobEvent:
+    """Record one controller event (``{"event": "control.…", …}``) as rows and as an entry of the
+    job's log, which is returned. With an ``event_id``, recording the same event again returns
+    the first entry and changes nothing. ``epoch`` defaults to the job's current one; an older
+    epoch raises ``StaleEpochError``; a malformed event raises ``ValueError`` naming the field."""
+    job = Job.objects.select_for_update().get(pk=job.pk)
+    epoch = job.epoch if epoch is None else epoch
+    if epoch < job.epoch:
+        raise job_errors.StaleEpochError(
+            job_errors.STALE_EPOCH.format(epoch=epoch, current=job.epoch)
+        )
+    if not isinstance(event, Mapping):
+        raise ValueError(errors.BAD_EVENT.format(field="", problem="expected an object"))
+    kind = event.get("event")
+    if not isinstance(kind, str) or not kind:
+        raise ValueError(errors.BAD_EVENT.format(field="event", problem="expected a kind"))
+    if event_id:
+        existing = job.events.filter(kind=kind, data__event_id=event_id).first()
+        if existing is not None:
+            return existing
+    data = _finite({key: value for key, value in event.items() if key != "event"})
+    if event_id:
+        data["event_id"] = event_id
+    recorder = _RECORDERS.get(kind)
+    if recorder is not None:
+        data["record"] = recorder(job, epoch, data)
+    elif kind in OUTCOMES:
+        data["record"] = _record_outcome(job, epoch, data, OUTCOMES[kind])
+    return job_event_append(job=job, epoch=epoch, kind=kind, data=data, at=at)
+
+
+def _record_plan(job: Job, epoch: int, data: dict) -> dict:
+    row = _make_current(job, epoch, _plan_field(data, "plan"), reason=str(data.get("reason", "")))
+    return {"plan": row.pk}
+
+
+def _record_transition(job: Job, epoch: int, data: dict) -> dict:
+    dag = data.get("dag")
+    if not isinstance(dag, dict) or not isinstance(dag.get("nodes"), list):
+        raise ValueError(errors.BAD_EVENT.format(field="dag", problem="expected a DAG object"))
+    ok = data.get("ok")
+    if not isinstance(ok, bool):
+        raise ValueError(errors.BAD_EVENT.format(field="ok", problem="expected true or false"))
+    predicted_s = _number(data, "predicted_s")
+    actual_s = _number(data, "actual_s", required=False)
+    source = Plan.objects.filter(job=job, current=True).first()
+    target = _last_target(job, epoch)
+    destination = None
+    if target is not None:
+        if ok:
+            destination = _make_current(job, epoch, target, reason="transition")
+        else:
+            destination = _make_plan(job, epoch, target, reason="transition failed")
+    row = Transition.objects.create(
+        job=job,
+        epoch=epoch,
+        from_plan=source,
+        to_plan=destination,
+        dag=dag,
+        num_nodes=int(data.get("nodes") or len(dag["nodes"])),
+        predicted_s=predicted_s if predicted_s is not None else 0.0,
+        actual_s=actual_s,
+        state=TransitionState.DONE if ok else TransitionState.FAILED,
+        failure=str(data.get("failure") or ""),
+        simulated=bool(data.get("simulated", False)),
+    )
+    return {"transition": row.pk, "plan": destination.pk if destination else None}
+
+
+def _record_restart(job: Job, epoch: int, data: dict) -> dict:
+    target = _last_target(job, epoch)
+    if target is None:
+        return {"plan": None}
+    row = _make_current(job, epoch, target, reason=f"restart: {data.get('reason', '')}")
+    return {"plan": row.pk}
+
+
+def _record_proposal(job: Job, epoch: int, data: dict) -> dict:
+    controller_id = data.get("proposal")
+    if isinstance(controller_id, bool) or not isinstance(controller_id, int) or controller_id < 1:
+        raise ValueError(errors.BAD_EVENT.format(field="proposal", problem="expected an id"))
+    plan = _plan_field(data, "plan")
+    verdict = data.get("verdict")
+    if verdict is not None and not isinstance(verdict, dict):
+        raise ValueError(errors.BAD_EVENT.format(field="verdict", problem="expected an object"))
+    # The controller holds one proposal at a time: a new one replaces any it made before.
+    Proposal.objects.filter(job=job, proposed_by__isnull=True, state=ProposalState.WAITING).exclude(
+        epoch=epoch, controller_id=controller_id
+    ).update(state=ProposalState.STALE)
+    row, _ = Proposal.objects.get_or_create(
+        job=job,
+        epoch=epoch,
+        controller_id=controller_id,
+        defaults={
+            "plan": plan,
+            "verdict": verdict,
+            "reason": str((verdict or {}).get("reason", "")),
+            "expires_at": timezone.now() + approval_timeout(job),
+        },
+    )
+    return {"proposal": row.pk}
+
+
+def _record_outcome(job: Job, epoch: int, data: dict, state: str) -> dict:
+    controller_id = data.get("proposal")
+    row = (
+        Proposal.objects.select_for_update()
+        .filter(job=job, epoch=epoch, controller_id=controller_id)
+        .first()
+        if isinstance(controller_id, int) and not isinstance(controller_id, bool)
+        else None
+    )
+    if row is None:
+        return {"proposal": None}  # its proposal was not recorded; the log entry still is
+    # Approved or rejected confirm a waiting proposal; expired or stale mean the plan was not
+    # applied, whatever a person decided, so they always win.
+    confirms = state in (ProposalState.APPROVED, ProposalState.REJECTED)
+    if row.state == ProposalState.WAITING or not confirms:
+        row.state = state
+        row.save(update_fields=["state"])
+    return {"proposal": row.pk}
+
+
+_RECORDERS: dict[str, Callable[[Job, int, dict], dict]] = {
+    "control.plan": _record_plan,
+    "control.transition": _record_transition,
+    "control.restart": _record_restart,
+    "control.proposal": _record_proposal,
+}
+
+
+def _make_plan(job: Job, epoch: int, plan: dict, *, reason: str, current: bool = False) -> Plan:
+    return Plan.objects.create(
+        job=job,
+        epoch=epoch,
+        plan=plan,
+        predicted_step_s=float(plan.get("predicted_step_s") or 0.0),
+        current=current,
+        reason=reason[:500],
+    )
+
+
+def _make_current(job: Job, epoch: int, plan: dict, *, reason: str) -> Plan:
+    Plan.objects.filter(job=job, current=True).update(current=False)
+    return _make_plan(job, epoch, plan, reason=reason, current=True)
+
+
+def _last_target(job: Job, epoch: int) -> dict | None:
+    """The plan the controller is moving to: the last decision's candidate, or the plan of the
+    proposal it last approved (a transition or restart follows one of the two)."""
+    last = (
+        job.events.filter(epoch=epoch, kind__in=["control.decision", "control.approved"])
+        .order_by("-id")
+        .first()
+    )
+    if last is None:
+        return None
+    if last.kind == "control.approved":
+        proposal = Proposal.objects.filter(
+            job=job, epoch=epoch, controller_id=last.data.get("proposal")
+        ).first()
+        return proposal.plan if proposal is not None else None
+    candidate = last.data.get("candidate")
+    return candidate if isinstance(candidate, dict) else None
+
+
+def _plan_field(data: dict, field: str) -> dict:
+    value = data.get(field)
+    if not isinstance(value, dict):
+        raise ValueError(errors.BAD_EVENT.format(field=field, problem="expected a plan object"))
+    try:
+        RuntimePlan.from_json(value)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(
+            errors.BAD_EVENT.format(field=field, problem=f"not a plan: {exc}")
+        ) from None
+    return value
+
+
+def _number(data: dict, field: str, *, required: bool = True) -> float | None:
+    value = data.get(field)
+    if value is None and not required:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(errors.BAD_EVENT.format(field=field, problem="expected a number"))
+    return float(value)
+
+
+def _finite(value: Any) -> Any:
+    """JSON without NaN or infinities (PostgreSQL's jsonb refuses them): they become null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, Mapping):
+        return {str(k): _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
+def approval_timeout(job: Job) -> timedelta:
+    """How long a proposal of this job waits: its spec's ``policy.approval_timeout_s``, or the
+    runtime's default."""
+    policy = job.spec.get("policy") if isinstance(job.spec, dict) else None
+    try:
+        seconds = JobPolicy.from_json(policy).approval_timeout_s if policy else None
+    except (PolicyError, TypeError):
+        seconds = None
+    return timedelta(seconds=seconds if seconds is not None else JobPolicy().approval_timeout_s)
+
+
+# --- people's proposals and decisions ----------------------------------------------------------
+
+
+@transaction.atomic
+def proposal_override(
+    *, user, job: Job, plan: dict[str, Any], reason: str, token: ApiToken | None = None
+) -> Proposal:
+    """A person proposes a plan for a job (operator role or above); another person approves it."""
+    require_role(user, job.project, Role.OPERATOR, token=token)
+    if not isinstance(plan, dict):
+        raise ValidationError({"plan": ["expected a plan object"]})
+    try:
+        RuntimePlan.from_json(plan)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValidationError({"plan": [f"not a plan: {exc}"]}) from None
+    job = Job.objects.select_for_update().get(pk=job.pk)
+    proposal = Proposal.objects.create(
+        job=job,
+        epoch=job.epoch,
+        plan=_finite(plan),
+        reason=reason,
+        proposed_by=user,
+        expires_at=timezone.now() + approval_timeout(job),
+    )
+    job_event_append(
+        job=job,
+        epoch=job.epoch,
+        kind="proposal.override",
+        data={"proposal_row": proposal.pk, "by": user.get_username(), "reason": reason},
+    )
+    return proposal
+
+
+def proposal_decide(
+    *,
+    user,
+    proposal: Proposal,
+    decision: str,
+    comment: str,
+    token: ApiToken | None = None,
+) -> Proposal:
+    """Approve or reject a waiting proposal (approver role or above), with a required comment.
+
+    Refuses: a caller who cannot see the job (``NotFoundError``) or is below approver
+    (``RoleError``); a bad decision or blank comment (``ValidationError`` naming the field); a
+    proposal that is not waiting, expired, from an older driver epoch or of a finished job
+    (``ProposalError``; the last three are marked expired or stale as they are found); the
+    proposer approving their own override (``SelfApprovalError``, unless
+    ``NEREUS_ALLOW_SELF_APPROVAL``). On success, appends ``command.<decision>`` to the job's log
+    for its driver to pass to the controller (that driver side is not built yet).
+    """
+    require_role(user, proposal.job.project, Role.APPROVER, token=token)
+    if decision not in DECISIONS:
+        raise ValidationError({"decision": [errors.BAD_DECISION.format(decision=decision)]})
+    comment = comment.strip() if isinstance(comment, str) else ""
+    if not comment:
+        raise ValidationError({"comment": [errors.COMMENT_REQUIRED]})
+    decided, refusal = _decide(
+        user=user,
+        job_id=proposal.job_id,
+        proposal_id=proposal.pk,
+        decision=decision,
+        comment=comment,
+    )
+    if refusal is not None:
+        raise refusal  # after the commit, so that an expired or stale mark is kept
+    return decided
+
+
+@transaction.atomic
+def _decide(
+    *, user, job_id: int, proposal_id: int, decision: str, comment: str
+) -> tuple[Proposal, errors.ProposalError | None]:
+    job = Job.objects.select_for_update().get(pk=job_id)  # the job first, as every writer does
+    row = Proposal.objects.select_for_update().get(pk=proposal_id)
+    if row.state != ProposalState.WAITING:
+        return row, errors.ProposalError(
+            errors.NOT_WAITING.format(proposal_id=row.pk, state=row.state)
+        )
+    if job.is_terminal:
+        return _mark(row, ProposalState.STALE), errors.ProposalError(
+            errors.JOB_FINISHED.format(proposal_id=row.pk, state=job.state)
+        )
+    if row.epoch < job.epoch:
+        return _mark(row, ProposalState.STALE), errors.ProposalError(
+            errors.SUPERSEDED_EPOCH.format(proposal_id=row.pk, epoch=row.epoch, current=job.epoch)
+        )
+    if timezone.now() >= row.expires_at:
+        return _mark(row, ProposalState.EXPIRED), errors.ProposalError(
+            errors.EXPIRED.format(proposal_id=row.pk, expires_at=row.expires_at.isoformat())
+        )
+    self_approval = row.proposed_by_id is not None and row.proposed_by_id == user.pk
+    if decision == "approve" and self_approval and not settings.NEREUS_ALLOW_SELF_APPROVAL:
+        return row, errors.SelfApprovalError(errors.SELF_APPROVAL)
+    row.state = ProposalState.APPROVED if decision == "approve" else ProposalState.REJECTED
+    row.decided_by, row.decided_at, row.comment = user, timezone.now(), comment
+    row.save(update_fields=["state", "decided_by", "decided_at", "comment"])
+    job_event_append(
+        job=job,
+        epoch=row.epoch,
+        kind=f"command.{decision}",
+        data={
+            "proposal": row.controller_id,
+            "proposal_row": row.pk,
+            "plan": row.plan,
+            "by": user.get_username(),
+            "comment": comment,
+        },
+    )
+    return row, None
+
+
+def _mark(row: Proposal, state: str) -> Proposal:
+    row.state = state
+    row.save(update_fields=["state"])
+    return row
+
+
+def proposals_expire_overdue(*, now: datetime | None = None) -> int:
+    """Mark waiting proposals past their deadline expired (the job keeps its plan); returns how
+    many. Meant for a periodic task, which is not scheduled yet."""
+    return Proposal.objects.filter(
+        state=ProposalState.WAITING, expires_at__lte=now or timezone.now()
+    ).update(state=ProposalState.EXPIRED)
