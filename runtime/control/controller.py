@@ -474,6 +474,14 @@ class Controller:
         return verdict.cost_s > self.policy.approval_above_s
 
     def _propose(self, candidate, verdict, trigger, engine) -> None:
+        if self.pending is not None:  # a newer candidate replaces the one still waiting
+            self.emit(
+                {
+                    "event": "control.stale",
+                    "proposal": self.pending.proposal_id,
+                    "reason": "superseded by a newer proposal",
+                }
+            )
         self.pending = Proposal(
             proposal_id=next(self._ids),
             plan=candidate,

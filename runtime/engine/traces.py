@@ -207,8 +207,10 @@ def generate(
     rng = random.Random(seed)
     points: list[tuple[int, float]]
     if shape == "growth":  # the seed's: 500 -> 8,000 tokens over 1,000 steps, roughly exponential
+        every = max(1, steps // 20)
         points = [
-            (s, start_len * (end_len / start_len) ** (s / steps)) for s in range(0, steps + 1, 50)
+            (s, start_len * (end_len / start_len) ** (s / steps))
+            for s in sorted({*range(0, steps + 1, every), steps})
         ]
     elif shape == "plateau":  # grows fast, then stays
         knee = steps // 4
@@ -230,7 +232,7 @@ def generate(
         ]
     elif shape == "noisy":  # drifting with bursts: a random walk in log space
         value, points = float(start_len), []
-        for s in range(0, steps + 1, 25):
+        for s in sorted({*range(0, steps + 1, max(1, steps // 40)), steps}):
             points.append((s, value))
             value = min(end_len, max(start_len / 2, value * math.exp(rng.gauss(0.03, 0.25))))
     else:  # "shrink": long answers get shorter (a length penalty kicks in)

@@ -6,7 +6,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-JOB_KINDS = ("sft",)
+JOB_KINDS = ("sft", "ppo-sim")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -33,7 +33,7 @@ class SftJobSpec:
 
     def __post_init__(self) -> None:
         if self.kind != "sft":
-            raise ValueError(f"kind: expected one of {JOB_KINDS}, got {self.kind!r}")
+            raise ValueError(f"kind: expected one of {', '.join(JOB_KINDS)}, got {self.kind!r}")
         _require_range("num_slots", self.num_slots, 1, 64)
         _require_range("num_steps", self.num_steps, 1, 1_000_000)
         _require_range("micro_batch", self.micro_batch, 1, 4096)
@@ -55,27 +55,94 @@ class SftJobSpec:
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> SftJobSpec:
         """Build from a JSON object; a bad field raises ValueError naming the field."""
-        if not isinstance(data, Mapping):
-            raise ValueError(f"spec: expected a JSON object, got {type(data).__name__}")
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - set(fields))
-        if unknown:
-            raise ValueError(f"{unknown[0]}: unknown field; valid fields: {', '.join(fields)}")
-        values = {}
-        for name, value in data.items():
-            expected = (
-                float
-                if fields[name].type == "float"
-                else int
-                if fields[name].type == "int"
-                else str
+        return cls(**_typed_fields(cls, data))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class PpoSimJobSpec:
+    """A PPO job on the simulated cluster: the real controller, planner and transitions against
+    ``SimulatedEngine`` and a generated trace, paced so that a person can watch and approve.
+    Everything it reports is labelled simulated."""
+
+    kind: str = "ppo-sim"
+    model: str = "llama-3.1-8b"
+    gpu: str = "h100-sxm"
+    gpus: int = 16
+    """Slots at the start; the trace's spot-like pool changes it."""
+    trace: str = "growth"
+    """A trace shape of ``runtime/engine/traces.py``."""
+    trace_hours: float = 2.0
+    """Simulated hours over which the pool changes."""
+    num_steps: int = 120
+    seed: int = 0
+    pace_s: float = 0.25
+    """Wall seconds between steps."""
+    policy: dict = dataclasses.field(default_factory=dict)
+    """The controller policy (``runtime/control/policy.py``): thresholds, gamma, approval, ..."""
+
+    def __post_init__(self) -> None:
+        from runtime.control.policy import JobPolicy, PolicyError
+        from runtime.engine.traces import SHAPES
+        from runtime.planner.catalog import CatalogError, default_catalog
+
+        if self.kind != "ppo-sim":
+            raise ValueError(f"kind: expected one of {', '.join(JOB_KINDS)}, got {self.kind!r}")
+        catalog = default_catalog()
+        for field, lookup in (("model", catalog.model), ("gpu", catalog.accelerator)):
+            try:
+                lookup(getattr(self, field))
+            except CatalogError as exc:
+                raise ValueError(f"{field}: {exc}") from None
+        if self.trace not in SHAPES:
+            raise ValueError(f"trace: expected one of {', '.join(SHAPES)}, got {self.trace!r}")
+        _require_range("gpus", self.gpus, 1, 4096)
+        _require_range("num_steps", self.num_steps, 1, 100_000)
+        if not 0 <= self.pace_s <= 60:
+            raise ValueError(f"pace_s: expected 0 <= pace_s <= 60, got {self.pace_s}")
+        if not 0 < self.trace_hours <= 1000:
+            raise ValueError(
+                f"trace_hours: expected 0 < trace_hours <= 1000, got {self.trace_hours}"
             )
-            if expected is float and isinstance(value, int) and not isinstance(value, bool):
-                value = float(value)
-            if isinstance(value, bool) or not isinstance(value, expected):
-                raise ValueError(f"{name}: expected {expected.__name__}, got {value!r}")
-            values[name] = value
-        return cls(**values)
+        try:
+            JobPolicy.from_json(self.policy)
+        except PolicyError as exc:
+            raise ValueError(str(exc)) from None
+
+    def to_json(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "policy": dict(self.policy)}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> PpoSimJobSpec:
+        return cls(**_typed_fields(cls, data))
+
+
+def spec_from_json(data: Any) -> SftJobSpec | PpoSimJobSpec:
+    """A job spec of the kind ``data`` names (default ``sft``); errors name the field."""
+    if not isinstance(data, Mapping):
+        raise ValueError(f"spec: expected a JSON object, got {type(data).__name__}")
+    kind = data.get("kind", "sft")
+    if kind == "ppo-sim":
+        return PpoSimJobSpec.from_json(data)
+    return SftJobSpec.from_json(data)
+
+
+def _typed_fields(cls, data: Mapping[str, Any]) -> dict[str, Any]:
+    if not isinstance(data, Mapping):
+        raise ValueError(f"spec: expected a JSON object, got {type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ValueError(f"{unknown[0]}: unknown field; valid fields: {', '.join(fields)}")
+    types = {"float": float, "int": int, "str": str, "dict": dict}
+    values = {}
+    for name, value in data.items():
+        expected = types[fields[name].type]
+        if expected is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if isinstance(value, bool) or not isinstance(value, expected):
+            raise ValueError(f"{name}: expected {expected.__name__}, got {value!r}")
+        values[name] = value
+    return values
 
 
 def _require_range(field: str, value: int, low: int, high: int) -> None:

@@ -15,7 +15,7 @@ from rest_framework.parsers import JSONParser
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from runtime.jobs.spec import SftJobSpec
+from runtime.jobs.spec import spec_from_json
 from webapp.api.authentication import request_token
 from webapp.api.pagination import MAX_ID, IdCursorPagination
 from webapp.jobs import selectors, services
@@ -104,7 +104,7 @@ class JobListCreateApi(APIView):
             if not isinstance(value, dict):
                 raise serializers.ValidationError(SPEC_NOT_OBJECT)
             try:
-                SftJobSpec.from_json(value)
+                spec_from_json(value)
             except ValueError as exc:
                 field, _, message = str(exc).partition(": ")
                 raise serializers.ValidationError({field: [message or str(exc)]}) from None

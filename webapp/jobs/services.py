@@ -41,13 +41,13 @@ def job_submit(
     Needs the operator role in ``project``; without one, the job goes to the token's project, or
     to the user's personal project.
     """
-    from runtime.jobs.spec import SftJobSpec
+    from runtime.jobs.spec import spec_from_json
 
     if project is None:
         project = token.project if token is not None else project_personal_for(user)
     require_role(user, project, Role.OPERATOR, token=token)
     try:
-        validated = SftJobSpec.from_json(spec)
+        validated = spec_from_json(spec)
     except ValueError as exc:
         field = str(exc).split(":", 1)[0]
         raise ValidationError({field: str(exc)}) from exc
@@ -261,7 +261,7 @@ def _should_stop(job_id: int, epoch: int) -> bool:
 def job_drive(*, job_id: int) -> str:
     """Run a job's driver to the end (the body of the Celery task). Returns the final state."""
     from runtime.jobs.driver import run_sft_job
-    from runtime.jobs.spec import SftJobSpec
+    from runtime.jobs.spec import PpoSimJobSpec, spec_from_json
 
     claimed = _claim_driver(job_id)
     if claimed is None:
@@ -269,12 +269,16 @@ def job_drive(*, job_id: int) -> str:
     job, epoch = claimed
     sink = DatabaseEventSink(job_id=job_id, epoch=epoch)
     try:
-        outcome = run_sft_job(
-            SftJobSpec.from_json(job.spec),
-            sink=sink,
-            ray_address=settings.NEREUS_RAY_ADDRESS,
-            should_stop=lambda: _should_stop(job_id, epoch),
-        )
+        spec = spec_from_json(job.spec)
+        if isinstance(spec, PpoSimJobSpec):
+            outcome = _drive_simulated(job_id, epoch, spec, sink)
+        else:
+            outcome = run_sft_job(
+                spec,
+                sink=sink,
+                ray_address=settings.NEREUS_RAY_ADDRESS,
+                should_stop=lambda: _should_stop(job_id, epoch),
+            )
     except errors.StaleEpochError:
         logger.warning("driver of job %s epoch %s was superseded; stopping", job_id, epoch)
         return Job.objects.get(pk=job_id).state
@@ -289,6 +293,38 @@ def job_drive(*, job_id: int) -> str:
         )
     target = JobState.SUCCEEDED if outcome.status == "succeeded" else JobState.CANCELLED
     return _finish(job_id, epoch, target)
+
+
+def _drive_simulated(job_id: int, epoch: int, spec, sink: DatabaseEventSink):
+    """A simulated PPO job: the controller's events become plans, proposals and transitions
+    (``webapp.plans``), and the approvals people give reach the controller between steps."""
+    from runtime.jobs.sim_job import run_sim_ppo_job
+    from webapp.plans.services import record_controller_event
+
+    seen = {"after": 0}
+
+    def emit_control(event: dict) -> None:
+        record_controller_event(job=Job(pk=job_id), event=event, epoch=epoch)
+
+    def commands() -> list[tuple[str, int]]:
+        new = list(
+            JobEvent.objects.filter(
+                job_id=job_id,
+                pk__gt=seen["after"],
+                kind__in=("command.approve", "command.reject"),
+            ).order_by("pk")
+        )
+        if new:
+            seen["after"] = new[-1].pk
+        return [(e.kind.partition(".")[2], int(e.data["proposal"])) for e in new]
+
+    return run_sim_ppo_job(
+        spec,
+        sink=sink,
+        emit_control=emit_control,
+        commands=commands,
+        should_stop=lambda: _should_stop(job_id, epoch),
+    )
 
 
 @transaction.atomic

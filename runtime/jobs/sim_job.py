@@ -1,0 +1,104 @@
+"""A PPO job on the simulated cluster, driven like a real one: the controller, planner, admission
+and transition compiler run for real against ``SimulatedEngine``; steps are paced in wall time so
+that a person can watch triggers, proposals and transitions arrive and approve them.
+
+Every event it emits says ``simulated: true``. Approval commands come in through ``commands``
+(the job's log, in the web service) and go to ``Controller.command`` between steps.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from runtime.control import Controller, JobPolicy
+from runtime.engine.sim import SimulatedEngine, TrueModel
+from runtime.engine.traces import generate
+from runtime.events import EventSink, RuntimeEvent
+from runtime.jobs.driver import JobOutcome
+from runtime.jobs.spec import PpoSimJobSpec
+from runtime.planner import PpoWorkload, default_catalog
+
+Command = tuple[str, int]
+"""(``approve`` or ``reject``, the controller's proposal id)."""
+
+
+def run_sim_ppo_job(
+    spec: PpoSimJobSpec,
+    *,
+    sink: EventSink,
+    emit_control: Callable[[dict], None],
+    commands: Callable[[], list[Command]] = list,
+    should_stop: Callable[[], bool] = lambda: False,
+) -> JobOutcome:
+    """Run the job to its last step (or a stop); controller events go to ``emit_control``."""
+    catalog = default_catalog()
+    accelerator = catalog.accelerator(spec.gpu)
+    trace = generate(
+        spec.trace,
+        seed=spec.seed,
+        steps=spec.num_steps,
+        gpus=spec.gpus,
+        accelerator=accelerator.name,
+        spot=True,
+        hours=spec.trace_hours,
+    )
+    workload = PpoWorkload.for_model(catalog.model(spec.model), gen_len=trace.gen_len_at(0))
+    engine = SimulatedEngine(trace, accelerator, truth=TrueModel.draw(spec.seed), seed=spec.seed)
+    controller = Controller(
+        workload, accelerator, JobPolicy.from_json(spec.policy), emit=emit_control
+    )
+    sink.emit(RuntimeEvent(kind="job.started", data={"spec": spec.to_json(), "simulated": True}))
+    controller.initial_plan(engine)
+    for step in range(spec.num_steps):
+        if should_stop():
+            sink.emit(
+                RuntimeEvent(kind="job.finished", data={"status": "cancelled", "steps": step})
+            )
+            return JobOutcome(status="cancelled", steps_done=step, final_loss=None)
+        for kind, proposal in commands():
+            try:
+                outcome = controller.command(kind, proposal, engine)
+            except ValueError as exc:  # not waiting any more (expired, superseded)
+                outcome = f"ignored: {exc}"
+            sink.emit(
+                RuntimeEvent(
+                    kind="command.applied",
+                    data={"command": kind, "proposal": proposal, "outcome": outcome},
+                )
+            )
+        controller.before_step(engine, step)
+        assert controller.plan is not None
+        report = engine.step(controller.plan, workload, step)  # the length comes from the trace
+        sink.emit(
+            RuntimeEvent(
+                kind="step.finished",
+                data={
+                    "step": step,
+                    "ok": report.ok,
+                    "step_s": round(report.seconds, 3),
+                    "gen_len": round(report.gen_len, 1),
+                    "stage_s": {k: round(v, 3) for k, v in report.stage_seconds.items()},
+                    "peak_memory": round(report.peak_memory, 4),
+                    "num_slots": engine.pool_size(),
+                    "failure": report.failure,
+                    "simulated": True,
+                },
+            )
+        )
+        controller.after_step(report, engine)
+        time.sleep(spec.pace_s)
+    sink.emit(
+        RuntimeEvent(
+            kind="job.finished",
+            data={
+                "status": "succeeded",
+                "steps": spec.num_steps,
+                "simulated_s": round(engine.now(), 1),
+                "transitions": controller.transitions,
+                "restarts": controller.restarts,
+                "simulated": True,
+            },
+        )
+    )
+    return JobOutcome(status="succeeded", steps_done=spec.num_steps, final_loss=None)
