@@ -102,6 +102,21 @@ class Controller:
 
     # --- events ---------------------------------------------------------------------------------
 
+    def emit_step(self, report: StepReport) -> None:
+        self.emit(
+            {
+                "event": "step",
+                "step": report.step,
+                "ok": report.ok,
+                "seconds": report.seconds,
+                "gen_len": report.gen_len,
+                "stage_seconds": report.stage_seconds,
+                "peak_memory": report.peak_memory,
+                "failure": report.failure,
+                "simulated": report.simulated,
+            }
+        )
+
     def emit(self, event: Event) -> None:
         self.events.append(event)
         if self._emit_to is not None:
@@ -565,6 +580,8 @@ class RunSummary:
     restart_seconds: float
     failed_steps: int
     simulated: bool
+    stopped: bool = False
+    """The job was told to stop before its last step."""
 
     @property
     def mean_step_s(self) -> float:
@@ -575,34 +592,37 @@ class RunSummary:
         return {**dataclasses.asdict(self), "mean_step_s": self.mean_step_s}
 
 
-def run_job(engine: Engine, controller: Controller, steps: int) -> RunSummary:
-    """The step loop: run a step on the current plan, let the controller act between steps."""
+def run_job(
+    engine: Engine,
+    controller: Controller,
+    steps: int,
+    *,
+    between_steps: Callable[[int], bool] | None = None,
+    on_step: Callable[[StepReport], None] | None = None,
+) -> RunSummary:
+    """The step loop: run a step on the current plan, let the controller act between steps.
+
+    ``between_steps(step)`` runs before each step (a driver applies commands there) and returns
+    False to stop the job; ``on_step(report)`` receives each step's report (by default it becomes
+    a ``step`` event of the controller)."""
     controller.initial_plan(engine)
     failed = 0
     step_seconds = 0.0
+    done = 0
     for step in range(steps):
+        if between_steps is not None and not between_steps(step):
+            break
         controller.before_step(engine, step)
         assert controller.plan is not None
         report = engine.step(controller.plan, controller._workload(controller._gen_len), step)
         step_seconds += report.seconds
         if not report.ok:
             failed += 1
-        controller.emit(
-            {
-                "event": "step",
-                "step": step,
-                "ok": report.ok,
-                "seconds": report.seconds,
-                "gen_len": report.gen_len,
-                "stage_seconds": report.stage_seconds,
-                "peak_memory": report.peak_memory,
-                "failure": report.failure,
-                "simulated": report.simulated,
-            }
-        )
+        (on_step or controller.emit_step)(report)
         controller.after_step(report, engine)
+        done += 1
     return RunSummary(
-        steps=steps,
+        steps=done,
         seconds=engine.now(),
         step_seconds=step_seconds,
         transitions=controller.transitions,
@@ -611,4 +631,5 @@ def run_job(engine: Engine, controller: Controller, steps: int) -> RunSummary:
         restart_seconds=controller.restart_s,
         failed_steps=failed,
         simulated=engine.simulated,
+        stopped=done < steps,
     )

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from runtime.control import Controller, JobPolicy
+from runtime.control import Controller, JobPolicy, run_job
 from runtime.engine.sim import SimulatedEngine, TrueModel
 from runtime.engine.traces import generate
 from runtime.events import EventSink, RuntimeEvent
@@ -49,13 +49,12 @@ def run_sim_ppo_job(
         workload, accelerator, JobPolicy.from_json(spec.policy), emit=emit_control
     )
     sink.emit(RuntimeEvent(kind="job.started", data={"spec": spec.to_json(), "simulated": True}))
-    controller.initial_plan(engine)
-    for step in range(spec.num_steps):
+
+    def between_steps(step: int) -> bool:
+        if step:
+            time.sleep(spec.pace_s)
         if should_stop():
-            sink.emit(
-                RuntimeEvent(kind="job.finished", data={"status": "cancelled", "steps": step})
-            )
-            return JobOutcome(status="cancelled", steps_done=step, final_loss=None)
+            return False
         for kind, proposal in commands():
             try:
                 outcome = controller.command(kind, proposal, engine)
@@ -67,14 +66,14 @@ def run_sim_ppo_job(
                     data={"command": kind, "proposal": proposal, "outcome": outcome},
                 )
             )
-        controller.before_step(engine, step)
-        assert controller.plan is not None
-        report = engine.step(controller.plan, workload, step)  # the length comes from the trace
+        return True
+
+    def on_step(report) -> None:
         sink.emit(
             RuntimeEvent(
                 kind="step.finished",
                 data={
-                    "step": step,
+                    "step": report.step,
                     "ok": report.ok,
                     "step_s": round(report.seconds, 3),
                     "gen_len": round(report.gen_len, 1),
@@ -86,19 +85,22 @@ def run_sim_ppo_job(
                 },
             )
         )
-        controller.after_step(report, engine)
-        time.sleep(spec.pace_s)
+
+    summary = run_job(
+        engine, controller, spec.num_steps, between_steps=between_steps, on_step=on_step
+    )
+    status = "cancelled" if summary.stopped else "succeeded"
     sink.emit(
         RuntimeEvent(
             kind="job.finished",
             data={
-                "status": "succeeded",
-                "steps": spec.num_steps,
-                "simulated_s": round(engine.now(), 1),
-                "transitions": controller.transitions,
-                "restarts": controller.restarts,
+                "status": status,
+                "steps": summary.steps,
+                "simulated_s": round(summary.seconds, 1),
+                "transitions": summary.transitions,
+                "restarts": summary.restarts,
                 "simulated": True,
             },
         )
     )
-    return JobOutcome(status="succeeded", steps_done=spec.num_steps, final_loss=None)
+    return JobOutcome(status=status, steps_done=summary.steps, final_loss=None)
