@@ -129,7 +129,7 @@ def test_extend_onto_slots_that_overlap_its_source(fresh):
 
 def test_groups_are_created_once_and_reused(fresh):
     engine = fresh
-    _, first = engine.split(Split(unit=_new(engine, 2, 1, (0, 1), "x"), axis="tp", k=2))
+    engine.split(Split(unit=_new(engine, 2, 1, (0, 1), "x"), axis="tp", k=2))
     _, second = engine.split(Split(unit=_new(engine, 2, 1, (0, 1), "y"), axis="tp", k=2))
     # No group is missing, so no round trip to the slots is made at all (not merely a fast one).
     assert second.groups_created == 0 and second.group_setup_s == 0.0
