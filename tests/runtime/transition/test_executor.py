@@ -3,12 +3,11 @@ machine lacks) joined by gloo. Two model-stages move at once through slots one o
 every unit's logical state (checksum) is unchanged, and a slot killed mid-transition leaves
 intact units to replan from."""
 
-import zlib
-
 import pytest
 
 from runtime.emu.engine import UnitEngine
 from runtime.engine.ray_cluster import ray_connection
+from runtime.engine.ray_engine import state_seed
 from runtime.engine.slots import SlotPool
 from runtime.planner import default_catalog
 from runtime.planner.calibration import Calibrator
@@ -57,16 +56,12 @@ def _tight_cluster() -> Cluster:
     return Cluster(accelerator=ACC, num_slots=NUM_SLOTS, capacity_bytes=caps)
 
 
-def _seed(name: str) -> int:
-    return zlib.crc32(name.encode()) & 0xFFFF
-
-
 def _materialise(engine: UnitEngine) -> dict[str, int]:
     """Create the current plan's units; every replica of a model-stage holds the same state."""
     checksums = {}
     for name, units in units_of(CURRENT, WORKLOAD).items():
         for unit in units:
-            engine.create(unit, seed=_seed(name))
+            engine.create(unit, seed=state_seed(name))
         checksums[name] = engine.checksum(units[0])
     return checksums
 
