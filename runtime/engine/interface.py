@@ -33,6 +33,8 @@ class StepReport:
     """The fullest slot's peak as a fraction of its capacity."""
     failure: str = ""
     simulated: bool = False
+    extra: dict = dataclasses.field(default_factory=dict)
+    """What the job itself reports (PPO's statistics); the controller does not read it."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -3,8 +3,10 @@
 Units live on ``SlotPool`` actors through a ``UnitEngine``; transitions run through the DAG
 executor; checkpoint/restart goes through torch.distributed.checkpoint (save every persistent
 model-stage once, release everything, load into the new plan's layouts, which DCP reshards).
-The PPO step itself (``step``) comes with the PPO runtime (``runtime/ppo/``); until then this
-engine serves transitions, restarts and the shared interface tests.
+The step is the job's: a ``PpoRuntime`` (``runtime/ppo/job.py``) places its training units from
+its initial weights and runs PPO's three stages on the plan's units. Without a job, units are
+filled with reference values and the engine serves transitions and restarts only (the shared
+interface tests and the transition benchmarks).
 """
 
 from __future__ import annotations
@@ -35,8 +37,10 @@ class RayEngine:
     kind = "ray"
     simulated = False
 
-    def __init__(self, pool: SlotPool, *, checkpoint_dir: str | Path | None = None):
+    def __init__(self, pool: SlotPool, *, checkpoint_dir: str | Path | None = None, job=None):
         self.engine = UnitEngine(pool)
+        self.job = job
+        """A ``PpoRuntime``, or None for an engine that only moves units."""
         self._t0 = time.monotonic()
         self._checkpoints = Path(checkpoint_dir or tempfile.mkdtemp(prefix="nereus-ckpt-"))
         self.events: list[dict] = []
@@ -52,6 +56,10 @@ class RayEngine:
 
     def start(self, plan: Plan, workload: PpoWorkload) -> None:
         self._release_all()
+        if self.job is not None:
+            self.job.check_plan(plan, workload)
+            self.job.place(self.engine, units_of(plan, workload))
+            return
         for name, units in units_of(plan, workload).items():
             for unit in units:
                 self.engine.create(unit, seed=state_seed(name))
@@ -63,7 +71,9 @@ class RayEngine:
         return {name: tuple(sorted(us, key=lambda u: u.slots)) for name, us in out.items()}
 
     def step(self, plan: Plan, workload: PpoWorkload, step: int) -> StepReport:
-        raise NotImplementedError("the PPO step on the Ray engine comes with runtime/ppo")
+        if self.job is None:
+            raise RuntimeError("step: this engine has no job (RayEngine(pool, job=PpoRuntime))")
+        return self.job.step(self.engine, plan, workload, step)
 
     def transition(self, dag: TransitionDag) -> TransitionOutcome:
         result = Executor(dag, self.engine, on_event=self.events.append).run()
@@ -107,6 +117,12 @@ class RayEngine:
                     )
                 self.engine.verified[unit.unit_id] = got
         return time.monotonic() - started
+
+    def stop(self) -> None:
+        """Free the job's units and workspaces; the pool stays for another job."""
+        self._release_all()
+        if self.job is not None:
+            self.job.release(self.engine)
 
     def _release_all(self) -> None:
         for unit in list(self.engine.units.values()):

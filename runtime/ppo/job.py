@@ -1,0 +1,633 @@
+"""PPO on slots: the driver of one job's steps, on whatever plan the controller holds.
+
+The driver (this process) holds the data, as a single controller does: it samples prompts, cuts
+the batch across each model-stage's data-parallel units, collects what the units return and
+computes rewards and advantages. The slots hold the models (``runtime.ppo.slot_work``). One step:
+
+1. generation: the actor's training parameters are synced into the actor's generation units,
+   which sample responses to their share of the prompts;
+2. inference: the actor's and the critic's inference units (synced from training) and the frozen
+   reference and reward units score every response token; the programmatic reward (or the reward
+   model's score) gives each sequence its score; rewards with the KL penalty and GAE follow;
+3. training: ``epochs`` passes of minibatches; each minibatch is cut across the training units,
+   gradients are summed across them, and Adam updates the units' own state.
+
+Everything that decides a run's numbers (prompts, sampling noise per prompt, minibatch order,
+the KL weight, Adam's step counts) is fixed by the seed and the step, not by the layout, so a run
+whose plan changes between steps follows the same trajectory as one that does not, up to
+floating-point summation order.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from runtime.emu import checkpoint
+from runtime.emu.engine import UnitEngine
+from runtime.emu.layout import ShardError
+from runtime.emu.primitives import Unit
+from runtime.emu.reshard import plan_copies
+from runtime.engine.interface import StepReport
+from runtime.planner import default_catalog
+from runtime.planner.catalog import ModelConfig
+from runtime.planner.plan import Plan
+from runtime.planner.workload import PpoWorkload
+from runtime.ppo import algorithm as ppo
+from runtime.ppo import slot_work
+from runtime.ppo.algorithm import PPOConfig, StepStats
+from runtime.ppo.generate import SamplingParams, left_pad
+from runtime.ppo.model import build_model
+from runtime.ppo.parallel import check_tensor_parallel
+from runtime.ppo.tasks import EOS, PAD, TaskSet, reward_function
+from runtime.ppo.trainer_local import supervised_warmup
+from runtime.ppo.weights import CheckpointError, read_state_dict
+from runtime.transition.units import persists, unit_layout
+
+REWARDS = ("length", "correct", "partial", "model")
+
+
+class PpoConfigError(ValueError):
+    """A PPO job configuration that cannot run; the message names the field."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PpoJobConfig:
+    """A PPO job on slots. All four models share the architecture ``model``."""
+
+    model: str = "tiny-sft"
+    tasks: tuple[str, ...] = ("copy",)
+    reward: str = "length"
+    """``length`` (longer answers: response length grows, real drift), ``correct``, ``partial``,
+    or ``model`` (the reward model's score)."""
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    batch_size: int = 32
+    ppo: PPOConfig = dataclasses.field(
+        default_factory=lambda: PPOConfig(kl_coef=0.01, epochs=2, minibatch_size=16)
+    )
+    actor_lr: float = 1e-3
+    critic_lr: float = 1e-3
+    max_grad_norm: float = 1.0
+    warmup_steps: int = 60
+    """Supervised steps on the tasks' answers (on the driver) before PPO starts."""
+    warmup_lr: float = 3e-3
+    init_from: str = ""
+    """A safetensors file or Hugging Face directory for the actor's (and reference's) start."""
+    seed: int = 0
+
+    def model_config(self) -> ModelConfig:
+        try:
+            return default_catalog().model(self.model)
+        except ValueError as exc:
+            raise PpoConfigError(str(exc)) from None
+
+    def task_set(self) -> TaskSet:
+        try:
+            return TaskSet(tasks=tuple(self.tasks), vocab_size=self.model_config().vocab_size)
+        except ValueError as exc:
+            raise PpoConfigError(str(exc)) from None
+
+    def sampling(self, seed: int) -> SamplingParams:
+        return SamplingParams(
+            max_new_tokens=self.max_new_tokens,
+            eos_token_id=EOS,
+            temperature=self.temperature,
+            seed=seed,
+        )
+
+    def validate(self) -> None:
+        """Every field, before any slot is touched."""
+        self.task_set()
+        if self.reward not in REWARDS:
+            raise PpoConfigError(
+                f"reward: expected one of {', '.join(REWARDS)}, got {self.reward!r}"
+            )
+        for field in ("batch_size", "max_new_tokens"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise PpoConfigError(f"{field}: must be a positive integer, got {value!r}")
+        if self.ppo.minibatch_size > self.batch_size:
+            raise PpoConfigError(
+                f"ppo.minibatch_size: {self.ppo.minibatch_size} exceeds batch_size={self.batch_size}"
+            )
+        for field in ("actor_lr", "critic_lr", "max_grad_norm", "warmup_lr"):
+            if not getattr(self, field) > 0:
+                raise PpoConfigError(f"{field}: must be positive, got {getattr(self, field)}")
+        try:
+            self.sampling(0)
+        except ValueError as exc:
+            raise PpoConfigError(str(exc)) from None
+
+
+def _step_seed(seed: int, step: int, stream: int) -> int:
+    return (seed * 1_000_003 + step * 8_191 + stream) % 2**63
+
+
+def _split(rows: int, parts: int) -> list[range]:
+    """``rows`` cut into ``parts`` contiguous runs as even as possible (none empty if rows >= parts)."""
+    base, extra = divmod(rows, parts)
+    out, start = [], 0
+    for i in range(parts):
+        size = base + (i < extra)
+        out.append(range(start, start + size))
+        start += size
+    return out
+
+
+@dataclasses.dataclass
+class JobState:
+    """What the driver keeps between steps, and what a checkpoint saves beside the units."""
+
+    next_step: int = 0
+    optimizer_steps: dict[str, int] = dataclasses.field(
+        default_factory=lambda: {"actor": 0, "critic": 0}
+    )
+    kl_coef: float = 0.0
+    shuffle_state: list[int] = dataclasses.field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+class PpoRuntime:
+    """One PPO job's driver: initial weights, units' placement, and the step on a plan."""
+
+    def __init__(self, config: PpoJobConfig, *, workdir: str | Path):
+        config.validate()
+        self.config = config
+        self.model = config.model_config()
+        self.tasks = config.task_set()
+        self.reward = (
+            None
+            if config.reward == "model"
+            else reward_function(config.reward, max_new_tokens=config.max_new_tokens)
+        )
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.kl = ppo.kl_controller(config.ppo)
+        self.shuffle = torch.Generator().manual_seed(config.seed)
+        self.state = JobState(kl_coef=self.kl.value)
+        self.stats: list[StepStats] = []
+        self._weights: dict[str, Path] = {}
+        self._grouped: set[tuple] = set()
+        if config.init_from:
+            self._check_initial(config.init_from)
+
+    # --- set-up ---------------------------------------------------------------------------------
+
+    def workload(self) -> PpoWorkload:
+        """The planner's view of a step of this job."""
+        prompt_len = max(len(p.tokens) for p in self.tasks.sample(64, seed=self.config.seed))
+        return PpoWorkload.for_model(
+            self.model,
+            global_batch=self.config.batch_size,
+            prompt_len=prompt_len,
+            gen_len=max(1, self.config.max_new_tokens // 4),
+            micro_batch=min(self.config.batch_size, 8),
+            gen_micro_batch=self.config.batch_size,
+            ppo_epochs=self.config.ppo.epochs,
+            ppo_minibatches=-(-self.config.batch_size // self.config.ppo.minibatch_size),
+            precision="fp32",
+        )
+
+    def check_plan(self, plan: Plan, workload: PpoWorkload) -> None:
+        """Raise ``PpoConfigError`` when a model-stage's layout cannot take the model, before any
+        slot is touched."""
+        for ms in workload.model_stages():
+            layout = plan.model_stage(ms.name).layout
+            try:
+                check_tensor_parallel(ms.model, tp=layout.tp, lm_head=not ms.scalar_head)
+                unit_layout(ms, layout, workload.precision)
+            except (ValueError, ShardError) as exc:
+                raise PpoConfigError(f"plan.{ms.name}: {exc}") from None
+            rows = self.config.ppo.minibatch_size if ms.stage == "training" else 1
+            if layout.dp > rows and ms.stage == "training":
+                raise PpoConfigError(
+                    f"plan.{ms.name}: dp={layout.dp} exceeds ppo.minibatch_size={rows}"
+                )
+
+    def _check_initial(self, path: str) -> None:
+        try:
+            weights = read_state_dict(path)
+        except (OSError, CheckpointError) as exc:
+            raise PpoConfigError(f"init_from: {exc}") from None
+        expected = build_model(self.model, scalar_head=False, seed=0).state_dict()
+        for key, tensor in expected.items():
+            if key not in weights:
+                raise PpoConfigError(f"init_from: {path} has no tensor {key!r}")
+            if tuple(weights[key].shape) != tuple(tensor.shape):
+                raise PpoConfigError(
+                    f"init_from: {key} has shape {tuple(weights[key].shape)}, the model "
+                    f"{self.model.name} needs {tuple(tensor.shape)}"
+                )
+
+    def initial_weights(self) -> dict[str, Path]:
+        """Full weights of the four models at step 0, written once to the job's directory: the
+        actor from ``init_from`` or supervised warm-up, the reference a frozen copy of it, critic
+        and reward model on its backbone with fresh scalar heads."""
+        if self._weights:
+            return self._weights
+        c = self.config
+        actor = build_model(self.model, scalar_head=False, seed=c.seed)
+        if c.init_from:
+            actor.load_state_dict(read_state_dict(c.init_from))
+        supervised_warmup(
+            actor,
+            self.tasks,
+            steps=c.warmup_steps,
+            batch_size=c.batch_size,
+            lr=c.warmup_lr,
+            seed=c.seed,
+        )
+        critic = build_model(self.model, scalar_head=True, seed=c.seed + 1)
+        critic.model.load_state_dict(actor.model.state_dict())
+        reward = build_model(self.model, scalar_head=True, seed=c.seed + 2)
+        reward.model.load_state_dict(actor.model.state_dict())
+        models = {"actor": actor, "critic": critic, "ref": copy.deepcopy(actor), "reward": reward}
+        for role, model in models.items():
+            path = self.workdir / f"{role}-initial.pt"
+            torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, path)
+            self._weights[role] = path
+        return self._weights
+
+    def place(self, engine: UnitEngine, units: Mapping[str, tuple[Unit, ...]]) -> None:
+        """Create the training units from the initial weights (parameters, fp32 masters, zero
+        Adam moments) and register them with the unit engine."""
+        weights = self.initial_weights()
+        for name, group in units.items():
+            role = name.partition("@")[0]
+            for unit in group:
+                engine.pool.run(
+                    slot_work.place_training_unit, on=unit.slots, unit=unit, path=str(weights[role])
+                )
+                engine.units[unit.unit_id] = unit
+                engine.verified.pop(unit.unit_id, None)
+
+    # --- one step -------------------------------------------------------------------------------
+
+    def units_for(
+        self, engine: UnitEngine, plan: Plan, workload: PpoWorkload
+    ) -> dict[str, tuple[Unit, ...]]:
+        """Every model-stage's units this step: the training units the engine holds, and units
+        of the plan's layouts for the others (named by layout and slots, so they are reused)."""
+        held: dict[str, list[Unit]] = {}
+        for unit in engine.units.values():
+            held.setdefault(unit.model_stage, []).append(unit)
+        out = {}
+        for ms in workload.model_stages():
+            if persists(ms):
+                out[ms.name] = tuple(sorted(held.get(ms.name, []), key=lambda u: u.slots))
+                if not out[ms.name]:
+                    raise RuntimeError(f"{ms.name}: no training units are held")
+                continue
+            msp = plan.model_stage(ms.name)
+            layout = unit_layout(ms, msp.layout, workload.precision)
+            out[ms.name] = tuple(
+                Unit(
+                    unit_id=f"{ms.name}/{msp.layout.tp}x{msp.layout.pp}@"
+                    + "-".join(map(str, slots)),
+                    model_stage=ms.name,
+                    layout=layout,
+                    slots=slots,
+                )
+                for slots in msp.units
+            )
+        return out
+
+    def _prepare(self, engine: UnitEngine, units: dict[str, tuple[Unit, ...]]) -> None:
+        """Create, collectively over the pool, the groups and meshes these units need."""
+        every = [u for group in units.values() for u in group]
+        dp_groups = self._dp_groups(units)
+        key = (tuple(sorted(u.unit_id + str(u.slots) for u in every)), tuple(sorted(dp_groups)))
+        live = sorted(set(range(engine.pool.num_slots)) - engine.lost_slots)
+        if key not in self._grouped:
+            engine.pool.run(checkpoint.ensure_unit_groups, on=live, units=every)
+            engine.prepare_groups(dp_groups)
+            self._grouped.add(key)
+        engine.pool.run(slot_work.keep_workspaces, on=live, units=every)
+
+    @staticmethod
+    def _dp_groups(units) -> list[tuple[int, ...]]:
+        out = []
+        for name, group in units.items():
+            if name.endswith("@training") and len(group) > 1:
+                out += [tuple(u.slots[i] for u in group) for i in range(len(group[0].slots))]
+        return out
+
+    def _sync(self, engine: UnitEngine, sources: tuple[Unit, ...], targets: tuple[Unit, ...]):
+        """The training units' parameters into the workspaces of ``targets``."""
+        source_of: dict[int, Unit] = {}
+        held = {}
+        for unit in sources:
+            for position, slot in enumerate(unit.slots):
+                source_of[slot] = unit
+                held[slot] = [s for s in unit.layout.shards(position) if "::" not in s.key]
+        received = 0
+        for target in targets:
+            wanted = {
+                slot: target.layout.shards(position) for position, slot in enumerate(target.slots)
+            }
+            copies = plan_copies(held, wanted)
+            slots = sorted({c.src_slot for c in copies} | {c.dst_slot for c in copies})
+            received += sum(
+                engine.pool.run(
+                    slot_work.sync_weights,
+                    on=slots,
+                    copies=copies,
+                    sources=source_of,
+                    target=target,
+                )
+            )
+        return received
+
+    def step(self, engine: UnitEngine, plan: Plan, workload: PpoWorkload, step: int) -> StepReport:
+        """One PPO step on ``plan``; ``step`` must be the job's next step."""
+        if step != self.state.next_step:
+            raise RuntimeError(f"step: expected step {self.state.next_step}, got {step}")
+        self.check_plan(plan, workload)
+        c = self.config
+        started = time.perf_counter()
+        units = self.units_for(engine, plan, workload)
+        self._prepare(engine, units)
+        stage_s: dict[str, float] = {}
+
+        # 1. generation
+        t0 = time.perf_counter()
+        prompts = self.tasks.sample(c.batch_size, seed=_step_seed(c.seed, step, 0))
+        params = c.sampling(_step_seed(c.seed, step, 1))
+        sync_bytes = self._sync(engine, units["actor@training"], units["actor@generation"])
+        rollout = self._generate(engine, units["actor@generation"], prompts, params)
+        stage_s["generation"] = time.perf_counter() - t0
+
+        # 2. inference
+        t0 = time.perf_counter()
+        sync_bytes += self._sync(engine, units["actor@training"], units["actor@inference"])
+        sync_bytes += self._sync(engine, units["critic@training"], units["critic@inference"])
+        weights = self.initial_weights()
+        for role in ("ref", "reward"):
+            for unit in units[f"{role}@inference"]:
+                engine.pool.run(
+                    slot_work.load_frozen, on=unit.slots, unit=unit, path=str(weights[role])
+                )
+        scored = self._infer(engine, units, rollout, modes={s.stage: s.mode for s in plan.stages})
+        sequences, mask = rollout["sequences"], rollout["response_mask"].float()
+        if self.reward is None:
+            scores = scored["reward"]
+        else:
+            scores = torch.tensor(
+                [self.reward(p, r) for p, r in zip(prompts, rollout["responses"], strict=True)]
+            )
+        kl_coef = self.kl.value
+        rewards, kl = ppo.kl_penalized_rewards(
+            scores, scored["actor"], scored["ref"], mask, kl_coef=kl_coef
+        )
+        advantages, returns = ppo.gae(
+            rewards, scored["critic"], mask, gamma=c.ppo.gamma, lam=c.ppo.lam
+        )
+        if c.ppo.whiten_advantages:
+            advantages = ppo.masked_whiten(advantages, mask)
+        stage_s["inference"] = time.perf_counter() - t0
+
+        # 3. training
+        t0 = time.perf_counter()
+        totals = self._train(
+            engine,
+            units,
+            sequences=sequences,
+            attention_mask=rollout["attention_mask"],
+            prompt_length=rollout["prompt_length"],
+            mask=mask,
+            old_logprobs=scored["actor"],
+            old_values=scored["critic"],
+            advantages=advantages,
+            returns=returns,
+        )
+        for name in ("actor@training", "critic@training"):
+            for unit in units[name]:
+                engine.verified.pop(unit.unit_id, None)  # its state changed
+        stage_s["training"] = time.perf_counter() - t0
+
+        mean_kl = float(kl.sum(dim=1).mean())
+        self.kl.update(mean_kl, c.batch_size)
+        lengths = rollout["response_mask"].sum(dim=1).float()
+        stats = StepStats(
+            step=step,
+            mean_reward=float(scores.mean()),
+            kl=mean_kl,
+            kl_coef=kl_coef,
+            mean_response_length=float(lengths.mean()),
+            **totals,
+        )
+        self.stats.append(stats)
+        self.state.next_step = step + 1
+        self.state.kl_coef = self.kl.value
+        peak = max(m["peak_bytes"] for m in self._memory(engine))
+        return StepReport(
+            step=step,
+            ok=True,
+            seconds=time.perf_counter() - started,
+            gen_len=float(lengths.mean()),
+            stage_seconds=stage_s,
+            peak_memory=peak / default_catalog().accelerator("cpu-slot").memory_bytes,
+            op_times=(),
+            extra={"stats": stats.to_json(), "sync_bytes": sync_bytes},
+        )
+
+    def _memory(self, engine: UnitEngine) -> list[dict]:
+        live = sorted(set(range(engine.pool.num_slots)) - engine.lost_slots)
+        return [m for i, m in enumerate(engine.pool.memory()) if i in live]
+
+    def _generate(self, engine, units, prompts, params) -> dict:
+        calls = []
+        for unit, rows in zip(units, _split(len(prompts), len(units)), strict=True):
+            if rows:
+                chosen = [list(prompts[r].tokens) for r in rows]
+                calls += [
+                    (slot, {"unit": unit, "prompts": chosen, "rows": list(rows)})
+                    for slot in unit.slots
+                ]
+        results = engine.pool.run(
+            slot_work.generate,
+            [kw for _, kw in calls],
+            on=[slot for slot, _ in calls],
+            params=params,
+            pad_token_id=PAD,
+        )
+        parts = sorted((r for r in results if r is not None), key=lambda r: r["rows"][0])
+        width = max(p["response_tokens"].shape[1] for p in parts)
+
+        def right_pad(t: torch.Tensor, value) -> torch.Tensor:
+            return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value)
+
+        response_tokens = torch.cat([right_pad(p["response_tokens"], PAD) for p in parts])
+        response_mask = torch.cat([right_pad(p["response_mask"], 0) for p in parts])
+        prompt_tokens, prompt_mask = left_pad(
+            [p.tokens for p in prompts], pad_token_id=PAD, device="cpu"
+        )
+        lengths = response_mask.sum(dim=1)
+        return {
+            "prompt_length": prompt_tokens.shape[1],
+            "sequences": torch.cat((prompt_tokens, response_tokens), dim=1),
+            "attention_mask": torch.cat((prompt_mask, response_mask), dim=1),
+            "response_mask": response_mask,
+            "responses": [
+                row[:n].tolist() for row, n in zip(response_tokens, lengths, strict=True)
+            ],
+        }
+
+    def _infer(self, engine, units, rollout, *, modes) -> dict[str, torch.Tensor]:
+        outputs = {"actor": "logprobs", "ref": "logprobs", "critic": "values", "reward": "reward"}
+        jobs: list[tuple[str, Callable[[], torch.Tensor]]] = []
+        for role, output in outputs.items():
+            group = units[f"{role}@inference"]
+
+            def run(group=group, output=output) -> torch.Tensor:
+                calls = []
+                for unit, rows in zip(
+                    group, _split(len(rollout["responses"]), len(group)), strict=True
+                ):
+                    if rows:
+                        sl = slice(rows.start, rows.stop)
+                        kw = {
+                            "unit": unit,
+                            "sequences": rollout["sequences"][sl],
+                            "attention_mask": rollout["attention_mask"][sl],
+                        }
+                        calls += [(slot, kw) for slot in unit.slots]
+                results = engine.pool.run(
+                    slot_work.score,
+                    [kw for _, kw in calls],
+                    on=[slot for slot, _ in calls],
+                    prompt_length=rollout["prompt_length"],
+                    output=output,
+                )
+                return torch.cat([r for r in results if r is not None])
+
+            jobs.append((role, run))
+        slots = {role: {s for u in units[f"{role}@inference"] for s in u.slots} for role in outputs}
+        disjoint = modes.get("inference") == "disjoint" and all(
+            not (slots[a] & slots[b]) for a in outputs for b in outputs if a < b
+        )
+        if disjoint:  # model-stages on their own slots run at once
+            with ThreadPoolExecutor(len(jobs)) as pool:
+                futures = {role: pool.submit(run) for role, run in jobs}
+                return {role: f.result() for role, f in futures.items()}
+        return {role: run() for role, run in jobs}
+
+    def _train(self, engine, units, **batch) -> dict[str, float]:
+        c = self.config
+        totals: dict[str, float] = {}
+        count = 0
+        for rows in ppo.minibatches(
+            batch["mask"].shape[0],
+            minibatch_size=c.ppo.minibatch_size,
+            epochs=c.ppo.epochs,
+            generator=self.shuffle,
+        ):
+            per_slot: dict[int, list] = {}
+            tokens_total = float(batch["mask"][rows].sum().clamp(min=1))
+            for role in ("actor", "critic"):
+                self.state.optimizer_steps[role] += 1
+                group = units[f"{role}@training"]
+                for unit, part in zip(group, _split(len(rows), len(group)), strict=True):
+                    mine = rows[part.start : part.stop]
+                    task = slot_work.TrainTask(
+                        role=role,
+                        unit=unit,
+                        dp_group=(),
+                        sequences=batch["sequences"][mine],
+                        attention_mask=batch["attention_mask"][mine],
+                        prompt_length=batch["prompt_length"],
+                        mask=batch["mask"][mine],
+                        old_logprobs=batch["old_logprobs"][mine],
+                        old_values=batch["old_values"][mine],
+                        advantages=batch["advantages"][mine],
+                        returns=batch["returns"][mine],
+                        weight=float(batch["mask"][mine].sum()) / tokens_total,
+                        clip_ratio=c.ppo.clip_ratio,
+                        value_clip=c.ppo.value_clip,
+                        entropy_coef=c.ppo.entropy_coef,
+                        lr=c.actor_lr if role == "actor" else c.critic_lr,
+                        max_grad_norm=c.max_grad_norm,
+                        optimizer_step=self.state.optimizer_steps[role],
+                    )
+                    for position, slot in enumerate(unit.slots):
+                        dp = tuple(u.slots[position] for u in group)
+                        per_slot.setdefault(slot, []).append(dataclasses.replace(task, dp_group=dp))
+            slots = sorted(per_slot)
+            results = engine.pool.run(
+                slot_work.train, [{"tasks": per_slot[s]} for s in slots], on=slots
+            )
+            for stats in (s for result in results for s in result if s is not None):
+                for key, value in stats.items():
+                    totals[key] = totals.get(key, 0.0) + value
+            count += 1
+        return {key: total / count for key, total in totals.items()}
+
+    def release(self, engine: UnitEngine) -> None:
+        """Drop this job's workspaces on every live slot (its units are the engine's to free)."""
+        live = sorted(set(range(engine.pool.num_slots)) - engine.lost_slots)
+        engine.pool.run(slot_work.keep_workspaces, on=live, units=[])
+        self._grouped.clear()
+
+    # --- state ----------------------------------------------------------------------------------
+
+    def parameters(self, engine: UnitEngine, role: str) -> dict[str, torch.Tensor]:
+        """The full parameters of a training model, assembled on the driver from one replica."""
+        unit = next(u for u in engine.units.values() if u.model_stage == f"{role}@training")
+        full: dict[str, torch.Tensor] = {}
+        for held in engine.pool.run(slot_work.read_parameters, on=unit.slots, unit=unit):
+            for key, (spec, tensor) in held.items():
+                if key not in full:
+                    full[key] = torch.empty(spec.global_shape, dtype=tensor.dtype)
+                view = full[key]
+                for dim, (offset, size) in enumerate(
+                    zip(spec.global_offset, spec.local_shape, strict=True)
+                ):
+                    view = view.narrow(dim, offset, size)
+                view.copy_(tensor)
+        return full
+
+    def save_state(self, path: Path) -> None:
+        self.state.shuffle_state = self.shuffle.get_state().tolist()
+        self.state.kl_coef = self.kl.value
+        path.write_text(json.dumps(self.state.to_json()))
+
+    def load_state(self, path: Path) -> None:
+        data = json.loads(path.read_text())
+        self.state = JobState(**data)
+        self.shuffle.set_state(torch.tensor(data["shuffle_state"], dtype=torch.uint8))
+        self.kl.value = data["kl_coef"]
+
+
+def plan_by_hand(
+    workload: PpoWorkload,
+    layouts: Mapping[str, tuple[int, int, int]],
+    *,
+    num_slots: int,
+    accelerator: str = "cpu-slot",
+    slots: Mapping[str, tuple[int, ...]] | None = None,
+) -> Plan:
+    """A plan whose model-stages have the given ``(dp, tp, pp)``, every one's units on consecutive
+    slots from slot 0 (or from ``slots[name]``), all stages colocated: for tests, benchmarks
+    and fixed-plan runs. A model-stage not named gets ``(1, 1, 1)``."""
+    from runtime.planner.plan import Layout
+
+    out = {}
+    for ms in workload.model_stages():
+        dp, tp, pp = layouts.get(ms.name, (1, 1, 1))
+        chosen = (slots or {}).get(ms.name, tuple(range(num_slots)))
+        width = tp * pp
+        if len(chosen) < dp * width:
+            raise ValueError(f"layouts.{ms.name}: ({dp},{tp},{pp}) needs {dp * width} slots")
+        units = tuple(tuple(chosen[i * width : (i + 1) * width]) for i in range(dp))
+        out[ms.name] = (Layout(dp=dp, tp=tp, pp=pp), units)
+    return Plan.of_units(accelerator=accelerator, num_slots=num_slots, layouts=out)

@@ -1,0 +1,557 @@
+"""PPO's work on the slots: each function runs inside a slot actor through ``SlotPool.run``.
+
+A unit of a model-stage is a ``tp × pp`` grid of slots (``runtime.emu.layout``). On each of its
+slots the model runs as a *workspace*: the decoder with this pipeline stage's layers in use and its
+projections sharded over the stage's tensor-parallel mesh by DTensor (``runtime.ppo.parallel``).
+Activations cross pipeline stages point to point (the stage's output goes to the same tensor rank
+of the next stage; gradients come back the same way), and decoded tokens go from the last stage
+back to the earlier ones.
+
+Where the weights come from:
+
+- training units (actor, critic) hold the job's mutable state in the unit store that the
+  transition primitives move (``ctx.state["units"]``): parameters and Adam state. Their workspace
+  is refreshed from that state before each use; Adam updates the state itself.
+- the actor's generation and inference units and the critic's inference units receive the
+  training units' parameters every step (``sync_weights``: the reshard planner's copies, local
+  where a slot already holds the slice, point to point otherwise).
+- the frozen reference and reward models are read from the job's weight file, once per unit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+import zlib
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from runtime.emu import checkpoint
+from runtime.emu.layout import REPLICATED, ShardSpec
+from runtime.emu.primitives import Unit
+from runtime.emu.reshard import Copy
+from runtime.engine.slots import SlotContext
+from runtime.ppo import algorithm as ppo
+from runtime.ppo.generate import SamplingParams, filter_logits, left_pad
+from runtime.ppo.model import KVCache, attention_mask_4d, build_model, rotary_cos_sin
+from runtime.ppo.parallel import apply_tensor_parallel
+
+ADAM_BETAS = (0.9, 0.999)
+ADAM_EPS = 1e-8
+
+
+# --- workspaces -----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(eq=False)
+class Workspace:
+    """One slot's part of one unit, ready to compute."""
+
+    unit: Unit
+    model: nn.Module
+    locals: dict[str, torch.Tensor]
+    """Key → the local tensor (a DTensor's shard) that holds this position's slice of it."""
+    shards: dict[str, ShardSpec]
+    replicated: frozenset[str]
+    pp_rank: int
+    tp_rank: int
+    layers: range
+    prev_slot: int | None
+    next_slot: int | None
+    last_stage_slot: int
+    """The slot at the last pipeline stage with this slot's tensor rank."""
+    earlier_slots: tuple[int, ...]
+    """On the last stage: the slots of earlier stages with this tensor rank (they get tokens)."""
+    frozen_loaded: bool = False
+
+    @property
+    def first(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def last(self) -> bool:
+        return self.next_slot is None
+
+    @property
+    def reports(self) -> bool:
+        """The one slot of the unit that returns results to the driver."""
+        return self.last and self.tp_rank == 0
+
+
+def _key(unit: Unit) -> tuple:
+    return (unit.unit_id, unit.layout.tp, unit.layout.pp, unit.slots)
+
+
+def workspace(ctx: SlotContext, unit: Unit) -> Workspace:
+    """This slot's workspace of ``unit`` (built on first use; the unit's meshes must exist)."""
+    cache = ctx.state.setdefault("ppo_workspaces", {})
+    found = cache.get(_key(unit))
+    if found is not None:
+        return found
+    layout = unit.layout
+    position = unit.position_of(ctx.rank)
+    pp_rank, tp_rank = divmod(position, layout.tp)
+    model = build_model(layout.model, scalar_head=layout.scalar_head, seed=0).to(ctx.device)
+    if layout.tp > 1:
+        apply_tensor_parallel(model, checkpoint._mesh(ctx, unit))
+    named = dict(model.named_parameters())
+    shards = {s.key: s for s in layout.shards(position) if "::" not in s.key}
+    styles = {t.key: t.style for t in layout.tensors()}
+    locals_ = {}
+    for key in shards:
+        param = named[key]
+        locals_[key] = param.to_local() if isinstance(param, DTensor) else param.data
+    per_stage = layout.model.num_layers // layout.pp
+
+    def at(pp: int) -> int:
+        return unit.slots[pp * layout.tp + tp_rank]
+
+    ws = Workspace(
+        unit=unit,
+        model=model,
+        locals=locals_,
+        shards=shards,
+        replicated=frozenset(k for k in shards if styles[k] == REPLICATED),
+        pp_rank=pp_rank,
+        tp_rank=tp_rank,
+        layers=range(pp_rank * per_stage, (pp_rank + 1) * per_stage),
+        prev_slot=at(pp_rank - 1) if pp_rank > 0 else None,
+        next_slot=at(pp_rank + 1) if pp_rank < layout.pp - 1 else None,
+        last_stage_slot=at(layout.pp - 1),
+        earlier_slots=tuple(at(p) for p in range(layout.pp - 1)),
+    )
+    cache[_key(unit)] = ws
+    return ws
+
+
+def keep_workspaces(ctx: SlotContext, *, units: list[Unit]) -> int:
+    """Drop the workspaces of units not in ``units`` (replaced by a transition); returns the count."""
+    cache = ctx.state.setdefault("ppo_workspaces", {})
+    keep = {_key(u) for u in units}
+    gone = [k for k in cache if k not in keep]
+    for k in gone:
+        del cache[k]
+    return len(gone)
+
+
+def _stored(ctx: SlotContext, unit: Unit) -> dict[str, torch.Tensor]:
+    return ctx.state["units"][unit.unit_id]
+
+
+def _refresh(ws: Workspace, state: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for key, local in ws.locals.items():
+            local.copy_(state[key])
+
+
+# --- the pipeline ---------------------------------------------------------------------------------
+
+
+def _recv(shape, dtype, src: int) -> torch.Tensor:
+    buffer = torch.empty(shape, dtype=dtype)
+    dist.recv(buffer, src=src)
+    return buffer
+
+
+def _stage_forward(
+    ws: Workspace,
+    tokens: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    cache: KVCache | None = None,
+    grad: bool = False,
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+    """Run this slot's pipeline stage on ``tokens`` (every slot knows them; the first stage embeds
+    them, the others receive the previous stage's hidden states). Returns ``(stage input, stage
+    output, head output)``, the head's only on the last stage; the output is sent on otherwise."""
+    backbone = ws.model.model
+    config = backbone.config
+    batch, length = tokens.shape
+    past = cache.length if cache is not None else 0
+    positions = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, past:]
+    rotary = rotary_cos_sin(positions, head_dim=config.head_dim, theta=backbone.rope_theta)
+    mask4 = attention_mask_4d(mask, length)
+    x_in = None
+    if ws.first:
+        x = backbone.embed_tokens(tokens)
+    else:
+        x_in = _recv((batch, length, config.hidden_size), torch.float32, ws.prev_slot)
+        x = x_in.requires_grad_(grad)
+    for i in ws.layers:
+        x = backbone.layers[i](x, rotary=rotary, mask=mask4, cache=cache)
+    if cache is not None:
+        cache.advance(length)
+    if not ws.last:
+        dist.send(x.detach().contiguous(), dst=ws.next_slot)
+        return x_in, x, None
+    hidden = backbone.norm(x)
+    model = ws.model
+    if hasattr(model, "score"):
+        head = model.score(hidden).squeeze(-1)
+    elif config.tie_embeddings:
+        head = torch.nn.functional.linear(hidden, backbone.embed_tokens.weight)
+    else:
+        head = model.lm_head(hidden)
+    return x_in, x, head
+
+
+def _backward(ws: Workspace, x_in, x_out, loss: torch.Tensor | None) -> None:
+    """The pipeline's backward pass: gradients flow from the last stage to the first."""
+    if ws.last:
+        loss.backward()
+    else:
+        x_out.backward(_recv(x_out.shape, torch.float32, ws.next_slot))
+    if not ws.first:
+        dist.send(x_in.grad.contiguous(), dst=ws.prev_slot)
+
+
+# --- generation -----------------------------------------------------------------------------------
+
+
+def row_seed(seed: int, row: int) -> int:
+    """The sampling seed of one prompt of a step: the same however the batch is split."""
+    return zlib.crc32(f"{seed}:{row}".encode()) & 0x7FFFFFFF
+
+
+def _gumbel(rows: list[int], seed: int, steps: int, vocab: int) -> torch.Tensor:
+    # Gumbel-max sampling with noise drawn per prompt: a response depends on its prompt's row,
+    # not on which unit generated it or how the batch was cut.
+    noise = [
+        torch.rand((steps, vocab), generator=torch.Generator().manual_seed(row_seed(seed, r)))
+        for r in rows
+    ]
+    u = torch.stack(noise).clamp_(min=1e-10, max=1 - 1e-7)
+    return -torch.log(-torch.log(u))
+
+
+def _sample(logits: torch.Tensor, params: SamplingParams, noise: torch.Tensor):
+    logits = logits.float()
+    if params.temperature == 0:
+        return logits.argmax(-1), logits.log_softmax(-1).max(-1).values
+    scaled = logits / params.temperature
+    logprobs = scaled.log_softmax(-1)
+    filtered = filter_logits(scaled, top_k=params.top_k, top_p=params.top_p)
+    tokens = (filtered + noise).argmax(-1)
+    return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
+
+
+@torch.no_grad()
+def generate(
+    ctx: SlotContext,
+    *,
+    unit: Unit,
+    prompts: list[list[int]],
+    rows: list[int],
+    params: SamplingParams,
+    pad_token_id: int,
+) -> dict | None:
+    """Sample a response to each prompt on ``unit``; the reporting slot returns them."""
+    ws = workspace(ctx, unit)
+    tokens, mask = left_pad(prompts, pad_token_id=pad_token_id, device=ctx.device)
+    config = unit.layout.model
+    noise = _gumbel(rows, params.seed, params.max_new_tokens, config.vocab_size)
+    cache = KVCache(num_layers=config.num_layers, max_len=tokens.shape[1] + params.max_new_tokens)
+    batch = tokens.shape[0]
+    _, _, head = _stage_forward(ws, tokens, mask, cache=cache)
+    finished = torch.zeros(batch, dtype=torch.bool)
+    out_tokens, out_logprobs, alive_masks = [], [], []
+    key_mask = mask
+    for step in range(params.max_new_tokens):
+        if ws.last:
+            token, logprob = _sample(head[:, -1], params, noise[:, step])
+            for slot in ws.earlier_slots:
+                dist.send(token, dst=slot)
+        else:
+            token = _recv((batch,), torch.int64, ws.last_stage_slot)
+            logprob = torch.zeros(batch)
+        alive = ~finished
+        out_tokens.append(torch.where(alive, token, pad_token_id))
+        out_logprobs.append(torch.where(alive, logprob, 0.0))
+        alive_masks.append(alive.long())
+        if params.eos_token_id is not None:
+            finished = finished | (token == params.eos_token_id)
+        if bool(finished.all()) or step == params.max_new_tokens - 1:
+            break
+        key_mask = torch.cat((key_mask, torch.ones_like(key_mask[:, :1])), dim=1)
+        _, _, head = _stage_forward(ws, token[:, None], key_mask, cache=cache)
+    if not ws.reports:
+        return None
+    response_mask = torch.stack(alive_masks, dim=1)
+    return {
+        "rows": rows,
+        "response_tokens": torch.stack(out_tokens, dim=1),
+        "response_mask": response_mask,
+        "logprobs": torch.stack(out_logprobs, dim=1),
+    }
+
+
+# --- inference ------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def score(
+    ctx: SlotContext,
+    *,
+    unit: Unit,
+    sequences: torch.Tensor,
+    attention_mask: torch.Tensor,
+    prompt_length: int,
+    output: str,
+) -> torch.Tensor | None:
+    """Per-token log-probabilities (``logprobs``), values (``values``) or the last token's scalar
+    (``reward``) of the sequences' responses; the reporting slot returns them."""
+    ws = workspace(ctx, unit)
+    _, _, head = _stage_forward(ws, sequences, attention_mask)
+    if not ws.reports:
+        return None
+    start = prompt_length - 1
+    if output == "logprobs":
+        return ppo.token_logprobs(head[:, start:-1], sequences[:, prompt_length:])
+    if output == "values":
+        return head[:, start:-1].contiguous()
+    last = attention_mask.shape[1] - 1 - attention_mask.long().flip(-1).argmax(-1)
+    return head.gather(1, last[:, None]).squeeze(1)
+
+
+# --- weights --------------------------------------------------------------------------------------
+
+
+def _narrow(t: torch.Tensor, spec: ShardSpec, copy: Copy) -> torch.Tensor:
+    if not spec.global_shape:
+        return t
+    offset = spec.global_offset[copy.dim] if spec.local_shape != spec.global_shape else 0
+    return t.narrow(copy.dim, copy.start - offset, copy.stop - copy.start)
+
+
+@torch.no_grad()
+def sync_weights(
+    ctx: SlotContext, *, copies: list[Copy], sources: dict[int, Unit], target: Unit
+) -> int:
+    """Fill this slot's part of ``target``'s workspace from the training units ``sources`` (the
+    unit each source slot holds): the copies of ``reshard.plan_copies``, local ones in place, the
+    rest packed per peer and exchanged point to point. Returns the bytes this slot received."""
+    mine_src = sources.get(ctx.rank)
+    src_state = _stored(ctx, mine_src) if mine_src is not None else {}
+    src_specs = (
+        {s.key: s for s in mine_src.layout.shards(mine_src.position_of(ctx.rank))}
+        if mine_src is not None
+        else {}
+    )
+    ws = workspace(ctx, target) if ctx.rank in target.slots else None
+    outgoing: dict[int, list[Copy]] = defaultdict(list)
+    incoming: dict[int, list[Copy]] = defaultdict(list)
+    for c in copies:
+        if c.src_slot == ctx.rank and c.dst_slot == ctx.rank:
+            dst = _narrow(ws.locals[c.key], ws.shards[c.key], c)
+            dst.copy_(_narrow(src_state[c.key], src_specs[c.key], c))
+        elif c.src_slot == ctx.rank:
+            outgoing[c.dst_slot].append(c)
+        elif c.dst_slot == ctx.rank:
+            incoming[c.src_slot].append(c)
+    requests, received = [], {}
+    for src, group in sorted(incoming.items()):
+        sizes = [_narrow(ws.locals[c.key], ws.shards[c.key], c).numel() for c in group]
+        received[src] = (torch.empty(sum(sizes)), sizes)
+        requests.append(dist.irecv(received[src][0], src=src))
+    for dst, group in sorted(outgoing.items()):
+        packed = torch.cat(
+            [_narrow(src_state[c.key], src_specs[c.key], c).reshape(-1).float() for c in group]
+        )
+        requests.append(dist.isend(packed, dst=dst))
+    for request in requests:
+        request.wait()
+    nbytes = 0
+    for src, (buffer, sizes) in received.items():
+        for c, piece in zip(incoming[src], buffer.split(sizes), strict=True):
+            dst = _narrow(ws.locals[c.key], ws.shards[c.key], c)
+            dst.copy_(piece.view(dst.shape))
+        nbytes += buffer.numel() * buffer.element_size()
+    return nbytes
+
+
+def load_frozen(ctx: SlotContext, *, unit: Unit, path: str) -> bool:
+    """Read this slot's slices of a frozen model (reference, reward) into its workspace, once."""
+    ws = workspace(ctx, unit)
+    if ws.frozen_loaded:
+        return False
+    full = torch.load(path, mmap=True, weights_only=True)
+    with torch.no_grad():
+        for key, local in ws.locals.items():
+            local.copy_(_slice(full[key], ws.shards[key]))
+    ws.frozen_loaded = True
+    return True
+
+
+def _slice(full: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
+    out = full
+    for dim, (offset, size) in enumerate(zip(spec.global_offset, spec.local_shape, strict=True)):
+        out = out.narrow(dim, offset, size)
+    return out
+
+
+@torch.no_grad()
+def place_training_unit(ctx: SlotContext, *, unit: Unit, path: str) -> int:
+    """Create this slot's part of a training unit from full weights: parameters and their fp32
+    master copies from ``path``, Adam's moments zero. Returns the bytes placed."""
+    if ctx.rank not in unit.slots:
+        return 0
+    full = torch.load(path, mmap=True, weights_only=True)
+    shards = unit.layout.shards(unit.position_of(ctx.rank))
+    from runtime.emu.slot_ops import _allocate
+
+    state = _allocate(shards, ctx.device)
+    for spec in shards:
+        key, _, kind = spec.key.partition("::")
+        if kind in ("exp_avg", "exp_avg_sq"):
+            state[spec.key].zero_()
+        else:
+            state[spec.key].copy_(_slice(full[key], spec))
+    ctx.state.setdefault("units", {})[unit.unit_id] = state
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def read_parameters(ctx: SlotContext, *, unit: Unit) -> dict[str, tuple[ShardSpec, torch.Tensor]]:
+    """This slot's parameter shards of a training unit (for assembling full weights)."""
+    if ctx.rank not in unit.slots:
+        return {}
+    state = _stored(ctx, unit)
+    return {
+        s.key: (s, state[s.key].clone())
+        for s in unit.layout.shards(unit.position_of(ctx.rank))
+        if "::" not in s.key and s.replica_id == 0
+    }
+
+
+# --- training -------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainTask:
+    """One model's share of one minibatch on one data-parallel unit."""
+
+    role: str
+    """``actor`` (clipped policy loss) or ``critic`` (clipped value loss)."""
+    unit: Unit
+    dp_group: tuple[int, ...]
+    """The slots at this slot's position in every unit of the model-stage (gradients summed)."""
+    sequences: torch.Tensor
+    attention_mask: torch.Tensor
+    prompt_length: int
+    mask: torch.Tensor
+    old_logprobs: torch.Tensor
+    old_values: torch.Tensor
+    advantages: torch.Tensor
+    returns: torch.Tensor
+    weight: float
+    """This unit's share of the minibatch's real tokens: losses are sums over the global count."""
+    clip_ratio: float
+    value_clip: float
+    entropy_coef: float
+    lr: float
+    max_grad_norm: float
+    optimizer_step: int
+    """Adam's step count after this update (its bias correction)."""
+
+
+def train(ctx: SlotContext, *, tasks: list[TrainTask]) -> list[dict | None]:
+    """One optimizer step per task, in the order given (every slot of a unit sees the same)."""
+    return [_train_one(ctx, task) for task in tasks if ctx.rank in task.unit.slots]
+
+
+def _train_one(ctx: SlotContext, task: TrainTask) -> dict | None:
+    ws = workspace(ctx, task.unit)
+    state = _stored(ctx, task.unit)
+    _refresh(ws, state)
+    ws.model.zero_grad(set_to_none=True)
+    x_in, x_out, head = _stage_forward(ws, task.sequences, task.attention_mask, grad=True)
+    loss, stats = None, None
+    if ws.last:
+        start = task.prompt_length - 1
+        mask = task.mask
+        if task.role == "actor":
+            logits = head[:, start:-1]
+            logprobs = ppo.token_logprobs(logits, task.sequences[:, task.prompt_length :])
+            policy_loss, clip_fraction = ppo.policy_loss(
+                logprobs, task.old_logprobs, task.advantages, mask, clip_ratio=task.clip_ratio
+            )
+            entropy = ppo.entropy(logits, mask)
+            loss = (policy_loss - task.entropy_coef * entropy) * task.weight
+            stats = {
+                "policy_loss": policy_loss,
+                "clip_fraction": clip_fraction,
+                "entropy": entropy,
+            }
+        else:
+            values = head[:, start:-1]
+            value_loss, _ = ppo.value_loss(
+                values, task.old_values, task.returns, mask, value_clip=task.value_clip
+            )
+            loss = value_loss * task.weight
+            stats = {
+                "value_loss": value_loss,
+                "value_error": ppo.masked_mean((values - task.returns) ** 2, mask),
+            }
+        stats = {k: float(v.detach()) * task.weight for k, v in stats.items()}
+    _backward(ws, x_in, x_out, loss)
+    grads = _gradients(ctx, ws, task)
+    _adam(state, grads, ws, task)
+    return stats if ws.reports else None
+
+
+def _gradients(ctx: SlotContext, ws: Workspace, task: TrainTask) -> dict[str, torch.Tensor]:
+    named = dict(ws.model.named_parameters())
+    grads = {}
+    for key, local in ws.locals.items():
+        grad = named[key].grad
+        if grad is None:
+            grad = torch.zeros_like(local)
+        elif isinstance(grad, DTensor):
+            # A gradient may come back partial or replicated; give it the parameter's placement.
+            grad = grad.redistribute(grad.device_mesh, named[key].placements).to_local()
+        grads[key] = grad.detach().float().contiguous()
+    if len(task.dp_group) > 1:  # data parallelism: sum the replicas' gradients, one buffer
+        keys = sorted(grads)
+        flat = torch.cat([grads[k].reshape(-1) for k in keys])
+        dist.all_reduce(flat, group=ctx.state["groups"][tuple(sorted(task.dp_group))])
+        for k, piece in zip(keys, flat.split([grads[k].numel() for k in keys]), strict=True):
+            grads[k] = piece.view_as(grads[k])
+    # The global norm: each slice once (a replicated tensor on tensor rank 0 only).
+    squares = sum(
+        float(g.pow(2).sum()) for k, g in grads.items() if k not in ws.replicated or ws.tp_rank == 0
+    )
+    total = torch.tensor([squares], dtype=torch.float64)
+    if len(ws.unit.slots) > 1:
+        dist.all_reduce(total, group=checkpoint._group(ctx, tuple(ws.unit.slots)))
+    norm = math.sqrt(float(total))
+    coef = min(1.0, task.max_grad_norm / (norm + 1e-6))
+    if coef < 1.0:
+        for g in grads.values():
+            g.mul_(coef)
+    return grads
+
+
+def _adam(state: dict, grads: dict, ws: Workspace, task: TrainTask) -> None:
+    """torch.optim.Adam's update (no weight decay) on the unit's own state."""
+    beta1, beta2 = ADAM_BETAS
+    t = task.optimizer_step
+    bias1, bias2 = 1 - beta1**t, 1 - beta2**t
+    with torch.no_grad():
+        for key, grad in grads.items():
+            m, v = state[f"{key}::exp_avg"], state[f"{key}::exp_avg_sq"]
+            master = state[f"{key}::master"]
+            m.mul_(beta1).add_(grad, alpha=1 - beta1)
+            v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            denom = (v.sqrt() / math.sqrt(bias2)).add_(ADAM_EPS)
+            master.addcdiv_(m, denom, value=-task.lr / bias1)
+            state[key].copy_(master)
+
+
+def timed(ctx: SlotContext, *, fn, kwargs: dict) -> tuple[object, float]:
+    """Run another slot function and return its result with the seconds it took here."""
+    started = time.perf_counter()
+    return fn(ctx, **kwargs), time.perf_counter() - started

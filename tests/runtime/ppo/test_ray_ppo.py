@@ -1,0 +1,197 @@
+"""PPO on the Ray engine: real slot actors, gloo, DTensor tensor parallelism, pipeline stages
+exchanging activations point to point, data parallelism across units, and transitions between
+steps that the job does not notice but for the pause."""
+
+import dataclasses
+import statistics
+
+import pytest
+import torch
+
+from runtime.engine.ray_cluster import ray_connection
+from runtime.engine.ray_engine import RayEngine
+from runtime.engine.slots import SlotPool
+from runtime.planner import default_catalog
+from runtime.ppo.algorithm import PPOConfig
+from runtime.ppo.job import PpoConfigError, PpoJobConfig, PpoRuntime, plan_by_hand
+from runtime.transition import Cluster, diff
+
+pytestmark = pytest.mark.ray
+
+SLOTS = 6
+CONFIG = PpoJobConfig(
+    batch_size=16,
+    max_new_tokens=8,
+    warmup_steps=20,
+    ppo=PPOConfig(kl_coef=0.01, epochs=1, minibatch_size=8),
+)
+CPU = default_catalog().accelerator("cpu-slot")
+
+# Every model-stage's (dp, tp, pp); the transitions change the training units' layouts and, with
+# them, the layouts of the stages rebuilt each step.
+START = {
+    "actor@training": (1, 2, 1),
+    "critic@training": (1, 2, 1),
+    "actor@generation": (2, 1, 1),
+    "actor@inference": (1, 2, 1),
+    "critic@inference": (2, 1, 1),
+}
+TP_TO_DP = {**START, "actor@training": (2, 1, 1), "actor@generation": (1, 2, 1)}
+PIPELINE = {**TP_TO_DP, "critic@training": (1, 1, 2), "actor@inference": (1, 1, 2)}
+SCALED = {
+    **PIPELINE,
+    "actor@training": (3, 1, 2),
+    "critic@training": (3, 2, 1),
+    "ref@inference": (3, 1, 1),
+}
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with ray_connection(None, num_cpus=SLOTS):
+        pool = SlotPool.create(SLOTS, call_timeout_s=120)
+        yield pool
+        pool.close()
+
+
+@pytest.fixture
+def runtime(pool, tmp_path):
+    engines = []
+
+    def make(config=CONFIG):
+        job = PpoRuntime(config, workdir=tmp_path / f"job{len(engines)}")
+        engine = RayEngine(pool, checkpoint_dir=tmp_path / "ckpt", job=job)
+        engines.append(engine)
+        return engine, job
+
+    yield make
+    for engine in engines:
+        engine.stop()
+
+
+def _plan(job, layouts, num_slots):
+    return plan_by_hand(job.workload(), layouts, num_slots=num_slots)
+
+
+def _move(engine, job, target):
+    """Compile and run the transition from the units held now to ``target``."""
+    cluster = Cluster(accelerator=CPU, num_slots=target.num_slots)
+    dag = diff(engine.units(), target, cluster, job.workload(), tag=f"t{len(engine.events)}")
+    outcome = engine.transition(dag)
+    assert outcome.ok, outcome.failure
+    return dag
+
+
+def _state(engine):
+    """Every training unit's logical state (parameters and Adam's) assembled on the driver."""
+    out = {}
+    for name, units in engine.units().items():
+        for key, pieces in engine.engine.read(units[0]).items():
+            full = torch.empty(pieces[0][0].global_shape, dtype=pieces[0][1].dtype)
+            for spec, tensor in pieces:
+                view = full
+                for dim, (offset, size) in enumerate(
+                    zip(spec.global_offset, spec.local_shape, strict=True)
+                ):
+                    view = view.narrow(dim, offset, size)
+                view.copy_(tensor)
+            out[f"{name}:{key}"] = full
+    return out
+
+
+def test_transitions_between_steps_keep_the_trajectory_and_the_state(runtime):
+    workload_slots = {0: (START, 4), 2: (TP_TO_DP, 4), 3: (PIPELINE, 4), 4: (SCALED, 6)}
+    steps = 6
+
+    fixed_engine, fixed_job = runtime()
+    plan = _plan(fixed_job, START, 4)
+    fixed_engine.start(plan, fixed_job.workload())
+    fixed = [fixed_engine.step(plan, fixed_job.workload(), s).extra["stats"] for s in range(steps)]
+    fixed_params = fixed_job.parameters(fixed_engine.engine, "actor")
+    fixed_engine.stop()
+
+    engine, job = runtime()
+    moved = []
+    for step in range(steps):
+        if step in workload_slots:
+            layouts, num_slots = workload_slots[step]
+            target = _plan(job, layouts, num_slots)
+            if step == 0:
+                engine.start(target, job.workload())
+            else:
+                before = _state(engine)
+                dag = _move(engine, job, target)
+                after = _state(engine)
+                assert before.keys() == after.keys()
+                # The logical state after the transition is the state before it, bit for bit.
+                assert all(torch.equal(before[k], after[k]) for k in before), step
+                moved.append(len(dag.nodes))
+            plan = target
+        moved_stats = engine.step(plan, job.workload(), step).extra["stats"]
+        reference = fixed[step]
+        assert moved_stats["mean_response_length"] == reference["mean_response_length"], step
+        for key in ("mean_reward", "kl", "policy_loss", "value_loss", "entropy"):
+            assert moved_stats[key] == pytest.approx(reference[key], rel=1e-3, abs=1e-5), (
+                step,
+                key,
+            )
+    assert len(moved) == 3 and all(moved)
+    # Four layouts later, the actor's weights are those of the run that never moved.
+    params = job.parameters(engine.engine, "actor")
+    for key, tensor in fixed_params.items():
+        torch.testing.assert_close(params[key], tensor, rtol=1e-4, atol=1e-5)
+    # Units now span all six slots: the scale from 4 to 6 really happened.
+    assert {s for us in engine.units().values() for u in us for s in u.slots} == set(range(6))
+
+
+def test_responses_grow_under_the_length_reward(runtime):
+    config = dataclasses.replace(
+        CONFIG, max_new_tokens=12, ppo=PPOConfig(kl_coef=0.01, epochs=2, minibatch_size=8)
+    )
+    engine, job = runtime(config)
+    layouts = {**START, "ref@inference": (2, 1, 2), "reward@inference": (1, 2, 2)}
+    plan = _plan(job, layouts, 4)
+    engine.start(plan, job.workload())
+    stats = [engine.step(plan, job.workload(), s).extra["stats"] for s in range(8)]
+    first = statistics.fmean(s["mean_response_length"] for s in stats[:2])
+    last = statistics.fmean(s["mean_response_length"] for s in stats[-2:])
+    assert last > first + 1
+    assert statistics.fmean(s["mean_reward"] for s in stats[-2:]) > statistics.fmean(
+        s["mean_reward"] for s in stats[:2]
+    )
+
+
+def test_a_layout_the_model_cannot_take_is_refused_before_any_slot_is_touched(runtime):
+    engine, job = runtime()
+    # tiny-sft has 4 attention heads: tensor parallelism over 3 slots cannot split them.
+    plan = _plan(job, {**START, "actor@training": (1, 3, 1)}, 4)
+    with pytest.raises(PpoConfigError, match=r"plan\.actor@training: .*tp=3"):
+        engine.start(plan, job.workload())
+    assert engine.units() == {}
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"tasks": ()}, "tasks"),
+        ({"tasks": ("copy", "poetry")}, "tasks"),
+        ({"reward": "vibes"}, "reward"),
+        ({"model": "gpt-9"}, "model"),
+        ({"batch_size": 4}, "ppo.minibatch_size"),
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+    ],
+)
+def test_bad_job_configuration_names_the_field(tmp_path, change, field):
+    with pytest.raises(PpoConfigError, match=rf"^{field}"):
+        PpoRuntime(dataclasses.replace(CONFIG, **change), workdir=tmp_path)
+
+
+def test_a_checkpoint_whose_shapes_do_not_match_is_refused(tmp_path):
+    from runtime.ppo.model import build_model
+    from tests.runtime.ppo.test_weights import _write_safetensors
+
+    other = build_model(default_catalog().model("tiny-llama"), scalar_head=False, seed=0)
+    path = tmp_path / "model.safetensors"
+    _write_safetensors(path, dict(other.state_dict()))
+    with pytest.raises(PpoConfigError, match=r"^init_from: model\.embed_tokens\.weight has shape"):
+        PpoRuntime(dataclasses.replace(CONFIG, init_from=str(path)), workdir=tmp_path / "job")
