@@ -7,6 +7,14 @@ The step is the job's: a ``PpoRuntime`` (``runtime/ppo/job.py``) places its trai
 its initial weights and runs PPO's three stages on the plan's units. Without a job, units are
 filled with reference values and the engine serves transitions and restarts only (the shared
 interface tests and the transition benchmarks).
+
+The pool moves as a cluster's does. The job may use the first ``pool_size()`` slots; ``revoke``
+takes the highest one away (its process is killed, as a reclaimed spot GPU's would be) and
+``grant`` gives one (back). A slot whose process died, revoked or failed, is found before the
+controller next asks (``lost_slots``): a communicator that lost a member cannot be used again,
+so the engine re-forms the group with a new process in its place (``SlotPool.replace``); the
+survivors keep their units, and the slot counts as lost (it holds nothing) until a restart
+places units again or a grant gives it back.
 """
 
 from __future__ import annotations
@@ -17,10 +25,10 @@ import zlib
 from pathlib import Path
 
 from runtime.emu import checkpoint
-from runtime.emu.engine import IntegrityError, UnitEngine
+from runtime.emu.engine import _POOL_GROUPS, IntegrityError, UnitEngine
 from runtime.emu.primitives import Destroy
 from runtime.engine.interface import StepReport, TransitionOutcome
-from runtime.engine.slots import SlotPool
+from runtime.engine.slots import SlotError, SlotPool
 from runtime.planner.plan import Plan
 from runtime.planner.workload import PpoWorkload
 from runtime.transition.dag import TransitionDag
@@ -37,10 +45,20 @@ class RayEngine:
     kind = "ray"
     simulated = False
 
-    def __init__(self, pool: SlotPool, *, checkpoint_dir: str | Path | None = None, job=None):
+    def __init__(
+        self,
+        pool: SlotPool,
+        *,
+        checkpoint_dir: str | Path | None = None,
+        job=None,
+        pool_size: int | None = None,
+    ):
         self.engine = UnitEngine(pool)
         self.job = job
         """A ``PpoRuntime``, or None for an engine that only moves units."""
+        self.visible = pool.num_slots if pool_size is None else pool_size
+        if not 1 <= self.visible <= pool.num_slots:
+            raise ValueError(f"pool_size: must be in [1, {pool.num_slots}], got {pool_size}")
         self._t0 = time.monotonic()
         self._checkpoints = Path(checkpoint_dir or tempfile.mkdtemp(prefix="nereus-ckpt-"))
         self.events: list[dict] = []
@@ -49,10 +67,51 @@ class RayEngine:
         return time.monotonic() - self._t0
 
     def pool_size(self) -> int:
-        return self.engine.pool.num_slots
+        return self.visible
 
     def lost_slots(self) -> frozenset[int]:
+        self._probe()  # one small call per slot: a process may die at any moment
         return frozenset(self.engine.lost_slots)
+
+    # --- the pool moving --------------------------------------------------------------------------
+
+    def revoke(self) -> int:
+        """Reclaim the highest slot the job may use: its process is killed with its state."""
+        if self.visible <= 1:
+            raise ValueError("revoke: the job's last slot cannot be taken")
+        self.visible -= 1
+        self.engine.pool.kill(self.visible)
+        self.events.append({"event": "engine.revoked", "slot": self.visible})
+        return self.visible
+
+    def grant(self) -> int:
+        """One more slot for the job (a revoked one comes back empty)."""
+        if self.visible >= self.engine.pool.num_slots:
+            raise ValueError(f"grant: all {self.engine.pool.num_slots} slots are in use already")
+        self.lost_slots()  # a killed process is replaced before the slot is handed out
+        slot = self.visible
+        self.visible += 1
+        self.engine.lost_slots.discard(slot)
+        self.events.append({"event": "engine.granted", "slot": slot})
+        return slot
+
+    def _probe(self) -> None:
+        """Find slots whose process died and re-form the group around new ones."""
+        dead = [i for i, ok in enumerate(self.engine.pool.alive()) if not ok]
+        if not dead:
+            return
+        seconds = self.engine.pool.replace(dead)
+        self.engine.lost_slots.update(dead)
+        # Every group and mesh belonged to the old communicator.
+        self.engine._groups.clear()
+        _POOL_GROUPS.pop(self.engine.pool, None)
+        if self.job is not None:
+            self.job.regrouped()
+        self.events.append(
+            {"event": "engine.slots_lost", "slots": dead, "reform_s": round(seconds, 3)}
+        )
+
+    # --- the interface ----------------------------------------------------------------------------
 
     def start(self, plan: Plan, workload: PpoWorkload) -> None:
         self._release_all()
@@ -73,7 +132,27 @@ class RayEngine:
     def step(self, plan: Plan, workload: PpoWorkload, step: int) -> StepReport:
         if self.job is None:
             raise RuntimeError("step: this engine has no job (RayEngine(pool, job=PpoRuntime))")
-        return self.job.step(self.engine, plan, workload, step)
+        gone = sorted(
+            {s for ms in plan.model_stages for s in ms.slots}
+            & (set(self.lost_slots()) | set(range(self.visible, self.engine.pool.num_slots)))
+        )
+        if gone:
+            return self._failed(step, f"slots {gone} are not in the pool")
+        started = time.monotonic()
+        try:
+            return self.job.step(self.engine, plan, workload, step)
+        except SlotError as exc:
+            # A slot died during the step: the survivors' collectives time out, the group is
+            # re-formed, and no unit's state can be trusted to be at a step boundary any more.
+            self._probe()
+            self._release_all()
+            self.job.lost_state()
+            self.events.append({"event": "engine.step_failed", "step": step, "error": str(exc)})
+            return self._failed(step, f"a slot failed during the step: {exc}", started)
+
+    def _failed(self, step: int, why: str, started: float | None = None) -> StepReport:
+        seconds = time.monotonic() - started if started is not None else 0.0
+        return StepReport(step=step, ok=False, seconds=seconds, gen_len=0.0, failure=why)
 
     def transition(self, dag: TransitionDag) -> TransitionOutcome:
         result = Executor(dag, self.engine, on_event=self.events.append).run()
@@ -87,36 +166,67 @@ class RayEngine:
         )
 
     def restart(self, plan: Plan, workload: PpoWorkload) -> float:
-        """Save one replica of each persistent model-stage with DCP, release every unit, load
-        the new plan's units from the checkpoint (resharded by DCP)."""
-        if self.engine.lost_slots:
-            raise RuntimeError(
-                "restart: slots are lost; a new slot pool is needed (the job driver makes one)"
-            )
+        """Checkpoint/restart onto ``plan``. Each persistent model-stage is saved with DCP from
+        one intact unit, everything is released, and the new plan's units load it (DCP reshards).
+        A model-stage with no intact unit left comes, with the job's own state, from the job's
+        last committed checkpoint instead, and the job goes back to that step."""
         started = time.monotonic()
-        held = self.units()
+        self.lost_slots()
+        lost = self.engine.lost_slots
+        held = {
+            name: [u for u in units if not set(u.slots) & lost]
+            for name, units in self.units().items()
+        }
         targets = units_of(plan, workload)
         pool = self.engine.pool
-        every = [u for us in held.values() for u in us] + [u for us in targets.values() for u in us]
-        pool.run(checkpoint.ensure_unit_groups, units=every)
+        if self.job is not None:
+            self.job.check_plan(plan, workload)
+        resume = None
+        if any(not held.get(name) for name in targets):
+            if self.job is None:
+                raise RuntimeError("restart: a model-stage has no intact unit and no checkpoint")
+            resume = self.job.last_checkpoint()
+            if resume is None:
+                raise RuntimeError("restart: a model-stage has no intact unit and no checkpoint")
+            held = {}
+        intact = [u for us in held.values() for u in us[:1]]
+        every = intact + [u for us in targets.values() for u in us]
+        live = sorted(set(range(pool.num_slots)) - lost)
+        pool.run(checkpoint.ensure_unit_groups, on=live, units=every)
         saved, expected = {}, {}
         for name, units in held.items():
             path = self._checkpoints / name.replace("@", "_")
             pool.run(checkpoint.save_unit, on=units[0].slots, unit=units[0], path=str(path))
             saved[name], expected[name] = path, self.engine.checksum(units[0])
+        if resume is not None:
+            saved = {name: resume.units[name] for name in targets}
         self._release_all()
         for name, units in targets.items():
             for unit in units:
                 pool.run(checkpoint.load_unit, on=unit.slots, unit=unit, path=str(saved[name]))
                 self.engine.units[unit.unit_id] = unit
                 got = self.engine.checksum(unit)
-                if got != expected[name]:
+                want = expected.get(name)
+                if want is None:
+                    want = expected[name] = got  # every replica must load the same state
+                if got != want:
                     raise IntegrityError(
-                        f"restart: {unit.unit_id} loaded checksum {got:#x} != saved "
-                        f"{expected[name]:#x}"
+                        f"restart: {unit.unit_id} loaded checksum {got:#x} != saved {want:#x}"
                     )
                 self.engine.verified[unit.unit_id] = got
+        if resume is not None:
+            self.job.resume(resume)
+            self.events.append({"event": "engine.resumed", "step": resume.step})
+        self.engine.lost_slots.clear()  # every unit was placed anew on live processes
+        if self.job is not None:
+            self.job.regrouped()
         return time.monotonic() - started
+
+    def save_checkpoint(self) -> Path:
+        """Commit the job's checkpoint now (DCP of one replica of each training model-stage)."""
+        if self.job is None:
+            raise RuntimeError("save_checkpoint: this engine has no job")
+        return self.job.save_checkpoint(self.engine)
 
     def stop(self) -> None:
         """Free the job's units and workspaces; the pool stays for another job."""

@@ -8,6 +8,7 @@ calls. Every remote call has an outer timeout so that a hung peer becomes an err
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import logging
@@ -101,6 +102,33 @@ class SlotWorker:
             "peak_bytes": peak_kib * 1024,
         }
 
+    def rejoin(
+        self,
+        *,
+        rank: int,
+        world_size: int,
+        master_addr: str,
+        master_port: int,
+        backend: str,
+        timeout_s: float,
+    ) -> float:
+        """Leave a group that lost a member and join the re-formed one. The units' state stays;
+        everything tied to the old group (subgroups, meshes, workspaces) goes."""
+        units = self.ctx.state.get("units", {})
+        self.ctx.state.clear()
+        gc.collect()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self.ctx.state["units"] = units
+        return self.join_group(
+            rank=rank,
+            world_size=world_size,
+            master_addr=master_addr,
+            master_port=master_port,
+            backend=backend,
+            timeout_s=timeout_s,
+        )
+
     def leave_group(self) -> None:
         # Drop the cached subgroups and every tensor first: a gloo group that outlives
         # destroy_process_group can abort the process at exit (pytorch/pytorch#179291).
@@ -113,11 +141,21 @@ class SlotWorker:
 class SlotPool:
     """A fixed set of slots in one process group; the driver's handle on them."""
 
-    def __init__(self, actors: Sequence[Any], *, backend: str, call_timeout_s: float):
+    def __init__(
+        self,
+        actors: Sequence[Any],
+        *,
+        backend: str,
+        call_timeout_s: float,
+        remote_cls: Any = None,
+        master_addr: str = "127.0.0.1",
+    ):
         self._actors = list(actors)
         self.backend = backend
         self.call_timeout_s = call_timeout_s
         self.setup_s = 0.0
+        self._remote_cls = remote_cls
+        self._master_addr = master_addr
 
     @classmethod
     def create(
@@ -135,27 +173,51 @@ class SlotPool:
         resources = {"num_gpus": 1, "num_cpus": 1} if use_gpus else {"num_cpus": 1}
         remote_cls = ray.remote(**resources)(SlotWorker)
         actors = [remote_cls.remote(slot_index=i) for i in range(num_slots)]
-        pool = cls(actors, backend="nccl" if use_gpus else "gloo", call_timeout_s=call_timeout_s)
+        pool = cls(
+            actors,
+            backend="nccl" if use_gpus else "gloo",
+            call_timeout_s=call_timeout_s,
+            remote_cls=remote_cls,
+            master_addr=master_addr,
+        )
         try:
-            port = pool._get(actors[0].reserve_port.remote(master_addr))
-            pool._get_all(
-                [
-                    actor.join_group.remote(
-                        rank=rank,
-                        world_size=num_slots,
-                        master_addr=master_addr,
-                        master_port=port,
-                        backend=pool.backend,
-                        timeout_s=call_timeout_s,
-                    )
-                    for rank, actor in enumerate(actors)
-                ]
-            )
+            pool._join("join_group")
         except BaseException:
             pool.close()  # no half-made pool keeps its actors
             raise
         pool.setup_s = time.perf_counter() - started
         return pool
+
+    def _join(self, method: str) -> None:
+        port = self._get(self._actors[0].reserve_port.remote(self._master_addr))
+        self._get_all(
+            [
+                getattr(actor, method).remote(
+                    rank=rank,
+                    world_size=len(self._actors),
+                    master_addr=self._master_addr,
+                    master_port=port,
+                    backend=self.backend,
+                    timeout_s=self.call_timeout_s,
+                )
+                for rank, actor in enumerate(self._actors)
+            ]
+        )
+
+    def replace(self, dead: Sequence[int]) -> float:
+        """Start new processes for the ``dead`` slots and re-form the group with them, as
+        torchelastic re-forms a worker group: a communicator that lost a member cannot be used
+        again. The survivors keep their units' state; the new slots hold nothing. Call it while
+        no call is running on the survivors. Returns the seconds it took."""
+        if self._remote_cls is None:
+            raise RuntimeError("replace: this pool was not made by SlotPool.create")
+        started = time.perf_counter()
+        for slot in dead:
+            with contextlib.suppress(ray.exceptions.RayError):  # already gone
+                ray.kill(self._actors[slot], no_restart=True)
+            self._actors[slot] = self._remote_cls.remote(slot_index=slot)
+        self._join("rejoin")
+        return time.perf_counter() - started
 
     @property
     def num_slots(self) -> int:

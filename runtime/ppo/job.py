@@ -36,9 +36,10 @@ from runtime.emu.layout import ShardError
 from runtime.emu.primitives import Unit
 from runtime.emu.reshard import plan_copies
 from runtime.engine.interface import StepReport
-from runtime.planner import default_catalog
+from runtime.planner import cost, default_catalog
 from runtime.planner.catalog import ModelConfig
 from runtime.planner.plan import Plan
+from runtime.planner.shapes import LayoutShape
 from runtime.planner.workload import PpoWorkload
 from runtime.ppo import algorithm as ppo
 from runtime.ppo import slot_work
@@ -79,6 +80,8 @@ class PpoJobConfig:
     warmup_steps: int = 60
     """Supervised steps on the tasks' answers (on the driver) before PPO starts."""
     warmup_lr: float = 3e-3
+    checkpoint_every: int = 5
+    """Commit a checkpoint (DCP) every this many steps; 0: only when asked."""
     init_from: str = ""
     """A safetensors file or Hugging Face directory for the actor's (and reference's) start."""
     seed: int = 0
@@ -110,6 +113,14 @@ class PpoJobConfig:
             raise PpoConfigError(
                 f"reward: expected one of {', '.join(REWARDS)}, got {self.reward!r}"
             )
+        if (
+            isinstance(self.checkpoint_every, bool)
+            or not isinstance(self.checkpoint_every, int)
+            or (self.checkpoint_every < 0)
+        ):
+            raise PpoConfigError(
+                f"checkpoint_every: must be a non-negative integer, got {self.checkpoint_every!r}"
+            )
         for field in ("batch_size", "max_new_tokens"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -140,6 +151,16 @@ def _split(rows: int, parts: int) -> list[range]:
         out.append(range(start, start + size))
         start += size
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+    """A committed checkpoint: the training units (DCP, any layout) and the driver's state."""
+
+    step: int
+    """The next step to run from it."""
+    units: dict[str, Path]
+    state: Path
 
 
 @dataclasses.dataclass
@@ -349,15 +370,16 @@ class PpoRuntime:
         return received
 
     def step(self, engine: UnitEngine, plan: Plan, workload: PpoWorkload, step: int) -> StepReport:
-        """One PPO step on ``plan``; ``step`` must be the job's next step."""
-        if step != self.state.next_step:
-            raise RuntimeError(f"step: expected step {self.state.next_step}, got {step}")
+        """One PPO step on ``plan``. ``step`` is the caller's count; the data, the sampling and
+        the update are those of the job's own next step (behind it after a resume)."""
         self.check_plan(plan, workload)
+        reported, step = step, self.state.next_step
         c = self.config
         started = time.perf_counter()
         units = self.units_for(engine, plan, workload)
         self._prepare(engine, units)
         stage_s: dict[str, float] = {}
+        self._measured: dict[str, float] = {}
 
         # 1. generation
         t0 = time.perf_counter()
@@ -366,6 +388,7 @@ class PpoRuntime:
         sync_bytes = self._sync(engine, units["actor@training"], units["actor@generation"])
         rollout = self._generate(engine, units["actor@generation"], prompts, params)
         stage_s["generation"] = time.perf_counter() - t0
+        self._measured["actor@generation"] = stage_s["generation"]
 
         # 2. inference
         t0 = time.perf_counter()
@@ -427,19 +450,50 @@ class PpoRuntime:
             **totals,
         )
         self.stats.append(stats)
+        op_times = self._op_times(plan, workload, stage_s["training"])
         self.state.next_step = step + 1
         self.state.kl_coef = self.kl.value
         peak = max(m["peak_bytes"] for m in self._memory(engine))
+        if c.checkpoint_every and (step + 1) % c.checkpoint_every == 0:
+            self.save_checkpoint(engine)
         return StepReport(
-            step=step,
+            step=reported,
             ok=True,
             seconds=time.perf_counter() - started,
             gen_len=float(lengths.mean()),
             stage_seconds=stage_s,
             peak_memory=peak / default_catalog().accelerator("cpu-slot").memory_bytes,
-            op_times=(),
-            extra={"stats": stats.to_json(), "sync_bytes": sync_bytes},
+            op_times=op_times,
+            extra={"stats": stats.to_json(), "sync_bytes": sync_bytes, "ppo_step": step},
         )
+
+    def _op_times(self, plan: Plan, workload: PpoWorkload, training_s: float):
+        """(operation class, ideal seconds, measured seconds) for calibration. Slots time model-
+        stages, not operations: a model-stage's measured time is shared among its operation
+        classes in proportion to their ideal times (the two training models, which update in
+        the same calls, share the training stage's time the same way)."""
+        acc = default_catalog().accelerator(plan.accelerator)
+        ideal: dict[str, dict[str, float]] = {}
+        for ms in workload.with_gen_len(self._gen_len_for(workload)).model_stages():
+            shape = LayoutShape.of_layout(ms, workload, acc, plan.model_stage(ms.name).layout)
+            seconds, _ = cost.ideal_breakdown(shape, num_slots=plan.num_slots)
+            ideal[ms.name] = {op: float(v[0]) for op, v in seconds.items() if float(v[0]) > 0}
+        training = sum(sum(ideal[n].values()) for n in ("actor@training", "critic@training"))
+        measured = dict(self._measured)
+        for name in ("actor@training", "critic@training"):
+            share = sum(ideal[name].values()) / training if training > 0 else 0.5
+            measured[name] = training_s * share
+        out = []
+        for name, ops in ideal.items():
+            total = sum(ops.values())
+            if total <= 0 or name not in measured:
+                continue
+            out += [(op, s, measured[name] * s / total) for op, s in ops.items()]
+        return tuple(out)
+
+    def _gen_len_for(self, workload: PpoWorkload) -> int:
+        last = self.stats[-1].mean_response_length if self.stats else workload.gen_len
+        return max(1, round(last))
 
     def _memory(self, engine: UnitEngine) -> list[dict]:
         live = sorted(set(range(engine.pool.num_slots)) - engine.lost_slots)
@@ -516,11 +570,18 @@ class PpoRuntime:
         disjoint = modes.get("inference") == "disjoint" and all(
             not (slots[a] & slots[b]) for a in outputs for b in outputs if a < b
         )
+
+        def timed(role, run):
+            started = time.perf_counter()
+            out = run()
+            self._measured[f"{role}@inference"] = time.perf_counter() - started
+            return out
+
         if disjoint:  # model-stages on their own slots run at once
             with ThreadPoolExecutor(len(jobs)) as pool:
-                futures = {role: pool.submit(run) for role, run in jobs}
+                futures = {role: pool.submit(timed, role, run) for role, run in jobs}
                 return {role: f.result() for role, f in futures.items()}
-        return {role: run() for role, run in jobs}
+        return {role: timed(role, run) for role, run in jobs}
 
     def _train(self, engine, units, **batch) -> dict[str, float]:
         c = self.config
@@ -572,6 +633,56 @@ class PpoRuntime:
             count += 1
         return {key: total / count for key, total in totals.items()}
 
+    def regrouped(self) -> None:
+        """The slots' group was re-formed: every group and workspace must be made again."""
+        self._grouped.clear()
+
+    def lost_state(self) -> None:
+        """A step failed part-way: the units are gone; a restart resumes from a checkpoint."""
+        self._grouped.clear()
+
+    # --- checkpoints ----------------------------------------------------------------------------
+
+    @property
+    def checkpoint_root(self) -> Path:
+        return self.workdir / "checkpoints"
+
+    def save_checkpoint(self, engine: UnitEngine) -> Path:
+        """Save one replica of each training model-stage with DCP and the driver's state, then
+        mark the checkpoint committed (a checkpoint without the mark is never resumed from)."""
+        step = self.state.next_step
+        root = self.checkpoint_root / f"step-{step:06d}"
+        held: dict[str, Unit] = {}
+        for unit in sorted(engine.units.values(), key=lambda u: u.unit_id):
+            held.setdefault(unit.model_stage, unit)
+        live = sorted(set(range(engine.pool.num_slots)) - engine.lost_slots)
+        engine.pool.run(checkpoint.ensure_unit_groups, on=live, units=list(held.values()))
+        for name, unit in held.items():
+            path = root / name.replace("@", "_")
+            engine.pool.run(checkpoint.save_unit, on=unit.slots, unit=unit, path=str(path))
+        self.save_state(root / "state.json")
+        (root / "COMMITTED").write_text(json.dumps({"step": step, "units": sorted(held)}))
+        return root
+
+    def last_checkpoint(self) -> Checkpoint | None:
+        """The newest committed checkpoint, or None."""
+        committed = sorted(self.checkpoint_root.glob("step-*/COMMITTED"))
+        if not committed:
+            return None
+        root = committed[-1].parent
+        names = json.loads(committed[-1].read_text())["units"]
+        return Checkpoint(
+            step=int(root.name.removeprefix("step-")),
+            units={name: root / name.replace("@", "_") for name in names},
+            state=root / "state.json",
+        )
+
+    def resume(self, ckpt: Checkpoint) -> None:
+        """Take the driver's state from ``ckpt`` (its units were loaded by the engine)."""
+        self.load_state(ckpt.state)
+        del self.stats[ckpt.step :]
+        self._grouped.clear()
+
     def release(self, engine: UnitEngine) -> None:
         """Drop this job's workspaces on every live slot (its units are the engine's to free)."""
         live = sorted(set(range(engine.pool.num_slots)) - engine.lost_slots)
@@ -597,6 +708,7 @@ class PpoRuntime:
         return full
 
     def save_state(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
         self.state.shuffle_state = self.shuffle.get_state().tolist()
         self.state.kl_coef = self.kl.value
         path.write_text(json.dumps(self.state.to_json()))

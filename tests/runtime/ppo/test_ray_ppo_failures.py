@@ -1,0 +1,134 @@
+"""PPO on the Ray engine when slots die: the controller replans from the intact units where a
+replica survived (no step lost), and the job resumes from its last committed checkpoint where
+none did; checkpoints resume to the same step, data order and random state."""
+
+import dataclasses
+
+import pytest
+
+from runtime.control import Controller, JobPolicy, run_job
+from runtime.engine.ray_cluster import ray_connection
+from runtime.engine.ray_engine import RayEngine
+from runtime.engine.slots import SlotPool
+from runtime.planner import default_catalog
+from runtime.ppo.algorithm import PPOConfig
+from runtime.ppo.job import PpoJobConfig, PpoRuntime, plan_by_hand
+
+pytestmark = pytest.mark.ray
+
+SLOTS = 4
+CONFIG = PpoJobConfig(
+    batch_size=16,
+    max_new_tokens=8,
+    warmup_steps=10,
+    checkpoint_every=2,
+    ppo=PPOConfig(kl_coef=0.01, epochs=1, minibatch_size=8),
+)
+CPU = default_catalog().accelerator("cpu-slot")
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with ray_connection(None, num_cpus=SLOTS):
+        # A short timeout: a collective waiting on a dead peer gives up quickly.
+        pool = SlotPool.create(SLOTS, call_timeout_s=30)
+        yield pool
+        pool.close()
+
+
+def _engine(pool, tmp_path, config=CONFIG):
+    job = PpoRuntime(config, workdir=tmp_path / "job")
+    return RayEngine(pool, checkpoint_dir=tmp_path / "restart", job=job), job
+
+
+def _run_with_a_kill(engine, job, *, layouts, kill_before: int, steps: int):
+    events = []
+    controller = Controller(
+        job.workload(), CPU, JobPolicy(fixed_layouts=True), emit=events.append, fixed=layouts
+    )
+    ppo_steps = []
+
+    def between_steps(step: int) -> bool:
+        if step == kill_before:
+            engine.engine.pool.kill(1)  # the slot's process dies, with its state
+        return True
+
+    def on_step(report):
+        ppo_steps.append(report.extra.get("ppo_step") if report.ok else None)
+        controller.emit_step(report)
+
+    try:
+        summary = run_job(engine, controller, steps, between_steps=between_steps, on_step=on_step)
+    finally:
+        engine.stop()
+    return summary, events, ppo_steps
+
+
+def test_a_killed_slot_with_a_live_replica_loses_no_step(pool, tmp_path):
+    engine, job = _engine(pool, tmp_path)
+    every = ("actor@training", "critic@training", "actor@generation", "actor@inference")
+    layouts = {
+        name: (1, 1) for name in (*every, "ref@inference", "critic@inference", "reward@inference")
+    }
+    summary, events, ppo_steps = _run_with_a_kill(
+        engine, job, layouts=layouts, kill_before=3, steps=5
+    )
+    assert summary.steps == 5 and summary.failed_steps == 0
+    assert ppo_steps == [0, 1, 2, 3, 4], "no step was lost or repeated"
+    assert summary.restarts == 0 and summary.transitions >= 1
+    assert any(e["event"] == "engine.slots_lost" and e["slots"] == [1] for e in engine.events)
+    failure = [e for e in events if e["event"] == "control.trigger" and e["kind"] == "failure"]
+    assert failure and "[1]" in failure[0]["detail"]
+    transition = next(e for e in events if e["event"] == "control.transition")
+    assert transition["ok"] and transition["dag"]["nodes"]
+
+
+def test_a_killed_slot_without_a_replica_resumes_from_the_last_checkpoint(pool, tmp_path):
+    engine, job = _engine(pool, tmp_path)
+    # Training is one unit over all four slots (tensor parallel): slot 1 has no replica.
+    layouts = {
+        "actor@training": (4, 1),
+        "critic@training": (4, 1),
+        "actor@generation": (1, 1),
+        "actor@inference": (1, 1),
+        "ref@inference": (1, 1),
+        "critic@inference": (1, 1),
+        "reward@inference": (1, 1),
+    }
+    summary, events, ppo_steps = _run_with_a_kill(
+        engine, job, layouts=layouts, kill_before=3, steps=5
+    )
+    restart = next(e for e in events if e["event"] == "control.restart")
+    assert restart["from_checkpoint"]
+    # Committed at steps 2 (and 4): the job goes back to step 2 and runs on from there.
+    assert summary.restarts >= 1
+    assert any(e["event"] == "engine.resumed" and e["step"] == 2 for e in engine.events)
+    assert ppo_steps[:3] == [0, 1, 2] and ppo_steps[3:] == [2, 3]
+
+
+def test_a_checkpoint_resumes_the_same_trajectory_in_another_layout(pool, tmp_path):
+    engine, job = _engine(pool, tmp_path, dataclasses.replace(CONFIG, checkpoint_every=2))
+    start = plan_by_hand(
+        job.workload(),
+        {"actor@training": (2, 1, 1), "critic@training": (1, 2, 1), "actor@generation": (2, 1, 1)},
+        num_slots=SLOTS,
+    )
+    workload = job.workload()
+    engine.start(start, workload)
+    first = [engine.step(start, workload, s).extra["stats"] for s in range(4)]
+    (job.checkpoint_root / "step-000004" / "COMMITTED").unlink()  # as if step 4's never finished
+    other = plan_by_hand(
+        workload,
+        {"actor@training": (1, 2, 2), "critic@training": (1, 1, 2), "actor@generation": (1, 2, 1)},
+        num_slots=SLOTS,
+    )
+    engine._release_all()
+    engine.restart(other, workload)
+    assert job.state.next_step == 2
+    again = [engine.step(other, workload, s).extra["stats"] for s in (4, 5)]
+    engine.stop()
+    for got, want in zip(again, first[2:], strict=True):
+        assert got["step"] == want["step"]
+        assert got["mean_response_length"] == want["mean_response_length"]
+        for key in ("mean_reward", "kl", "policy_loss", "value_loss"):
+            assert got[key] == pytest.approx(want[key], rel=1e-3, abs=1e-5), key
