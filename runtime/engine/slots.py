@@ -53,6 +53,11 @@ class SlotWorker:
         if torch.cuda.is_available():
             self.ctx.device = torch.device("cuda", 0)  # Ray sets CUDA_VISIBLE_DEVICES per actor.
 
+    def node(self) -> dict[str, str]:
+        """Where this slot runs: its Ray node and that node's address."""
+        context = ray.get_runtime_context()
+        return {"node_id": context.get_node_id(), "address": ray.util.get_node_ip_address()}
+
     def reserve_port(self, host: str) -> int:
         """A free TCP port on ``host`` for the group's rendezvous store (rank 0 only)."""
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -156,6 +161,7 @@ class SlotPool:
         self.setup_s = 0.0
         self._remote_cls = remote_cls
         self._master_addr = master_addr
+        self._placements: list[dict] = [{} for _ in actors]
 
     @classmethod
     def create(
@@ -164,15 +170,40 @@ class SlotPool:
         *,
         use_gpus: bool = False,
         call_timeout_s: float = 120.0,
-        master_addr: str = "127.0.0.1",
+        master_addr: str | None = "127.0.0.1",
+        spread: bool = False,
     ) -> SlotPool:
-        """Start ``num_slots`` slot actors joined into one group (gloo on CPU, NCCL on GPU)."""
+        """Start ``num_slots`` slot actors joined into one group (gloo on CPU, NCCL on GPU).
+
+        ``spread``: reserve the slots as one placement group spread over the cluster's nodes (a
+        bundle per slot), as a multi-node job does. ``master_addr`` None: the group meets at the
+        address of slot 0's node (a cluster); the default keeps a single machine on loopback."""
         if num_slots < 1:
             raise ValueError(f"num_slots: must be at least 1, got {num_slots}")
         started = time.perf_counter()
         resources = {"num_gpus": 1, "num_cpus": 1} if use_gpus else {"num_cpus": 1}
         remote_cls = ray.remote(**resources)(SlotWorker)
-        actors = [remote_cls.remote(slot_index=i) for i in range(num_slots)]
+        placements: list[dict] = [{} for _ in range(num_slots)]
+        if spread:
+            from ray.util.placement_group import placement_group
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+            bundle = {"GPU": 1, "CPU": 1} if use_gpus else {"CPU": 1}
+            group = placement_group([dict(bundle) for _ in range(num_slots)], strategy="SPREAD")
+            ray.get(group.ready(), timeout=call_timeout_s)
+            placements = [
+                {
+                    "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                        placement_group=group, placement_group_bundle_index=i
+                    )
+                }
+                for i in range(num_slots)
+            ]
+        actors = [
+            remote_cls.options(**placements[i]).remote(slot_index=i) for i in range(num_slots)
+        ]
+        if master_addr is None:
+            master_addr = ray.get(actors[0].node.remote(), timeout=call_timeout_s)["address"]
         pool = cls(
             actors,
             backend="nccl" if use_gpus else "gloo",
@@ -180,6 +211,7 @@ class SlotPool:
             remote_cls=remote_cls,
             master_addr=master_addr,
         )
+        pool._placements = placements
         try:
             pool._join("join_group")
         except BaseException:
@@ -215,7 +247,8 @@ class SlotPool:
         for slot in dead:
             with contextlib.suppress(ray.exceptions.RayError):  # already gone
                 ray.kill(self._actors[slot], no_restart=True)
-            self._actors[slot] = self._remote_cls.remote(slot_index=slot)
+            options = self._placements[slot]
+            self._actors[slot] = self._remote_cls.options(**options).remote(slot_index=slot)
         self._join("rejoin")
         return time.perf_counter() - started
 
@@ -252,6 +285,10 @@ class SlotPool:
 
     def memory(self) -> list[dict[str, int]]:
         return self._get_all([a.memory.remote() for a in self._actors])
+
+    def nodes(self) -> list[dict[str, str]]:
+        """Each slot's Ray node id and address."""
+        return self._get_all([a.node.remote() for a in self._actors])
 
     def alive(self, *, timeout_s: float = 10.0) -> list[bool]:
         """Which slots answer; call it while no long call is running on them."""
