@@ -120,8 +120,15 @@ def netns_ray_cluster(nodes: int = 3, *, cpus_per_node: int = 2) -> Iterator[Net
         common = [f"--num-cpus={cpus_per_node}", "--disable-usage-stats"]
         cluster.exec(
             0,
-            [RAY, "start", "--head", f"--node-ip-address={cluster.address(0)}", f"--port={PORT}"]
-            + ["--include-dashboard=false", *common],
+            [
+                RAY,
+                "start",
+                "--head",
+                f"--node-ip-address={cluster.address(0)}",
+                f"--port={PORT}",
+                "--include-dashboard=false",
+                *common,
+            ],
             capture_output=True,
             timeout=180,
         )
@@ -133,8 +140,8 @@ def netns_ray_cluster(nodes: int = 3, *, cpus_per_node: int = 2) -> Iterator[Net
                     "start",
                     f"--address={cluster.ray_address}",
                     f"--node-ip-address={cluster.address(node)}",
-                ]
-                + common,
+                    *common,
+                ],
                 capture_output=True,
                 timeout=180,
             )
