@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 TORCH_REQ ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
 
-.PHONY: install kernels demo test lint format doctor clean
+.PHONY: install browser kernels demo test lint format doctor clean
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
@@ -25,6 +25,10 @@ kernels: install
 
 install: $(STAMP)
 
+# The browser end-to-end test drives Debian's chromium (headless); install it when missing.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
+
 demo: install
 	$(BIN)/nereus demo
 
@@ -39,7 +43,7 @@ format: install
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-test: install lint
+test: install browser lint
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 clean:

@@ -1,38 +1,35 @@
-// Live job page: stream events over the websocket, resume from the last id after a reconnect.
+// Live job page: stream events over the websocket, resume from the last id after a reconnect, and
+// hand every event to the page's panels (job_sft.js or job_sim.js register with NereusLive.on).
 "use strict";
-(function () {
-  const root = document.getElementById("job");
-  const jobId = root.dataset.jobId;
-  const rows = document.getElementById("events");
-  const stateBadge = document.getElementById("job-state");
-  const status = document.getElementById("live-status");
-  const dark = window.matchMedia("(prefers-color-scheme: dark)").matches;
-  const layout = (ytitle) => ({
-    margin: { t: 10, r: 10, b: 70, l: 50 }, xaxis: { title: { text: "step" } },
-    yaxis: { title: { text: ytitle } }, paper_bgcolor: "rgba(0,0,0,0)", plot_bgcolor: "rgba(0,0,0,0)",
-    font: { color: dark ? "#e6edf3" : "#1b1f24" }, legend: { orientation: "h", y: -0.35 },
-  });
+window.NereusLive = (function () {
+  const handlers = [];
   const MAX_ROWS = 300;
   let lastId = 0;
-  let charts = false;
+  const TERMINAL = ["succeeded", "failed", "cancelled"];
+  const themeHandlers = [];
   let retryMs = 500;
 
-  function initCharts() {
-    if (charts || !window.Plotly) return charts;
-    Plotly.newPlot("chart-loss", [{ x: [], y: [], mode: "lines+markers", name: "loss" }], layout("loss"),
-      { displaylogo: false, responsive: true });
-    Plotly.newPlot("chart-time", [
-      { x: [], y: [], name: "compute", type: "scatter", mode: "lines" },
-      { x: [], y: [], name: "all-reduce", type: "scatter", mode: "lines" },
-      { x: [], y: [], name: "step", type: "scatter", mode: "lines" },
-    ], layout("seconds"), { displaylogo: false, responsive: true });
-    charts = true;
-    return charts;
+  function theme() {
+    const dark = window.matchMedia("(prefers-color-scheme: dark)").matches;
+    return { font: { color: dark ? "#e6edf3" : "#1b1f24" }, grid: dark ? "#30363d" : "#d8dde3" };
   }
 
-  function addRow(event) {
+  function layout(ytitle, extra) {
+    const t = theme();
+    return Object.assign({
+      margin: { t: 10, r: 10, b: 70, l: 55 },
+      xaxis: { title: { text: "step" }, gridcolor: t.grid },
+      yaxis: { title: { text: ytitle }, gridcolor: t.grid },
+      paper_bgcolor: "rgba(0,0,0,0)", plot_bgcolor: "rgba(0,0,0,0)",
+      font: t.font, legend: { orientation: "h", y: -0.3 },
+    }, extra || {});
+  }
+
+  function addRow(rows, event) {
     const tr = document.createElement("tr");
-    for (const text of [event.id, event.at.slice(11, 23), event.kind, JSON.stringify(event.data)]) {
+    const data = JSON.stringify(event.data);
+    for (const text of [event.id, event.at.slice(11, 23), event.kind,
+      data.length > 400 ? data.slice(0, 400) + "…" : data]) {
       const td = document.createElement("td");
       td.textContent = text;
       tr.appendChild(td);
@@ -44,21 +41,23 @@
   function handle(event) {
     if (event.id <= lastId) return;
     lastId = event.id;
-    addRow(event);
-    const d = event.data;
+    document.body.dataset.lastEvent = String(lastId);
+    addRow(document.getElementById("events"), event);
     if (event.kind === "job.state") {
-      stateBadge.textContent = d.state;
-      stateBadge.className = "state state-" + d.state;
-    } else if (event.kind === "slots.ready") {
-      document.getElementById("backend").textContent = d.backend;
-    } else if (event.kind === "step.finished" && initCharts()) {
-      Plotly.extendTraces("chart-loss", { x: [[d.step]], y: [[d.loss]] }, [0]);
-      Plotly.extendTraces("chart-time", { x: [[d.step], [d.step], [d.step]],
-        y: [[d.compute_s], [d.comm_s], [d.step_s]] }, [0, 1, 2]);
+      const badge = document.getElementById("job-state");
+      badge.textContent = event.data.state;
+      badge.className = "state state-" + event.data.state;
+      const cancel = document.getElementById("cancel-form");
+      if (cancel && TERMINAL.includes(event.data.state)) cancel.hidden = true;
+    }
+    for (const h of handlers) {
+      try { h(event); } catch (err) { console.error("panel failed on event", event.id, err); }
     }
   }
 
   function connect() {
+    const status = document.getElementById("live-status");
+    const jobId = document.getElementById("job").dataset.jobId;
     const scheme = location.protocol === "https:" ? "wss" : "ws";
     const ws = new WebSocket(`${scheme}://${location.host}/ws/jobs/${jobId}/?after=${lastId}`);
     ws.onopen = () => { status.textContent = "live"; retryMs = 500; };
@@ -74,5 +73,11 @@
       retryMs = Math.min(retryMs * 2, 10000);
     };
   }
-  window.addEventListener("DOMContentLoaded", () => { initCharts(); connect(); });
+
+  window.addEventListener("DOMContentLoaded", connect);
+  // Dark mode follows the system setting, live: charts are redrawn with the new colours.
+  window.matchMedia("(prefers-color-scheme: dark)").addEventListener("change", () => {
+    for (const h of themeHandlers) h();
+  });
+  return { on: (h) => handlers.push(h), onTheme: (h) => themeHandlers.push(h), layout, theme };
 })();

@@ -1,24 +1,73 @@
-"""Pages: the job list with its submit form, and a job's live page."""
+"""Pages: the job list (state filter, bulk cancel), the submit form with its preview, and a job's
+live page."""
 
 from __future__ import annotations
 
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.core.exceptions import PermissionDenied, ValidationError
-from django.http import Http404
+from django.http import Http404, JsonResponse
 from django.shortcuts import redirect, render
+from django.urls import reverse
 from django.views.decorators.http import require_http_methods, require_POST
 
+from runtime.control.policy import DEFAULT_THRESHOLD
+from runtime.planner.memory import HEADROOM
 from webapp.jobs import errors, selectors, services
 from webapp.jobs.forms import JobSubmitForm
+from webapp.jobs.models import JobState
+from webapp.jobs.preview import job_preview
 from webapp.projects import errors as project_errors
 from webapp.projects.models import Role
 from webapp.projects.selectors import role_of
+
+LIST_LIMIT = 200
+BULK_CANCEL_MAX = 200
 
 
 @login_required
 @require_http_methods(["GET", "POST"])
 def job_list(request):
+    if request.method == "POST":  # the submit form posts here too
+        return job_new(request)
+    state = request.GET.get("state") or None
+    state_error = ""
+    if state is not None and state not in JobState.values:
+        state_error = f"state: expected one of {', '.join(JobState.values)}, got {state!r}"
+        state = None
+    jobs = list(selectors.job_list_for(request.user, state=state)[:LIST_LIMIT])
+    cancellable = _projects_where(request.user, jobs, Role.OPERATOR)
+    rows = [
+        {"job": job, "can_cancel": job.project_id in cancellable and not job.is_terminal}
+        for job in jobs
+    ]
+    return render(
+        request,
+        "jobs/list.html",
+        {
+            "rows": rows,
+            "jobs": jobs,
+            "states": JobState.values,
+            "state": state or "",
+            "state_error": state_error,
+            "any_cancellable": any(row["can_cancel"] for row in rows),
+        },
+        status=400 if state_error else 200,
+    )
+
+
+def _projects_where(user, jobs, role: str) -> set[int]:
+    allowed = set()
+    for project in {job.project for job in jobs}:
+        have = role_of(user, project)
+        if have is not None and have.allows(role):
+            allowed.add(project.pk)
+    return allowed
+
+
+@login_required
+@require_http_methods(["GET", "POST"])
+def job_new(request):
     form = JobSubmitForm(request.POST or None, user=request.user)
     if request.method == "POST" and form.is_valid():
         try:
@@ -35,8 +84,26 @@ def job_list(request):
             form.add_error("project", str(exc))
         else:
             return redirect("jobs:detail", job_id=job.pk)
-    jobs = selectors.job_list_for(request.user)[:100]
-    return render(request, "jobs/list.html", {"jobs": jobs, "form": form})
+    return render(request, "jobs/new.html", {"form": form})
+
+
+@login_required
+@require_POST
+def job_preview_view(request):
+    """JSON: the submit form's field errors, or the layout the job would start on."""
+    form = JobSubmitForm(request.POST, user=request.user)
+    if not form.is_valid():
+        return JsonResponse({"ok": False, "errors": form.errors.get_json_data()}, status=400)
+    try:
+        preview = job_preview(form.spec())
+    except ValueError as exc:
+        field, _, _ = str(exc).partition(":")
+        field = field if field in form.fields else "__all__"
+        return JsonResponse(
+            {"ok": False, "errors": {field: [{"message": str(exc), "code": "invalid"}]}},
+            status=400,
+        )
+    return JsonResponse({"ok": True, "preview": preview})
 
 
 @login_required
@@ -46,8 +113,29 @@ def job_detail(request, job_id: int):
     except project_errors.NotFoundError:
         raise Http404("no such job") from None
     role = role_of(request.user, job.project)
-    can_cancel = role is not None and role.allows(Role.OPERATOR)
-    return render(request, "jobs/detail.html", {"job": job, "can_cancel": can_cancel})
+    simulated = isinstance(job.spec, dict) and job.spec.get("kind") == "ppo-sim"
+    context = {
+        "job": job,
+        "role": role,
+        "can_cancel": role is not None and role.allows(Role.OPERATOR),
+        "can_approve": role is not None and role.allows(Role.APPROVER),
+        "simulated": simulated,
+    }
+    if simulated:
+        policy = job.spec.get("policy") or {}
+        thresholds = policy.get("thresholds") or {}
+        context["config"] = {
+            "job": job.pk,
+            "thresholds": {
+                signal: thresholds.get(signal, DEFAULT_THRESHOLD)
+                for signal in ("gen_len", "step_time", "peak_memory")
+            },
+            "memory_budget": 1.0 - HEADROOM,
+            "decide_url": reverse("plans:decide", args=[0]).replace("/0/", "/{id}/"),
+            "can_approve": context["can_approve"],
+        }
+        return render(request, "jobs/detail_sim.html", context)
+    return render(request, "jobs/detail.html", context)
 
 
 @login_required
@@ -62,3 +150,40 @@ def job_cancel(request, job_id: int):
     except errors.JobError as exc:
         messages.error(request, str(exc))
     return redirect("jobs:detail", job_id=job_id)
+
+
+@login_required
+@require_POST
+def job_bulk_cancel(request):
+    """Cancel the ticked jobs: each one the caller may cancel is cancelled, each other one is
+    reported; a job the caller cannot see is reported as not found."""
+    raw = request.POST.getlist("job")
+    ids = []
+    for value in raw:
+        if not (value.isascii() and value.isdigit()) or len(value) > 18:
+            messages.error(request, f"job: expected job ids, got {value!r}")
+            return redirect("jobs:list")
+        ids.append(int(value))
+    if not ids:
+        messages.error(request, "job: tick at least one job to cancel")
+        return redirect("jobs:list")
+    if len(ids) > BULK_CANCEL_MAX:
+        messages.error(request, f"job: at most {BULK_CANCEL_MAX} jobs at a time")
+        return redirect("jobs:list")
+    done, refused = [], []
+    for job_id in dict.fromkeys(ids):
+        try:
+            services.job_cancel_for(user=request.user, job_id=job_id)
+        except project_errors.NotFoundError:
+            refused.append(f"job {job_id}: not found")
+        except project_errors.RoleError as exc:
+            refused.append(f"job {job_id}: {exc}")
+        except errors.JobError as exc:
+            refused.append(f"job {job_id}: {exc}")
+        else:
+            done.append(job_id)
+    if done:
+        messages.success(request, f"cancelling {len(done)} job(s): {', '.join(map(str, done))}")
+    for problem in refused:
+        messages.error(request, problem)
+    return redirect("jobs:list")

@@ -1,0 +1,291 @@
+// The simulated PPO job's panels, all drawn from the job's events: drift charts (sequence length,
+// peak memory, slot pool, with threshold bands and trigger points), step latency by stage
+// (predicted by the plan in force vs measured), the plan map (current and proposed), the
+// transition DAG, calibration and the decisions log.
+"use strict";
+(function () {
+  const cfg = JSON.parse(document.getElementById("job-config").textContent);
+  const STAGES = ["generation", "inference", "training"];
+  const plotConfig = { displaylogo: false, responsive: true };
+  const S = {
+    steps: [], genLen: [], memory: [], pool: [], stage: { generation: [], inference: [], training: [] },
+    predicted: { generation: [], inference: [], training: [] }, band: { gen_len: [], peak_memory: [] },
+    ref: {}, latest: {}, triggers: [], current: null, candidate: null, proposals: {}, waiting: null,
+    target: null, transitions: [], shown: null, nodeStates: {}, calibration: null, lastStep: null,
+  };
+  let dirty = false;
+
+  // --- helpers ------------------------------------------------------------------------------
+  const $ = (id) => document.getElementById(id);
+  const num = (v, digits = 3) => (v == null || !isFinite(v) ? "–" : Number(v).toPrecision(digits));
+  function row(table, cells, cls) {
+    const tr = document.createElement("tr");
+    if (cls) tr.className = cls;
+    for (const c of cells) { const td = document.createElement("td"); td.textContent = c; tr.appendChild(td); }
+    return tr;
+  }
+  function redrawSoon() {
+    if (dirty) return;
+    dirty = true;
+    setTimeout(() => { dirty = false; drawCharts(); }, 150);
+  }
+
+  // --- drift and latency --------------------------------------------------------------------
+  function onStep(d) {
+    $("step-now").textContent = d.step + 1;
+    S.lastStep = d;
+    if (!d.ok) { S.triggers.push({ kind: "failed step", step: d.step, detail: d.failure }); return; }
+    for (const [signal, value] of [["gen_len", d.gen_len], ["peak_memory", d.peak_memory], ["step_time", d.step_s]]) {
+      if (S.ref[signal] === undefined) S.ref[signal] = value;  // the monitor's first reference
+      S.latest[signal] = value;
+    }
+    S.steps.push(d.step);
+    S.genLen.push(d.gen_len);
+    S.memory.push(d.peak_memory);
+    S.pool.push(d.num_slots);
+    for (const [signal, band] of Object.entries(S.band)) {
+      band.push([S.ref[signal] * (1 - cfg.thresholds[signal]), S.ref[signal] * (1 + cfg.thresholds[signal])]);
+    }
+    const stages = S.current ? Object.fromEntries(S.current.stages.map((s) => [s.stage, s.predicted_s])) : {};
+    for (const st of STAGES) {
+      S.stage[st].push(d.stage_s[st]);
+      S.predicted[st].push(stages[st] ?? null);
+    }
+    drawCalibration();
+    redrawSoon();
+  }
+
+  function onTrigger(d) {
+    S.triggers.push(d);
+    // Every trigger replans, and a replan resets every signal's reference to its latest value.
+    Object.assign(S.ref, S.latest);
+    redrawSoon();
+  }
+
+  function markers(filter, yOf, name, symbol) {
+    const hits = S.triggers.filter(filter);
+    return { x: hits.map((t) => t.step), y: hits.map(yOf), text: hits.map((t) => t.detail || t.kind),
+      name, mode: "markers", type: "scatter", marker: { symbol, size: 10 }, hovertemplate: "%{text}<extra></extra>" };
+  }
+  function band(signal, i) {
+    return { x: S.steps, y: S.band[signal].map((b) => b[i]), mode: "lines", line: { dash: "dot", width: 1, shape: "hv" },
+      name: i ? `+${cfg.thresholds[signal] * 100}% of reference` : `−${cfg.thresholds[signal] * 100}% of reference`,
+      type: "scatter" };
+  }
+  const valueAt = (series) => (t) => { const i = S.steps.lastIndexOf(t.step); return i >= 0 ? series[i] : null; };
+
+  function drawCharts() {
+    if (!window.Plotly) return;
+    const line = (y, name) => ({ x: S.steps, y, name, mode: "lines", type: "scatter" });
+    Plotly.react("chart-genlen", [line(S.genLen, "generated length"), band("gen_len", 1), band("gen_len", 0),
+      markers((t) => t.signal === "gen_len" && t.kind === "drift", (t) => t.value, "drift trigger", "diamond"),
+      markers((t) => t.kind === "memory", (t) => t.value, "memory forecast trigger", "x")],
+    NereusLive.layout("tokens"), plotConfig);
+    Plotly.react("chart-memory", [line(S.memory, "peak memory"), band("peak_memory", 1), band("peak_memory", 0),
+      markers((t) => t.signal === "peak_memory", (t) => t.value, "drift trigger", "diamond"),
+      markers((t) => t.kind === "failed step", valueAt(S.memory), "failed step", "x")],
+    NereusLive.layout("fraction of device memory", { shapes: [
+      { type: "line", xref: "paper", x0: 0, x1: 1, y0: cfg.memory_budget, y1: cfg.memory_budget, line: { dash: "dash", color: "#cf222e" } },
+    ], annotations: [{ xref: "paper", x: 0, y: cfg.memory_budget, text: "planning budget", showarrow: false, yanchor: "bottom", xanchor: "left" }] }),
+    plotConfig);
+    Plotly.react("chart-pool", [{ ...line(S.pool, "slots"), line: { shape: "hv" } },
+      markers((t) => t.kind === "pool", (t) => t.value, "pool trigger", "diamond"),
+      markers((t) => t.kind === "failure", valueAt(S.pool), "slot failure", "x")],
+    NereusLive.layout("slots"), plotConfig);
+    const traces = [];
+    STAGES.forEach((st, i) => {
+      const colour = ["#0b6bcb", "#1a7f37", "#9a6700"][i];
+      traces.push({ ...line(S.stage[st], `${st} measured`), line: { color: colour } });
+      traces.push({ ...line(S.predicted[st], `${st} predicted`), line: { color: colour, dash: "dash", shape: "hv" } });
+    });
+    traces.push(markers((t) => t.signal === "step_time", valueAt(S.stage.generation), "step-time trigger", "diamond"));
+    Plotly.react("chart-latency", traces, NereusLive.layout("seconds"), plotConfig);
+  }
+
+  // --- plans and proposals ------------------------------------------------------------------
+  function drawMaps() {
+    if (S.current) {
+      NereusPlanMap.render($("map-current"), S.current);
+      $("map-current-label").textContent = `predicted ${num(S.current.predicted_step_s)} s/step on ${S.current.num_slots} slots`;
+    }
+    const waiting = S.waiting && S.proposals[S.waiting];
+    const proposed = waiting ? waiting.plan : S.candidate && S.candidate.plan;
+    if (proposed) {
+      NereusPlanMap.render($("map-proposed"), proposed, { compareTo: S.current });
+      $("map-proposed-label").textContent = waiting
+        ? `proposal ${S.waiting}, waiting: predicted ${num(proposed.predicted_step_s)} s/step`
+        : `last candidate (${S.candidate.reason}): predicted ${num(proposed.predicted_step_s)} s/step`;
+    }
+  }
+
+  function drawProposal() {
+    const box = $("proposal");
+    const p = S.waiting && S.proposals[S.waiting];
+    box.hidden = !p;
+    if (!p) return;
+    const v = p.verdict || {};
+    $("proposal-body").replaceChildren();
+    const text = document.createElement("p");
+    text.textContent = `Proposal ${S.waiting}: ${v.reason || "plan change"} — predicted ` +
+      `${num(S.current && S.current.predicted_step_s)} → ${num(p.plan.predicted_step_s)} s/step; ` +
+      `transition cost ${num(v.cost_s)} s, saving ${num(v.saving_s)} s/step, payback ` +
+      `${num(v.payback_steps)} steps against a horizon of ${num(v.horizon_steps)} steps (gamma ${v.gamma}).` +
+      (p.decidedBy ? ` ${p.decision} by ${p.decidedBy}: waiting for the controller.` : "");
+    $("proposal-body").appendChild(text);
+    const form = $("decide-form");
+    if (form) {
+      form.hidden = Boolean(p.decidedBy) || !p.row;
+      if (p.row) form.action = cfg.decide_url.replace("{id}", p.row);
+      form.dataset.proposal = p.row || "";
+    }
+  }
+
+  // --- transitions --------------------------------------------------------------------------
+  function nodeStates(t) {
+    // Per-node reports (transition.node events) win; the simulated engine reports the transition
+    // as a whole, so its nodes take the transition's outcome.
+    const states = {};
+    for (const n of t.dag.nodes) {
+      const reported = S.nodeStates[n.id];
+      states[n.id] = reported || (n.state !== "pending" ? n.state : t.ok ? "done" : "failed");
+    }
+    return states;
+  }
+
+  function drawTransitions() {
+    const body = $("transitions").tBodies[0];
+    body.replaceChildren();
+    S.transitions.slice().reverse().forEach((t) => {
+      const tr = row(body, [t.index, t.step ?? "–", t.nodes, num(t.dag.critical_path_s), num(t.predicted_s),
+        num(t.actual_s), t.ok ? "done" : `failed: ${t.failure}`], t === S.shown ? "selected" : "");
+      tr.addEventListener("click", () => { S.shown = t; drawTransitions(); });
+      body.appendChild(tr);
+    });
+    const t = S.shown;
+    if (!t) return;
+    const states = nodeStates(t);
+    const perNode = t.dag.nodes.some((n) => S.nodeStates[n.id] || n.state !== "pending");
+    $("dag-summary").textContent = `Transition ${t.index} (${t.simulated ? "simulated" : "real"}): ` +
+      `${t.ok ? "complete" : "failed"} — ${t.nodes} nodes, predicted ${num(t.predicted_s)} s, actual ` +
+      `${num(t.actual_s)} s; critical path (thick) ${num(t.dag.critical_path_s)} s.` +
+      (perNode ? "" : " The simulated engine reports the transition as a whole, so node states " +
+        "follow its outcome and per-node actual times are not reported.");
+    $("dag").dataset.state = t.ok ? "done" : "failed";
+    $("dag").dataset.transition = t.index;
+    NereusDag.render($("dag"), t.dag, states);
+  }
+
+  // --- calibration --------------------------------------------------------------------------
+  function drawCalibration() {
+    const d = S.lastStep;
+    const stages = $("calibration-stages");
+    stages.replaceChildren(row(stages, ["stage", "predicted s", "measured s", "predicted ÷ measured"]));
+    if (d && d.ok && S.current) {
+      for (const s of S.current.stages) {
+        const measured = d.stage_s[s.stage];
+        stages.appendChild(row(stages, [s.stage, num(s.predicted_s), num(measured), num(s.predicted_s / measured)]));
+      }
+    }
+    const ops = $("calibration-ops");
+    ops.replaceChildren(row(ops, ["operation class", "seconds per step (all model-stages)"]));
+    if (S.current) {
+      const total = {};
+      for (const ms of S.current.model_stages) {
+        for (const [op, s] of Object.entries(ms.breakdown || {})) total[op] = (total[op] || 0) + s;
+      }
+      for (const [op, s] of Object.entries(total).sort((a, b) => b[1] - a[1])) ops.appendChild(row(ops, [op, num(s)]));
+    }
+    if (S.calibration && window.Plotly) {  // control.calibration: the runtime's learned efficiencies
+      $("calibration-none").hidden = true;
+      $("chart-calibration").hidden = false;
+      const eff = S.calibration.efficiency || {};
+      Plotly.react("chart-calibration", [{ type: "bar", x: Object.keys(eff), y: Object.values(eff), name: "efficiency" }],
+        NereusLive.layout("efficiency (achieved ÷ peak)", { xaxis: { title: { text: "operation class" } } }), plotConfig);
+    }
+  }
+
+  // --- decisions log ------------------------------------------------------------------------
+  function log(event, trigger, outcome, reason, economics) {
+    const body = $("decisions").tBodies[0];
+    const step = S.lastStep ? S.lastStep.step : "–";
+    body.prepend(row(body, [step, event, trigger, outcome, reason, economics]));
+  }
+  const triggerText = (t) => (t ? `${t.kind}${t.signal ? " " + t.signal : ""}: ${t.detail}` : "");
+  const economics = (v) => (v ? `${num(v.cost_s)} s / ${num(v.saving_s)} s per step / ${num(v.payback_steps)} steps (H ${num(v.horizon_steps)})` : "");
+
+  // --- dispatch -----------------------------------------------------------------------------
+  NereusLive.on((event) => {
+    const d = event.data;
+    const record = d.record || {};
+    switch (event.kind) {
+      case "step.finished": onStep(d); break;
+      case "control.trigger": onTrigger(d); break;
+      case "control.plan":
+        S.current = d.plan; drawMaps(); drawCalibration();
+        log("plan", "", "running", d.reason || "", `predicted ${num(d.plan.predicted_step_s)} s/step`);
+        break;
+      case "control.decision":
+        if (d.candidate) S.candidate = { plan: d.candidate, reason: d.reason };
+        S.target = d.candidate || null;  // what a following transition moves to (as the server does)
+        log("decision", triggerText(d.trigger), d.admit ? "admitted" : "kept the plan", d.reason, economics(d.verdict));
+        drawMaps();
+        break;
+      case "control.proposal":
+        S.proposals[d.proposal] = { plan: d.plan, verdict: d.verdict, row: record.proposal };
+        S.waiting = d.proposal;
+        log("proposal", "", "waiting for approval", (d.verdict || {}).reason || "", economics(d.verdict));
+        drawProposal(); drawMaps();
+        break;
+      case "command.approve": case "command.reject": {
+        const p = S.proposals[d.proposal];
+        if (p) { p.decidedBy = d.by; p.decision = event.kind === "command.approve" ? "approved" : "rejected"; }
+        log(event.kind.replace("command.", ""), "", `by ${d.by}`, d.comment || "", "");
+        drawProposal();
+        break;
+      }
+      case "control.approved": case "control.rejected": case "control.expired": case "control.stale": {
+        const outcome = event.kind.replace("control.", "");
+        if (outcome === "approved" && S.proposals[d.proposal]) S.target = S.proposals[d.proposal].plan;
+        if (S.waiting === d.proposal) S.waiting = null;
+        log(outcome, "", `proposal ${d.proposal}`, d.reason || "", "");
+        drawProposal(); drawMaps();
+        break;
+      }
+      case "command.applied":
+        log("command", "", `${d.command} ${d.proposal}: ${d.outcome}`, "", "");
+        break;
+      case "control.transition": {
+        const t = { ...d, index: S.transitions.length + 1, step: S.lastStep ? S.lastStep.step : null };
+        S.transitions.push(t);
+        S.shown = t;
+        if (d.ok && S.target) { S.current = S.target; S.target = null; }
+        log("transition", "", d.ok ? "done" : "failed", d.failure || "",
+          `predicted ${num(d.predicted_s)} s, actual ${num(d.actual_s)} s`);
+        drawTransitions(); drawMaps(); drawCalibration();
+        break;
+      }
+      case "transition.node":
+        S.nodeStates[d.node] = d.state;
+        if (S.shown) drawTransitions();
+        break;
+      case "control.restart":
+        if (S.target) { S.current = S.target; S.target = null; }
+        log("restart", "", `from checkpoint in ${num(d.seconds)} s`, d.reason || "", "");
+        drawMaps();
+        break;
+      case "control.relaxed":
+        log("relaxed", "", "", d.reason || "", "");
+        break;
+      case "control.calibration":
+        S.calibration = d; drawCalibration();
+        break;
+      case "job.finished":
+        $("job-summary").textContent = `Finished (${d.status}): ${d.steps} steps in ${num(d.simulated_s, 4)} ` +
+          `simulated seconds, ${d.transitions} transitions, ${d.restarts} restarts.`;
+        break;
+      default:
+    }
+  });
+  NereusLive.onTheme(() => { drawCharts(); drawCalibration(); });
+  window.addEventListener("DOMContentLoaded", () => { drawCharts(); drawCalibration(); });
+})();

@@ -1,0 +1,204 @@
+"""The browser end to end: Playwright driving Debian's chromium, headless, against the real
+service processes (Daphne and a Celery worker on loopback, the embedded defaults: SQLite, the
+filesystem broker and the database channel layer).
+
+A person logs in, previews and submits a PPO job on the simulated cluster that asks for manual
+approval, watches the drift chart grow without reloading, approves the controller's proposal,
+sees the transition's DAG complete, and cancels the job. Screenshots go to
+``test-artifacts/e2e/`` (gitignored; CI keeps them as artifacts).
+
+Chromium missing is a failure, never a skip: ``make install`` installs it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+from tests.support import live
+
+CHROMIUM = os.environ.get("NEREUS_CHROMIUM", "/usr/bin/chromium")
+ARTIFACTS = live.REPO / "test-artifacts" / "e2e"
+TIMEOUT_MS = 45_000
+# A plateau trace on 32 simulated H200s: the controller proposes a plan change from step ~32 and
+# keeps one waiting until the slot pool changes (step ~65), so at 0.3 s a step a person has
+# about ten seconds to approve it.
+JOB = {
+    "name": "e2e-sim",
+    "kind": "ppo-sim",
+    "model": "llama-3.1-8b",
+    "gpu": "h200",
+    "gpus": "32",
+    "trace": "plateau",
+    "num_steps": "120",
+    "pace_s": "0.3",
+    "approval": "manual",
+}
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not (os.path.isfile(CHROMIUM) and os.access(CHROMIUM, os.X_OK)):
+        pytest.fail(
+            f"chromium not found at {CHROMIUM}: `make install` installs it "
+            "(apt-get install -y chromium); the browser test must not be skipped"
+        )
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        pytest.fail("playwright is not installed: `make install` installs the dev extra")
+    args = ["--disable-dev-shm-usage"]
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        args.append("--no-sandbox")  # chromium refuses to sandbox as root
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=args)
+        yield browser
+        browser.close()
+
+
+@pytest.fixture
+def service(tmp_path):
+    env = live.service_env(tmp_path)
+    live.manage(env, "migrate", "--no-input")
+    live.create_user_session(env, "alice")  # password pw-alice-1234
+    with (
+        live.web_server(env, tmp_path / "logs") as url,
+        live.celery_worker(env, tmp_path / "logs"),
+    ):
+        yield url
+
+
+@pytest.fixture
+def shots(request):
+    if ARTIFACTS.exists():
+        shutil.rmtree(ARTIFACTS)
+    ARTIFACTS.mkdir(parents=True)
+    return ARTIFACTS
+
+
+def _points(page, chart: str) -> int:
+    return page.evaluate(
+        "(id) => { const d = document.getElementById(id).data;"
+        " return d && d[0] ? d[0].x.length : 0; }",
+        chart,
+    )
+
+
+def test_submit_watch_approve_and_see_the_dag_complete(browser, service, shots):
+    context = browser.new_context(viewport={"width": 1400, "height": 1000}, base_url=service)
+    context.set_default_timeout(TIMEOUT_MS)
+    page = context.new_page()
+    problems: list[str] = []
+    page.on("pageerror", lambda exc: problems.append(f"page error: {exc}"))
+    page.on(  # a failed fetch shows as a response below; anything else is a script error
+        "console",
+        lambda m: (
+            problems.append(m.text)
+            if m.type == "error" and not m.text.startswith("Failed to load resource")
+            else None
+        ),
+    )
+    page.on(
+        "response",
+        lambda r: problems.append(f"{r.status} {r.url}") if r.status >= 500 else None,
+    )
+    try:
+        # Log in.
+        page.goto("/jobs/")
+        assert "/login/" in page.url
+        page.fill("input[name=username]", "alice")
+        page.fill("input[name=password]", "pw-alice-1234")
+        page.click("button[type=submit]")
+        page.wait_for_url("**/jobs/")
+
+        # The submit form: field errors, then the preview, then submit.
+        page.goto("/jobs/new/")
+        page.select_option("select[name=kind]", "ppo-sim")
+        for name, value in JOB.items():
+            selector = f"[name={name}]"
+            if page.locator(f"select{selector}").count():
+                page.select_option(f"select{selector}", value)
+            else:
+                page.fill(f"input{selector}", value)
+        page.fill("input[name=gpus]", "0")
+        page.click("#preview-button")
+        page.locator(".preview-error").first.wait_for()
+        assert "gpus" in page.locator(".preview-error").first.inner_text()
+        page.fill("input[name=gpus]", JOB["gpus"])
+        page.click("#preview-button")
+        page.wait_for_function(
+            "document.getElementById('preview-summary').textContent.includes('Predicted step time')"
+        )
+        assert page.locator("#preview-map .cell.td").count() > 0
+        page.screenshot(path=shots / "1-submit-preview.png", full_page=True)
+        page.click("#submit-button")
+        page.wait_for_url("**/jobs/*/")
+        job_url = page.url
+
+        # The drift chart grows while the page stays loaded.
+        page.evaluate("window.__sameDocument = true")
+        page.wait_for_function("document.getElementById('live-status').textContent === 'live'")
+        page.wait_for_function(
+            "(document.getElementById('chart-genlen').data || [[]])[0].x.length >= 3"
+        )
+        before = _points(page, "chart-genlen")
+        page.wait_for_function(
+            f"document.getElementById('chart-genlen').data[0].x.length >= {before + 5}"
+        )
+        assert page.evaluate("window.__sameDocument === true"), "the page was reloaded"
+        assert page.locator("text=simulated cluster").count() == 1
+        page.screenshot(path=shots / "2-job-live.png", full_page=True)
+
+        # Approve the controller's proposal (a newer one may supersede it: approve what waits).
+        applied = False
+        for attempt in range(4):
+            page.locator("#decide-form:not([hidden])").wait_for(state="visible")
+            page.screenshot(path=shots / f"3-approval-{attempt}.png", full_page=True)
+            page.fill("#decide-form textarea[name=comment]", "e2e: the move pays back")
+            page.click("#decide-form button[value=approve]")
+            page.wait_for_url(job_url)
+            page.wait_for_function(
+                "[...document.querySelectorAll('#decisions td')].some(td =>"
+                " /^approve \\d+: /.test(td.textContent))"
+                " || !document.getElementById('decide-form').hidden"
+            )
+            outcomes = page.locator("#decisions td", has_text="approve ").all_inner_texts()
+            if any(": applied" in text for text in outcomes):
+                applied = True
+                break
+        assert applied, f"no approval was applied: {outcomes}"
+
+        # The transition that followed the approval: its DAG drawn, complete.
+        page.wait_for_function("document.getElementById('dag').dataset.state === 'done'")
+        nodes = page.locator("#dag g.node")
+        assert nodes.count() > 0
+        assert nodes.count() == page.locator("#dag g.node.state-done").count()
+        assert page.locator("#dag g.node.critical").count() >= 1
+        assert "complete" in page.locator("#dag-summary").inner_text()
+        page.locator("#dag").scroll_into_view_if_needed()
+        page.screenshot(path=shots / "4-dag-complete.png", full_page=True)
+
+        # Cancel from the page; the job stops at its next step.
+        page.click("button.danger:has-text('Cancel')")
+        page.wait_for_url(job_url)
+        page.wait_for_function(
+            "['cancelled', 'cancelling'].includes("
+            "(document.getElementById('job-state') || {}).textContent)"
+        )
+
+        # Dark mode follows the system setting.
+        page.emulate_media(color_scheme="dark")
+        background = page.evaluate("getComputedStyle(document.body).backgroundColor")
+        assert background == "rgb(15, 20, 25)", background
+        page.wait_for_function(
+            "document.getElementById('chart-genlen').layout.font.color === '#e6edf3'"
+        )
+        page.screenshot(path=shots / "5-dark-mode.png", full_page=True)
+    except Exception:
+        page.screenshot(path=shots / "failure.png", full_page=True)
+        raise
+    finally:
+        context.close()
+    assert not problems, problems

@@ -1,0 +1,335 @@
+"""The pages: job list (state filter, bulk cancel), submit form and its preview, the simulated
+job's page, the approvals inbox; and who may do what through them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from runtime.jobs.sim_job import run_sim_ppo_job
+from runtime.jobs.spec import PpoSimJobSpec, spec_from_json
+from tests.support.jobs import make_job
+from tests.support.plans import initial_event, plan_json, proposal_event
+from webapp.jobs.models import Job, JobEvent, JobState
+from webapp.plans import errors as plan_errors
+from webapp.plans import services as plan_services
+from webapp.plans.models import Proposal, ProposalState
+from webapp.projects.models import Role
+
+pytestmark = pytest.mark.django_db
+
+SIM_FORM = {
+    "name": "sim",
+    "kind": "ppo-sim",
+    "num_steps": 50,
+    "seed": 0,
+    "model": "llama-3.1-8b",
+    "gpu": "h100-sxm",
+    "gpus": 16,
+    "trace": "growth",
+    "pace_s": 0.1,
+    "approval": "manual",
+}
+SIM_SPEC = PpoSimJobSpec(num_steps=10, policy={"approval": "manual"}).to_json()
+
+
+@pytest.fixture
+def operator(project, member):
+    return member(project, Role.OPERATOR, "olga")
+
+
+@pytest.fixture
+def approver(project, member):
+    return member(project, Role.APPROVER, "anna")
+
+
+@pytest.fixture
+def viewer(project, member):
+    return member(project, Role.VIEWER, "vic")
+
+
+@pytest.fixture
+def outsider(other_project, member):
+    return member(other_project, Role.ADMIN, "otto")
+
+
+@pytest.fixture
+def sim_job(project, operator):
+    return make_job(owner=operator, project=project, name="simjob", spec=SIM_SPEC)
+
+
+@pytest.fixture
+def waiting(sim_job):
+    """A controller proposal of ``sim_job``, waiting."""
+    plan_services.record_controller_event(job=sim_job, event=initial_event())
+    plan_services.record_controller_event(job=sim_job, event=proposal_event(1))
+    return Proposal.objects.get(job=sim_job)
+
+
+# --- job list --------------------------------------------------------------------------------
+
+
+def test_the_list_filters_by_state_and_refuses_an_unknown_state(client, project, operator):
+    make_job(owner=operator, project=project, name="runner", state=JobState.RUNNING)
+    make_job(owner=operator, project=project, name="done", state=JobState.SUCCEEDED)
+    client.force_login(operator)
+    page = client.get("/jobs/?state=running").content.decode()
+    assert "<td>runner</td>" in page and "<td>done</td>" not in page
+    response = client.get("/jobs/?state=sleeping")
+    assert response.status_code == 400 and "state: expected one of" in response.content.decode()
+
+
+def test_bulk_cancel_cancels_what_one_may_and_reports_the_rest(
+    client, project, other_project, operator, viewer, outsider
+):
+    mine = make_job(owner=operator, project=project, name="a")
+    running = make_job(owner=operator, project=project, name="b", state=JobState.RUNNING)
+    finished = make_job(owner=operator, project=project, name="c", state=JobState.SUCCEEDED)
+    foreign = make_job(owner=outsider, project=other_project, name="x")
+    client.force_login(viewer)  # a viewer sees the jobs but cancels none, and gets no checkboxes
+    page = client.get("/jobs/").content.decode()
+    assert f'value="{mine.pk}"' not in page and "Cancel selected" not in page
+    response = client.post("/jobs/cancel/", {"job": [mine.pk]}, follow=True)
+    assert "needs the operator role" in response.content.decode()
+    mine.refresh_from_db()
+    assert mine.state == JobState.PENDING
+
+    client.force_login(operator)
+    assert f'value="{mine.pk}"' in client.get("/jobs/").content.decode()
+    ids = [mine.pk, running.pk, finished.pk, foreign.pk]
+    response = client.post("/jobs/cancel/", {"job": ids}, follow=True)
+    text = response.content.decode()
+    assert f"job {foreign.pk}: not found" in text and f"job {finished.pk}:" in text
+    states = {j.pk: j.state for j in Job.objects.all()}
+    assert states[mine.pk] == JobState.CANCELLED and states[running.pk] == JobState.CANCELLING
+    assert states[finished.pk] == JobState.SUCCEEDED and states[foreign.pk] == JobState.PENDING
+
+
+@pytest.mark.parametrize("ids", [[], ["abc"], ["-1"], ["9" * 40]])
+def test_bulk_cancel_answers_bad_ids_with_a_message(client, operator, ids):
+    client.force_login(operator)
+    response = client.post("/jobs/cancel/", {"job": ids}, follow=True)
+    assert response.status_code == 200 and "job: " in response.content.decode()
+
+
+# --- submit form and preview -----------------------------------------------------------------
+
+
+def test_the_submit_page_submits_a_simulated_job_with_its_policy(client, operator):
+    client.force_login(operator)
+    page = client.get("/jobs/new/").content.decode()
+    assert 'name="gpus"' in page and 'name="num_slots"' in page and "simulated" in page
+    response = client.post("/jobs/new/", {**SIM_FORM, "gamma": 0.25, "threshold": 0.5})
+    job = Job.objects.get(name="sim")
+    assert response.status_code == 302 and response["Location"] == f"/jobs/{job.pk}/"
+    assert job.spec["kind"] == "ppo-sim" and job.spec["gpus"] == 16
+    assert job.spec["policy"]["approval"] == "manual" and job.spec["policy"]["gamma"] == 0.25
+    assert job.spec["policy"]["thresholds"]["gen_len"] == 0.5
+
+
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        ({"gpus": 0}, "gpus"),
+        ({"gpus": ""}, "gpus"),
+        ({"model": "gpt-9"}, "model"),
+        ({"trace": "zigzag"}, "trace"),
+        ({"gamma": 500}, "gamma"),
+        ({"threshold": -1}, "threshold"),
+        ({"pace_s": 99}, "pace_s"),
+        ({"approval": "sometimes"}, "approval"),
+        ({"kind": "quantum"}, "kind"),
+    ],
+)
+def test_the_submit_form_names_the_bad_field(client, operator, change, field):
+    client.force_login(operator)
+    response = client.post("/jobs/new/", {**SIM_FORM, **change})
+    assert response.status_code == 200 and field in response.context["form"].errors
+    assert not Job.objects.exists()
+
+
+def test_the_preview_is_the_plan_the_job_starts_on(client, operator):
+    client.force_login(operator)
+    response = client.post("/jobs/new/preview/", SIM_FORM)
+    assert response.status_code == 200
+    body = response.json()
+    preview = body["preview"]
+    assert body["ok"] and preview["simulated"] and preview["predicted_step_s"] > 0
+    assert not Job.objects.exists()  # a preview submits nothing
+    # The same spec, run: its first control.plan is the previewed plan.
+    first = []
+    spec = spec_from_json(
+        {
+            **{k: SIM_FORM[k] for k in ("model", "gpu", "gpus", "trace", "num_steps", "seed")},
+            "kind": "ppo-sim",
+            "pace_s": 0.0,
+            "policy": {"approval": "manual"},
+        }
+    )
+    run_sim_ppo_job(
+        spec,
+        sink=_Discard(),
+        emit_control=lambda e: first.append(e) if e["event"] == "control.plan" else None,
+        should_stop=lambda: bool(first),
+    )
+    assert json.loads(json.dumps(first[0]["plan"])) == preview["plan"]
+    for ms in preview["plan"]["model_stages"]:
+        layout = ms["layout"]
+        assert len(ms["units"]) == layout["dp"]
+        assert all(len(unit) == layout["tp"] * layout["pp"] for unit in ms["units"])
+
+
+class _Discard:
+    def emit(self, event) -> None:
+        pass
+
+
+def test_the_preview_of_an_sft_job_is_data_parallel_without_a_prediction(client, operator):
+    client.force_login(operator)
+    response = client.post(
+        "/jobs/new/preview/", {"name": "s", "num_slots": 3, "num_steps": 5, "seed": 0}
+    )
+    preview = response.json()["preview"]
+    assert preview["predicted_step_s"] is None and not preview["simulated"]
+    assert preview["plan"]["model_stages"][0]["units"] == [[0], [1], [2]]
+
+
+@pytest.mark.parametrize(
+    "change, field",
+    [({"gpus": "lots"}, "gpus"), ({"model": "llama-3.1-70b", "gpus": 1}, "gpus")],
+)
+def test_the_preview_answers_bad_input_with_field_errors(client, operator, change, field):
+    client.force_login(operator)
+    response = client.post("/jobs/new/preview/", {**SIM_FORM, **change})
+    assert response.status_code == 400
+    body = response.json()
+    assert not body["ok"] and field in body["errors"]
+
+
+def test_the_preview_needs_a_login(client):
+    response = client.post("/jobs/new/preview/", SIM_FORM)
+    assert response.status_code == 302 and response["Location"].startswith("/login/")
+
+
+# --- the simulated job's page ----------------------------------------------------------------
+
+
+def test_the_simulated_job_page_labels_the_engine_and_offers_approval_to_approvers(
+    client, sim_job, approver, viewer
+):
+    client.force_login(approver)
+    page = client.get(f"/jobs/{sim_job.pk}/").content.decode()
+    assert "engine: <strong>simulated cluster</strong>" in page
+    for panel in ("chart-genlen", "chart-memory", "chart-pool", "chart-latency", "map-current"):
+        assert f'id="{panel}"' in page
+    assert 'id="dag"' in page and 'id="decisions"' in page and 'id="calibration-ops"' in page
+    assert 'id="decide-form"' in page and 'id="job-config"' in page
+    client.force_login(viewer)
+    page = client.get(f"/jobs/{sim_job.pk}/").content.decode()
+    assert 'id="decide-form"' not in page and f"/jobs/{sim_job.pk}/cancel/" not in page
+
+
+def test_pages_of_another_projects_job_are_not_found(client, sim_job, waiting, outsider):
+    client.force_login(outsider)
+    assert client.get(f"/jobs/{sim_job.pk}/").status_code == 404
+    assert client.post(f"/jobs/{sim_job.pk}/cancel/").status_code == 404
+    response = client.post(
+        f"/approvals/{waiting.pk}/decide/", {"decision": "approve", "comment": "mine now"}
+    )
+    assert response.status_code == 404
+    assert f"proposal-{waiting.pk}" not in client.get("/approvals/").content.decode()
+    waiting.refresh_from_db()
+    assert waiting.state == ProposalState.WAITING
+
+
+# --- approvals inbox -------------------------------------------------------------------------
+
+
+def test_the_inbox_lists_waiting_proposals_to_approvers_only(client, waiting, approver, viewer):
+    client.force_login(approver)
+    page = client.get("/approvals/").content.decode()
+    assert f'id="proposal-{waiting.pk}"' in page and f"/approvals/{waiting.pk}/decide/" in page
+    client.force_login(viewer)
+    page = client.get("/approvals/").content.decode()
+    assert f'id="proposal-{waiting.pk}"' not in page and "Nothing waits" in page
+
+
+def test_a_viewer_or_operator_cannot_approve_through_the_page(client, waiting, viewer, operator):
+    for user in (viewer, operator):
+        client.force_login(user)
+        response = client.post(
+            f"/approvals/{waiting.pk}/decide/", {"decision": "approve", "comment": "ok"}
+        )
+        assert response.status_code == 403
+    waiting.refresh_from_db()
+    assert waiting.state == ProposalState.WAITING
+    assert not JobEvent.objects.filter(kind="command.approve").exists()
+
+
+@pytest.mark.parametrize(
+    "data, field",
+    [
+        ({"decision": "approve", "comment": "   "}, "comment"),
+        ({"decision": "maybe", "comment": "hmm"}, "decision"),
+    ],
+)
+def test_deciding_without_a_comment_or_decision_is_a_field_error(
+    client, waiting, approver, data, field
+):
+    client.force_login(approver)
+    response = client.post(f"/approvals/{waiting.pk}/decide/", data)
+    assert response.status_code == 400
+    assert f'data-field="{field}"' in response.content.decode()
+    waiting.refresh_from_db()
+    assert waiting.state == ProposalState.WAITING
+
+
+def test_an_approver_approves_with_a_comment_and_the_job_gets_the_command(
+    client, sim_job, waiting, approver
+):
+    client.force_login(approver)
+    response = client.post(
+        f"/approvals/{waiting.pk}/decide/",
+        {"decision": "approve", "comment": "the DAG is short", "next": f"/jobs/{sim_job.pk}/"},
+    )
+    assert response.status_code == 302 and response["Location"] == f"/jobs/{sim_job.pk}/"
+    waiting.refresh_from_db()
+    assert waiting.state == ProposalState.APPROVED and waiting.decided_by == approver
+    command = JobEvent.objects.get(job=sim_job, kind="command.approve")
+    assert command.data["comment"] == "the DAG is short" and command.data["proposal"] == 1
+    # Deciding twice is refused with a message, not an error page.
+    again = client.post(
+        f"/approvals/{waiting.pk}/decide/", {"decision": "reject", "comment": "no"}, follow=True
+    )
+    assert again.status_code == 200 and "not waiting" in again.content.decode()
+
+
+def test_a_redirect_elsewhere_is_not_followed(client, waiting, approver):
+    client.force_login(approver)
+    response = client.post(
+        f"/approvals/{waiting.pk}/decide/",
+        {"decision": "reject", "comment": "no", "next": "https://evil.example/"},
+    )
+    assert response.status_code == 302 and response["Location"] == "/approvals/"
+
+
+def test_self_approval_is_refused_by_default(client, sim_job, project, member):
+    proposer = member(project, Role.APPROVER, "pat")
+    override = plan_services.proposal_override(
+        user=proposer, job=sim_job, plan=plan_json(8), reason="more slots"
+    )
+    client.force_login(proposer)
+    response = client.post(
+        f"/approvals/{override.pk}/decide/",
+        {"decision": "approve", "comment": "looks good to me"},
+        follow=True,
+    )
+    assert plan_errors.SELF_APPROVAL in response.content.decode()
+    override.refresh_from_db()
+    assert override.state == ProposalState.WAITING
+
+
+def test_dark_mode_follows_the_system_setting(client):
+    css = b"".join(client.get("/static/css/nereus.css").streaming_content).decode()
+    assert "@media (prefers-color-scheme: dark)" in css

@@ -1,0 +1,78 @@
+"""What a job would start on, before it is submitted: its first plan and predicted step time.
+
+For a simulated PPO job this is the controller's own first plan (``Controller.initial_plan`` on
+the same trace and simulated cluster the job will start with), so the preview is what the job's
+first ``control.plan`` event will say. An SFT job has no cost model: its layout is data-parallel
+over its slots and no step time is predicted.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from runtime.jobs.spec import PpoSimJobSpec, SftJobSpec, spec_from_json
+
+
+def job_preview(spec: dict[str, Any]) -> dict[str, Any]:
+    """The planned layout of a valid spec; ``ValueError`` naming the field otherwise."""
+    validated = spec_from_json(spec)
+    if isinstance(validated, PpoSimJobSpec):
+        return _ppo_sim_preview(validated)
+    return _sft_preview(validated)
+
+
+def _sft_preview(spec: SftJobSpec) -> dict[str, Any]:
+    units = [[slot] for slot in range(spec.num_slots)]
+    return {
+        "kind": "sft",
+        "simulated": False,
+        "predicted_step_s": None,
+        "note": "data-parallel over the CPU slots; the SFT job has no cost model",
+        "plan": {
+            "num_slots": spec.num_slots,
+            "predicted_step_s": None,
+            "stages": [{"stage": "training", "mode": "colocated", "predicted_s": None}],
+            "model_stages": [
+                {
+                    "name": "model@training",
+                    "layout": {"dp": spec.num_slots, "tp": 1, "pp": 1},
+                    "units": units,
+                    "predicted_s": None,
+                }
+            ],
+        },
+    }
+
+
+def _ppo_sim_preview(spec: PpoSimJobSpec) -> dict[str, Any]:
+    from runtime.control import Controller, JobPolicy
+    from runtime.engine.sim import SimulatedEngine, TrueModel
+    from runtime.engine.traces import generate
+    from runtime.planner import PlanningError, PpoWorkload, default_catalog
+
+    catalog = default_catalog()
+    accelerator = catalog.accelerator(spec.gpu)
+    trace = generate(
+        spec.trace,
+        seed=spec.seed,
+        steps=spec.num_steps,
+        gpus=spec.gpus,
+        accelerator=accelerator.name,
+        spot=True,
+        hours=spec.trace_hours,
+    )
+    workload = PpoWorkload.for_model(catalog.model(spec.model), gen_len=trace.gen_len_at(0))
+    engine = SimulatedEngine(trace, accelerator, truth=TrueModel.draw(spec.seed), seed=spec.seed)
+    controller = Controller(workload, accelerator, JobPolicy.from_json(spec.policy))
+    try:
+        plan = controller.initial_plan(engine)
+    except PlanningError as exc:
+        raise ValueError(f"gpus: no feasible plan: {exc}") from None
+    return {
+        "kind": "ppo-sim",
+        "simulated": True,
+        "predicted_step_s": plan.predicted_step_s,
+        "gen_len": workload.gen_len,
+        "note": "the controller's first plan on the simulated cluster",
+        "plan": plan.to_json(),
+    }
