@@ -62,6 +62,8 @@ class RayEngine:
         self._t0 = time.monotonic()
         self._checkpoints = Path(checkpoint_dir or tempfile.mkdtemp(prefix="nereus-ckpt-"))
         self.events: list[dict] = []
+        self.on_event = None
+        """Called with each event as it happens (a transition's nodes live, slots lost)."""
 
     def now(self) -> float:
         return time.monotonic() - self._t0
@@ -81,7 +83,7 @@ class RayEngine:
             raise ValueError("revoke: the job's last slot cannot be taken")
         self.visible -= 1
         self.engine.pool.kill(self.visible)
-        self.events.append({"event": "engine.revoked", "slot": self.visible})
+        self._event({"event": "engine.revoked", "slot": self.visible})
         return self.visible
 
     def grant(self) -> int:
@@ -92,7 +94,7 @@ class RayEngine:
         slot = self.visible
         self.visible += 1
         self.engine.lost_slots.discard(slot)
-        self.events.append({"event": "engine.granted", "slot": slot})
+        self._event({"event": "engine.granted", "slot": slot})
         return slot
 
     def _probe(self) -> None:
@@ -107,9 +109,7 @@ class RayEngine:
         _POOL_GROUPS.pop(self.engine.pool, None)
         if self.job is not None:
             self.job.regrouped()
-        self.events.append(
-            {"event": "engine.slots_lost", "slots": dead, "reform_s": round(seconds, 3)}
-        )
+        self._event({"event": "engine.slots_lost", "slots": dead, "reform_s": round(seconds, 3)})
 
     # --- the interface ----------------------------------------------------------------------------
 
@@ -117,6 +117,10 @@ class RayEngine:
         self._release_all()
         if self.job is not None:
             self.job.check_plan(plan, workload)
+            if self.job.last_checkpoint() is not None:
+                # The job ran before (its driver was lost): go on from its last checkpoint.
+                self.restart(plan, workload)
+                return
             self.job.place(self.engine, units_of(plan, workload))
             return
         for name, units in units_of(plan, workload).items():
@@ -147,7 +151,7 @@ class RayEngine:
             self._probe()
             self._release_all()
             self.job.lost_state()
-            self.events.append({"event": "engine.step_failed", "step": step, "error": str(exc)})
+            self._event({"event": "engine.step_failed", "step": step, "error": str(exc)})
             return self._failed(step, f"a slot failed during the step: {exc}", started)
 
     def _failed(self, step: int, why: str, started: float | None = None) -> StepReport:
@@ -155,7 +159,7 @@ class RayEngine:
         return StepReport(step=step, ok=False, seconds=seconds, gen_len=0.0, failure=why)
 
     def transition(self, dag: TransitionDag) -> TransitionOutcome:
-        result = Executor(dag, self.engine, on_event=self.events.append).run()
+        result = Executor(dag, self.engine, on_event=self._event).run()
         failure = "" if result.ok else f"nodes {result.failed} failed"
         return TransitionOutcome(
             ok=result.ok,
@@ -216,7 +220,7 @@ class RayEngine:
                 self.engine.verified[unit.unit_id] = got
         if resume is not None:
             self.job.resume(resume)
-            self.events.append({"event": "engine.resumed", "step": resume.step})
+            self._event({"event": "engine.resumed", "step": resume.step})
         self.engine.lost_slots.clear()  # every unit was placed anew on live processes
         if self.job is not None:
             self.job.regrouped()
@@ -227,6 +231,11 @@ class RayEngine:
         if self.job is None:
             raise RuntimeError("save_checkpoint: this engine has no job")
         return self.job.save_checkpoint(self.engine)
+
+    def _event(self, event: dict) -> None:
+        self.events.append(event)
+        if self.on_event is not None:
+            self.on_event(event)
 
     def stop(self) -> None:
         """Free the job's units and workspaces; the pool stays for another job."""

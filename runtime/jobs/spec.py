@@ -6,7 +6,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-JOB_KINDS = ("sft", "ppo-sim")
+JOB_KINDS = ("sft", "ppo", "ppo-sim")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -116,13 +116,87 @@ class PpoSimJobSpec:
         return cls(**_typed_fields(cls, data))
 
 
-def spec_from_json(data: Any) -> SftJobSpec | PpoSimJobSpec:
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class PpoJobSpec:
+    """PPO on CPU slots (or GPUs) through the Ray engine: actor, critic, reference and reward on
+    their own units, the controller replanning between steps, transitions moving real state.
+
+    ``revoke_at_step`` and ``grant_at_step`` play a cluster's moves during the run (a slot taken
+    away, one given): -1 leaves the pool alone."""
+
+    kind: str = "ppo"
+    model: str = "tiny-sft"
+    tasks: str = "copy"
+    """Comma-separated task names of ``runtime/ppo/tasks.py``."""
+    reward: str = "length"
+    num_slots: int = 4
+    """Slots the job starts with."""
+    max_slots: int = 5
+    """Slot processes started (the pool a grant draws from)."""
+    num_steps: int = 30
+    batch_size: int = 16
+    max_new_tokens: int = 24
+    warmup_steps: int = 30
+    checkpoint_every: int = 5
+    revoke_at_step: int = -1
+    grant_at_step: int = -1
+    seed: int = 0
+    pace_s: float = 0.0
+    """Wall seconds between steps (for watching)."""
+    policy: dict = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        from runtime.control.policy import JobPolicy, PolicyError
+
+        if self.kind != "ppo":
+            raise ValueError(f"kind: expected one of {', '.join(JOB_KINDS)}, got {self.kind!r}")
+        _require_range("num_slots", self.num_slots, 1, 64)
+        _require_range("max_slots", self.max_slots, self.num_slots, 64)
+        _require_range("num_steps", self.num_steps, 1, 1_000_000)
+        for field in ("revoke_at_step", "grant_at_step"):
+            _require_range(field, getattr(self, field), -1, self.num_steps - 1)
+        if self.revoke_at_step >= 0 and self.num_slots < 2:
+            raise ValueError("revoke_at_step: a job on one slot has none to give up")
+        if not 0 <= self.pace_s <= 60:
+            raise ValueError(f"pace_s: expected 0 <= pace_s <= 60, got {self.pace_s}")
+        self.job_config().validate()
+        try:
+            JobPolicy.from_json(self.policy)
+        except PolicyError as exc:
+            raise ValueError(str(exc)) from None
+
+    def job_config(self):
+        """The PPO runtime's configuration (``runtime.ppo.job.PpoJobConfig``)."""
+        from runtime.ppo.job import PpoJobConfig
+
+        return PpoJobConfig(
+            model=self.model,
+            tasks=tuple(t.strip() for t in self.tasks.split(",") if t.strip()),
+            reward=self.reward,
+            max_new_tokens=self.max_new_tokens,
+            batch_size=self.batch_size,
+            warmup_steps=self.warmup_steps,
+            checkpoint_every=self.checkpoint_every,
+            seed=self.seed,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "policy": dict(self.policy)}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> PpoJobSpec:
+        return cls(**_typed_fields(cls, data))
+
+
+def spec_from_json(data: Any) -> SftJobSpec | PpoJobSpec | PpoSimJobSpec:
     """A job spec of the kind ``data`` names (default ``sft``); errors name the field."""
     if not isinstance(data, Mapping):
         raise ValueError(f"spec: expected a JSON object, got {type(data).__name__}")
     kind = data.get("kind", "sft")
     if kind == "ppo-sim":
         return PpoSimJobSpec.from_json(data)
+    if kind == "ppo":
+        return PpoJobSpec.from_json(data)
     return SftJobSpec.from_json(data)
 
 

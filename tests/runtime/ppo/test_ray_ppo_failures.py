@@ -132,3 +132,21 @@ def test_a_checkpoint_resumes_the_same_trajectory_in_another_layout(pool, tmp_pa
         assert got["mean_response_length"] == want["mean_response_length"]
         for key in ("mean_reward", "kl", "policy_loss", "value_loss"):
             assert got[key] == pytest.approx(want[key], rel=1e-3, abs=1e-5), key
+
+
+def test_a_new_driver_on_the_same_job_directory_resumes_from_its_checkpoint(pool, tmp_path):
+    """A driver lost with its process (a killed worker): the next one starts where the job's
+    last committed checkpoint left it, not from step 0."""
+    engine, job = _engine(pool, tmp_path)
+    plan = plan_by_hand(job.workload(), {"actor@training": (2, 1, 1)}, num_slots=SLOTS)
+    engine.start(plan, job.workload())
+    first = [engine.step(plan, job.workload(), s).extra["stats"] for s in range(3)]
+    engine.stop()  # the checkpoint of step 2 is committed; step 3's work is lost with the driver
+
+    engine, job = _engine(pool, tmp_path)
+    engine.start(plan, job.workload())
+    report = engine.step(plan, job.workload(), 0)
+    engine.stop()
+    assert report.extra["ppo_step"] == 2
+    assert report.extra["stats"]["mean_response_length"] == first[2]["mean_response_length"]
+    assert any(e["event"] == "engine.resumed" and e["step"] == 2 for e in engine.events)

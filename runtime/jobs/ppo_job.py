@@ -1,0 +1,154 @@
+"""A PPO job on real slots through the Ray engine, driven like the simulated one: the controller
+watches each step, replans, admits or asks for approval, and the engine applies transitions that
+move the training units between steps.
+
+The job's events: ``step.finished`` (timings by stage, response length, peak memory, the slot
+pool and PPO's statistics), ``engine.*`` (slots lost, revoked, granted; resumed from a
+checkpoint), ``transition.node`` (each node of a running transition DAG, live), and the
+controller's own events through ``emit_control``. ``revoke_at_step``/``grant_at_step`` play a
+cluster taking a slot away and giving one.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from runtime.control import Controller, JobPolicy, run_job
+from runtime.engine.ray_cluster import ray_connection
+from runtime.engine.ray_engine import RayEngine
+from runtime.engine.slots import SlotPool
+from runtime.events import EventSink, RuntimeEvent
+from runtime.jobs.driver import JobOutcome
+from runtime.jobs.spec import PpoJobSpec
+from runtime.planner import default_catalog
+from runtime.ppo.job import PpoRuntime
+
+Command = tuple[str, int]
+
+
+def run_ppo_job(
+    spec: PpoJobSpec,
+    *,
+    sink: EventSink,
+    emit_control: Callable[[dict], None],
+    commands: Callable[[], list[Command]] = list,
+    should_stop: Callable[[], bool] = lambda: False,
+    ray_address: str | None = None,
+    workdir: str | Path | None = None,
+    use_gpus: bool = False,
+) -> JobOutcome:
+    """Run the job to its last step (or a stop)."""
+    config = spec.job_config()
+    policy = JobPolicy.from_json(spec.policy)
+    accelerator = default_catalog().accelerator("cpu-slot")
+    sink.emit(RuntimeEvent(kind="job.started", data={"spec": spec.to_json(), "simulated": False}))
+    workdir = Path(workdir or tempfile.mkdtemp(prefix="nereus-ppo-"))
+    with ray_connection(ray_address, num_cpus=spec.max_slots) as connection:
+        pool = SlotPool.create(
+            spec.max_slots,
+            use_gpus=use_gpus,
+            spread=ray_address is not None,
+            master_addr=None if ray_address is not None else "127.0.0.1",
+        )
+        job = PpoRuntime(config, workdir=workdir)
+        seen = {"engine": 0}
+
+        def forward_engine_events() -> None:
+            for event in engine.events[seen["engine"] :]:
+                kind = event.get("event", "engine.event")
+                data = {k: v for k, v in event.items() if k != "event"}
+                sink.emit(RuntimeEvent(kind=kind, data=data))
+            seen["engine"] = len(engine.events)
+
+        engine = RayEngine(
+            pool, checkpoint_dir=workdir / "restart", job=job, pool_size=spec.num_slots
+        )
+        engine.on_event = lambda _event: forward_engine_events()
+        controller = Controller(job.workload(), accelerator, policy, emit=emit_control)
+        sink.emit(
+            RuntimeEvent(
+                kind="slots.ready",
+                data={
+                    "num_slots": spec.num_slots,
+                    "max_slots": pool.num_slots,
+                    "backend": pool.backend,
+                    "setup_s": round(pool.setup_s, 3),
+                    "ray_address": connection.address,
+                    "nodes": len({n["node_id"] for n in pool.nodes()}),
+                },
+            )
+        )
+
+        def between_steps(step: int) -> bool:
+            if step and spec.pace_s:
+                time.sleep(spec.pace_s)
+            if should_stop():
+                return False
+            if step == spec.revoke_at_step:
+                engine.revoke()
+            if step == spec.grant_at_step:
+                engine.grant()
+            for kind, proposal in commands():
+                try:
+                    outcome = controller.command(kind, proposal, engine)
+                except ValueError as exc:  # not waiting any more (expired, superseded)
+                    outcome = f"ignored: {exc}"
+                sink.emit(
+                    RuntimeEvent(
+                        kind="command.applied",
+                        data={"command": kind, "proposal": proposal, "outcome": outcome},
+                    )
+                )
+            forward_engine_events()
+            return True
+
+        def on_step(report) -> None:
+            forward_engine_events()
+            sink.emit(
+                RuntimeEvent(
+                    kind="step.finished",
+                    data={
+                        "step": report.step,
+                        "ok": report.ok,
+                        "step_s": round(report.seconds, 4),
+                        "gen_len": round(report.gen_len, 2),
+                        "stage_s": {k: round(v, 4) for k, v in report.stage_seconds.items()},
+                        "peak_memory": round(report.peak_memory, 4),
+                        "num_slots": engine.pool_size(),
+                        "failure": report.failure,
+                        "ppo": report.extra.get("stats", {}),
+                        "ppo_step": report.extra.get("ppo_step"),
+                        "simulated": False,
+                    },
+                )
+            )
+
+        try:
+            summary = run_job(
+                engine, controller, spec.num_steps, between_steps=between_steps, on_step=on_step
+            )
+            forward_engine_events()
+            engine.stop()
+        finally:
+            pool.close()
+    status = "cancelled" if summary.stopped else "succeeded"
+    last = job.stats[-1] if job.stats else None
+    sink.emit(
+        RuntimeEvent(
+            kind="job.finished",
+            data={
+                "status": status,
+                "steps": summary.steps,
+                "wall_s": round(summary.seconds, 2),
+                "transitions": summary.transitions,
+                "transition_s": round(summary.transition_seconds, 3),
+                "restarts": summary.restarts,
+                "mean_reward": round(last.mean_reward, 4) if last else None,
+                "simulated": False,
+            },
+        )
+    )
+    return JobOutcome(status=status, steps_done=summary.steps, final_loss=None)
