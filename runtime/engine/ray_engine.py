@@ -19,6 +19,7 @@ places units again or a grant gives it back.
 
 from __future__ import annotations
 
+import statistics
 import tempfile
 import time
 import zlib
@@ -64,6 +65,29 @@ class RayEngine:
         self.events: list[dict] = []
         self.on_event = None
         """Called with each event as it happens (a transition's nodes live, slots lost)."""
+        self._rebuild = {"generation": 1.0, "inference": 0.5}
+        """Seconds a stage's first step on new units costs over its usual time (workspaces,
+        groups): learned from the steps after each transition."""
+        self._usual: dict[str, list[float]] = {}
+        self._rebuilt = False
+
+    @property
+    def rebuild_s(self) -> tuple[tuple[str, float], ...]:
+        """What the transition compiler should add for rebuilding each stage's derived units."""
+        return tuple(sorted(self._rebuild.items()))
+
+    def _learn_rebuild(self, report: StepReport) -> None:
+        if not report.ok:
+            return
+        for stage, seconds in report.stage_seconds.items():
+            usual = self._usual.setdefault(stage, [])
+            if self._rebuilt and len(usual) >= 2 and stage in self._rebuild:
+                extra = max(0.0, seconds - statistics.median(usual))
+                self._rebuild[stage] = 0.5 * self._rebuild[stage] + 0.5 * extra
+            elif not self._rebuilt:
+                usual.append(seconds)
+                del usual[:-5]
+        self._rebuilt = False
 
     def now(self) -> float:
         return time.monotonic() - self._t0
@@ -144,7 +168,9 @@ class RayEngine:
             return self._failed(step, f"slots {gone} are not in the pool")
         started = time.monotonic()
         try:
-            return self.job.step(self.engine, plan, workload, step)
+            report = self.job.step(self.engine, plan, workload, step)
+            self._learn_rebuild(report)
+            return report
         except SlotError as exc:
             # A slot died during the step: the survivors' collectives time out, the group is
             # re-formed, and no unit's state can be trusted to be at a step boundary any more.
@@ -160,6 +186,7 @@ class RayEngine:
 
     def transition(self, dag: TransitionDag) -> TransitionOutcome:
         result = Executor(dag, self.engine, on_event=self._event).run()
+        self._rebuilt = True
         failure = "" if result.ok else f"nodes {result.failed} failed"
         return TransitionOutcome(
             ok=result.ok,
@@ -222,6 +249,7 @@ class RayEngine:
             self.job.resume(resume)
             self._event({"event": "engine.resumed", "step": resume.step})
         self.engine.lost_slots.clear()  # every unit was placed anew on live processes
+        self._rebuilt = True
         if self.job is not None:
             self.job.regrouped()
         return time.monotonic() - started
