@@ -123,3 +123,21 @@ def load_weights(model: nn.Module, source: Mapping[str, torch.Tensor] | str | Pa
     with torch.no_grad():
         for key, target in expected.items():
             target.copy_(state[key].to(target.dtype))
+
+
+def write_safetensors(path: str | Path, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Write ``tensors`` as a ``.safetensors`` file (header, then each tensor's raw bytes)."""
+    names = {dtype: name for name, dtype in _SAFETENSORS_DTYPES.items()}
+    header: dict = {"__metadata__": {"format": "pt"}}
+    blobs, offset = [], 0
+    for key, tensor in tensors.items():
+        blob = tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+        header[key] = {
+            "dtype": names[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + len(blob)],
+        }
+        blobs.append(blob)
+        offset += len(blob)
+    encoded = json.dumps(header).encode()
+    Path(path).write_bytes(struct.pack("<Q", len(encoded)) + encoded + b"".join(blobs))
