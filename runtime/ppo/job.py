@@ -80,6 +80,8 @@ class PpoJobConfig:
     warmup_steps: int = 60
     """Supervised steps on the tasks' answers (on the driver) before PPO starts."""
     warmup_lr: float = 3e-3
+    generation_backend: str = "torch"
+    """``torch`` (any layout, CPU or GPU) or ``vllm`` (GPU slots, one-slot generation units)."""
     checkpoint_every: int = 5
     """Commit a checkpoint (DCP) every this many steps; 0: only when asked."""
     init_from: str = ""
@@ -229,6 +231,15 @@ class PpoRuntime:
                 unit_layout(ms, layout, workload.precision)
             except (ValueError, ShardError) as exc:
                 raise PpoConfigError(f"plan.{ms.name}: {exc}") from None
+            if (
+                ms.stage == "generation"
+                and self.config.generation_backend == "vllm"
+                and layout.tp * layout.pp != 1
+            ):
+                raise PpoConfigError(
+                    f"plan.{ms.name}: the vLLM backend runs one-slot units, got tp={layout.tp} "
+                    f"pp={layout.pp}"
+                )
             rows = self.config.ppo.minibatch_size if ms.stage == "training" else 1
             if layout.dp > rows and ms.stage == "training":
                 raise PpoConfigError(
@@ -514,6 +525,7 @@ class PpoRuntime:
             on=[slot for slot, _ in calls],
             params=params,
             pad_token_id=PAD,
+            backend=self.config.generation_backend,
         )
         parts = sorted((r for r in results if r is not None), key=lambda r: r["rows"][0])
         width = max(p["response_tokens"].shape[1] for p in parts)

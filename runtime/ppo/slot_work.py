@@ -249,9 +249,14 @@ def generate(
     rows: list[int],
     params: SamplingParams,
     pad_token_id: int,
+    backend: str = "torch",
 ) -> dict | None:
-    """Sample a response to each prompt on ``unit``; the reporting slot returns them."""
+    """Sample a response to each prompt on ``unit``; the reporting slot returns them.
+    ``backend``: ``torch`` (the workspace, any layout) or ``vllm`` (a vLLM engine on the slot's
+    GPU, fed the workspace's weights each step; one-slot units)."""
     ws = workspace(ctx, unit)
+    if backend == "vllm":
+        return _generate_vllm(ctx, ws, prompts, rows, params, pad_token_id)
     tokens, mask = left_pad(prompts, pad_token_id=pad_token_id, device=ctx.device)
     config = unit.layout.model
     noise = _gumbel(rows, params.seed, params.max_new_tokens, config.vocab_size)
@@ -287,6 +292,29 @@ def generate(
         "response_tokens": torch.stack(out_tokens, dim=1),
         "response_mask": response_mask,
         "logprobs": torch.stack(out_logprobs, dim=1),
+    }
+
+
+def _generate_vllm(ctx, ws: Workspace, prompts, rows, params, pad_token_id) -> dict:
+    from runtime.ppo.generate_vllm import VllmGenerationBackend, write_hf_folder
+
+    if len(ws.unit.slots) != 1:
+        raise ValueError(f"{ws.unit.unit_id}: the vLLM backend runs one-slot generation units")
+    weights = {k: v for k, v in ws.model.state_dict().items()}
+    engine = ctx.state.get("vllm")
+    if engine is None:
+        import tempfile
+
+        folder = write_hf_folder(tempfile.mkdtemp(prefix="nereus-vllm-"), ws.model.config, weights)
+        engine = ctx.state["vllm"] = VllmGenerationBackend(folder, pad_token_id=pad_token_id)
+    else:
+        engine.load_weights(weights)
+    rollout = engine.generate(prompts, params, seeds=[row_seed(params.seed, r) for r in rows])
+    return {
+        "rows": rows,
+        "response_tokens": rollout.response_tokens,
+        "response_mask": rollout.response_mask,
+        "logprobs": rollout.logprobs,
     }
 
 
