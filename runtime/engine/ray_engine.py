@@ -123,7 +123,9 @@ class RayEngine:
 
     def _probe(self) -> None:
         """Find slots whose process died and re-form the group around new ones."""
-        dead = [i for i, ok in enumerate(self.engine.pool.alive()) if not ok]
+        # A dead process answers at once; a live one between steps within moments, even when
+        # the machine is busy: the patience is for the latter.
+        dead = [i for i, ok in enumerate(self.engine.pool.alive(timeout_s=30)) if not ok]
         if not dead:
             return
         seconds = self.engine.pool.replace(dead)

@@ -348,10 +348,18 @@ class PpoRuntime:
 
     @staticmethod
     def _dp_groups(units) -> list[tuple[int, ...]]:
+        """Training's groups: each position across the data-parallel units (gradients) and each
+        tensor rank's chain of pipeline stages (the pipeline schedule)."""
         out = []
         for name, group in units.items():
-            if name.endswith("@training") and len(group) > 1:
+            if not name.endswith("@training"):
+                continue
+            if len(group) > 1:
                 out += [tuple(u.slots[i] for u in group) for i in range(len(group[0].slots))]
+            for unit in group:
+                tp, pp = unit.layout.tp, unit.layout.pp
+                if pp > 1:
+                    out += [tuple(unit.slots[p * tp + t] for p in range(pp)) for t in range(tp)]
         return out
 
     def _sync(self, engine: UnitEngine, sources: tuple[Unit, ...], targets: tuple[Unit, ...]):
@@ -631,6 +639,7 @@ class PpoRuntime:
                         lr=c.actor_lr if role == "actor" else c.critic_lr,
                         max_grad_norm=c.max_grad_norm,
                         optimizer_step=self.state.optimizer_steps[role],
+                        micro_batch=self.workload().micro_batch,
                     )
                     for position, slot in enumerate(unit.slots):
                         dp = tuple(u.slots[position] for u in group)

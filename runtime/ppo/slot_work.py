@@ -3,9 +3,11 @@
 A unit of a model-stage is a ``tp × pp`` grid of slots (``runtime.emu.layout``). On each of its
 slots the model runs as a *workspace*: the decoder with this pipeline stage's layers in use and its
 projections sharded over the stage's tensor-parallel mesh by DTensor (``runtime.ppo.parallel``).
-Activations cross pipeline stages point to point (the stage's output goes to the same tensor rank
-of the next stage; gradients come back the same way), and decoded tokens go from the last stage
-back to the earlier ones.
+Training runs pipeline-parallel units through ``torch.distributed.pipelining`` (a GPipe schedule
+over each tensor rank's chain of stages, in microbatches). Inference and generation pass
+activations to the same tensor rank of the next stage point to point (a KV-cached decode loop is
+not a schedule the library offers), and decoded tokens go from the last stage back to the
+earlier ones.
 
 Where the weights come from:
 
@@ -198,16 +200,6 @@ def _stage_forward(
     else:
         head = model.lm_head(hidden)
     return x_in, x, head
-
-
-def _backward(ws: Workspace, x_in, x_out, loss: torch.Tensor | None) -> None:
-    """The pipeline's backward pass: gradients flow from the last stage to the first."""
-    if ws.last:
-        loss.backward()
-    else:
-        x_out.backward(_recv(x_out.shape, torch.float32, ws.next_slot))
-    if not ws.first:
-        dist.send(x_in.grad.contiguous(), dst=ws.prev_slot)
 
 
 # --- generation -----------------------------------------------------------------------------------
@@ -484,6 +476,8 @@ class TrainTask:
     max_grad_norm: float
     optimizer_step: int
     """Adam's step count after this update (its bias correction)."""
+    micro_batch: int = 4
+    """Rows per pipeline microbatch (pipeline-parallel units)."""
 
 
 def train(ctx: SlotContext, *, tasks: list[TrainTask]) -> list[dict | None]:
@@ -496,39 +490,132 @@ def _train_one(ctx: SlotContext, task: TrainTask) -> dict | None:
     state = _stored(ctx, task.unit)
     _refresh(ws, state)
     ws.model.zero_grad(set_to_none=True)
-    x_in, x_out, head = _stage_forward(ws, task.sequences, task.attention_mask, grad=True)
-    loss, stats = None, None
-    if ws.last:
-        start = task.prompt_length - 1
-        mask = task.mask
-        if task.role == "actor":
-            logits = head[:, start:-1]
-            logprobs = ppo.token_logprobs(logits, task.sequences[:, task.prompt_length :])
-            policy_loss, clip_fraction = ppo.policy_loss(
-                logprobs, task.old_logprobs, task.advantages, mask, clip_ratio=task.clip_ratio
-            )
-            entropy = ppo.entropy(logits, mask)
-            loss = (policy_loss - task.entropy_coef * entropy) * task.weight
-            stats = {
-                "policy_loss": policy_loss,
-                "clip_fraction": clip_fraction,
-                "entropy": entropy,
-            }
-        else:
-            values = head[:, start:-1]
-            value_loss, _ = ppo.value_loss(
-                values, task.old_values, task.returns, mask, value_clip=task.value_clip
-            )
-            loss = value_loss * task.weight
-            stats = {
-                "value_loss": value_loss,
-                "value_error": ppo.masked_mean((values - task.returns) ** 2, mask),
-            }
-        stats = {k: float(v.detach()) * task.weight for k, v in stats.items()}
-    _backward(ws, x_in, x_out, loss)
+    if task.unit.layout.pp > 1:
+        stats = _train_pipelined(ctx, ws, task)
+    else:
+        _, _, head = _stage_forward(ws, task.sequences, task.attention_mask, grad=True)
+        loss, stats = _loss(task, head, _targets(task), task.weight)
+        loss.backward()
     grads = _gradients(ctx, ws, task)
     _adam(state, grads, ws, task)
     return stats if ws.reports else None
+
+
+_TARGETS = ("tokens", "mask", "old_logprobs", "old_values", "advantages", "returns")
+
+
+def _targets(task: TrainTask) -> torch.Tensor:
+    """What the loss needs per response token, packed ``(rows, response, 6)`` so that a pipeline
+    schedule can cut it into microbatches with the sequences (token ids are exact in fp32)."""
+    tokens = task.sequences[:, task.prompt_length :].float()
+    return torch.stack(
+        [tokens, task.mask, task.old_logprobs, task.old_values, task.advantages, task.returns],
+        dim=-1,
+    )
+
+
+def _loss(task: TrainTask, head: torch.Tensor, targets: torch.Tensor, weight: float):
+    """The actor's clipped policy loss (less the entropy bonus) or the critic's clipped value
+    loss over ``targets``' rows, times ``weight`` (their share of the minibatch's real tokens)."""
+    t = dict(zip(_TARGETS, targets.unbind(-1), strict=True))
+    out = head[:, task.prompt_length - 1 : -1]
+    mask = t["mask"]
+    if task.role == "actor":
+        logprobs = ppo.token_logprobs(out, t["tokens"].long())
+        policy_loss, clip_fraction = ppo.policy_loss(
+            logprobs, t["old_logprobs"], t["advantages"], mask, clip_ratio=task.clip_ratio
+        )
+        entropy = ppo.entropy(out, mask)
+        loss = (policy_loss - task.entropy_coef * entropy) * weight
+        stats = {"policy_loss": policy_loss, "clip_fraction": clip_fraction, "entropy": entropy}
+    else:
+        value_loss, _ = ppo.value_loss(
+            out, t["old_values"], t["returns"], mask, value_clip=task.value_clip
+        )
+        loss = value_loss * weight
+        stats = {
+            "value_loss": value_loss,
+            "value_error": ppo.masked_mean((out - t["returns"]) ** 2, mask),
+        }
+    return loss, {k: float(v.detach()) * weight for k, v in stats.items()}
+
+
+class _PipelineStageModule(nn.Module):
+    """One pipeline stage of a workspace as ``torch.distributed.pipelining`` runs it: the
+    attention mask travels down the pipeline beside the hidden states."""
+
+    def __init__(self, ws: Workspace):
+        super().__init__()
+        self.model = ws.model
+        self.ws = ws
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor):
+        ws, backbone = self.ws, self.model.model
+        config = backbone.config
+        positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
+        rotary = rotary_cos_sin(positions, head_dim=config.head_dim, theta=backbone.rope_theta)
+        mask4 = attention_mask_4d(mask, mask.shape[1])
+        if ws.first:
+            x = backbone.embed_tokens(x)
+        for i in ws.layers:
+            x = backbone.layers[i](x, rotary=rotary, mask=mask4, cache=None)
+        if not ws.last:
+            return x, mask
+        hidden = backbone.norm(x)
+        if hasattr(self.model, "score"):
+            return self.model.score(hidden).squeeze(-1)
+        return self.model.lm_head(hidden)
+
+
+def _train_pipelined(ctx: SlotContext, ws: Workspace, task: TrainTask) -> dict | None:
+    """Forward and backward through ``torch.distributed.pipelining``'s GPipe schedule over this
+    tensor rank's pipeline group, in microbatches of ``task.micro_batch`` rows."""
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    layout, unit = task.unit.layout, task.unit
+    chain = tuple(unit.slots[p * layout.tp + ws.tp_rank] for p in range(layout.pp))
+    group = ctx.state["groups"][tuple(sorted(chain))]
+    stage = PipelineStage(_PipelineStageModule(ws), ws.pp_rank, layout.pp, ctx.device, group=group)
+    # Group ranks follow the slots' order; pipeline stage p is the slot at position p.
+    ordered = sorted(chain)
+    stage.stage_index_to_group_rank = {p: ordered.index(slot) for p, slot in enumerate(chain)}
+    rows = task.sequences.shape[0]
+    micro = max(1, min(rows, -(-rows // task.micro_batch)))
+    targets = _targets(task)
+    chunks = [len(c) for c in torch.arange(rows).tensor_split(micro)]
+    tokens = [float(targets[r.start : r.stop, :, 1].sum()) for r in _ranges(chunks)]
+    total = max(sum(tokens), 1.0)
+    collected: list[dict] = []
+
+    def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        share = task.weight * float(target[:, :, 1].sum()) / total
+        loss, stats = _loss(task, output, target, share)
+        collected.append(stats)
+        return loss
+
+    schedule = ScheduleGPipe(stage, micro, loss_fn=loss_fn, scale_grads=False)
+    if ws.first:
+        schedule.step(task.sequences, task.attention_mask)
+    elif ws.last:
+        schedule.step(target=targets)
+    else:
+        schedule.step()
+    if not ws.last:
+        return None
+    out: dict[str, float] = {}
+    # The schedule's set-up calls the loss once more, first, on a shape-inference pass.
+    for stats in collected[-micro:]:
+        for key, value in stats.items():
+            out[key] = out.get(key, 0.0) + value
+    return out
+
+
+def _ranges(sizes: list[int]) -> list[range]:
+    out, start = [], 0
+    for size in sizes:
+        out.append(range(start, start + size))
+        start += size
+    return out
 
 
 def _gradients(ctx: SlotContext, ws: Workspace, task: TrainTask) -> dict[str, torch.Tensor]:
