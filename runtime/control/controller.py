@@ -34,6 +34,8 @@ logger = logging.getLogger(__name__)
 RESTART_ESTIMATE_S = 120.0
 """The controller's estimate of a restart's fixed part (the engine knows the truth)."""
 STORAGE_ESTIMATE_BYTES_PER_S = 2e9
+REACHABLE_ALTERNATIVES = 3
+"""Next-best plans tried when the best one cannot be reached by a live transition."""
 """Checkpoint bandwidth per node the controller assumes."""
 
 Event = dict[str, Any]
@@ -132,35 +134,48 @@ class Controller:
         return self.workload.with_gen_len(max(1, round(gen_len)))
 
     def _candidate(self, engine: Engine, workload: PpoWorkload) -> Plan:
+        return self._plans(engine, workload)[0]
+
+    def _plans(
+        self,
+        engine: Engine,
+        workload: PpoWorkload,
+        *,
+        keep: Plan | None = None,
+        alternatives: int = 0,
+    ) -> list[Plan]:
+        """The planner's best plan on the live slots, then up to ``alternatives`` next-best ones
+        (each changing some model-stage's layout); with ``keep``, only that plan's (tp, pp) per
+        model-stage are allowed (data parallelism alone is replanned)."""
         alive = self._alive(engine)
         excluded = frozenset()
         if self.policy.fixed_layouts and self.fixed:
-            excluded = frozenset(
-                (name, tp, pp)
-                for name, (keep_tp, keep_pp) in self.fixed.items()
-                for tp in (1, 2, 4, 8, 16, 32, 64)
-                for pp in (1, 2, 4, 8, 16, 32, 64)
-                if (tp, pp) != (keep_tp, keep_pp)
-            )
+            excluded = _only(self.fixed)
+        if keep is not None:
+            excluded |= _only({ms.name: (ms.layout.tp, ms.layout.pp) for ms in keep.model_stages})
         efficiency = self.calibrator.efficiency()
         # Plan against the memory the device really gives, as measured so far.
         acc = dataclasses.replace(self.acc, memory_bytes=self.acc.memory_bytes / self.memory_factor)
         try:
-            best = plan(
+            result = plan(
                 workload,
                 acc,
                 len(alive),
                 efficiency=efficiency,
-                num_alternatives=0,
+                num_alternatives=alternatives,
                 excluded=excluded,
-            ).best
+            )
         except PlanningError:
-            if not excluded:
+            if not excluded or keep is not None:
                 raise
             self.emit({"event": "control.relaxed", "reason": "the fixed layouts no longer fit"})
-            best = plan(workload, acc, len(alive), efficiency=efficiency, num_alternatives=0).best
-        best = dataclasses.replace(best, accelerator=self.acc.name)
-        return place(best, alive, engine.pool_size())
+            result = plan(
+                workload, acc, len(alive), efficiency=efficiency, num_alternatives=alternatives
+            )
+        return [
+            place(dataclasses.replace(p, accelerator=self.acc.name), alive, engine.pool_size())
+            for p in (result.best, *result.alternatives)
+        ]
 
     def initial_plan(self, engine: Engine) -> Plan:
         candidate = self._candidate(engine, self.workload)
@@ -312,9 +327,18 @@ class Controller:
         else:
             try:
                 dag = self._compile(engine, candidate, workload)
-                cost = dag.predicted_s
             except TransitionRefusedError as exc:
-                infeasible, cost = str(exc), math.inf
+                found = self._reachable(engine, workload, candidate, broken)
+                if found is None:
+                    infeasible = str(exc)
+                else:
+                    self.emit(
+                        self._decision(
+                            trigger, candidate, None, f"unreachable, trying the next best: {exc}"
+                        )
+                    )
+                    (candidate, dag), candidate_s = found, self._price(found[0], workload)
+            cost = math.inf if dag is None else dag.predicted_s
         urgent = trigger.urgent
         verdict = decide(
             admission=self.policy.admission,
@@ -343,6 +367,36 @@ class Controller:
             self._restart(candidate, workload, engine, because=verdict.reason)
         else:
             self._apply(candidate, workload, dag, engine)
+
+    def _reachable(self, engine: Engine, workload: PpoWorkload, refused: Plan, broken: bool):
+        """The planner's best plan could not be reached live (no order of the primitives fits
+        the slots' memory): the fastest plan that can, among the planner's next alternatives and
+        the running layouts with data parallelism replanned. Feasibility is the transition's as
+        much as the target's. None when no such plan differs from the running one."""
+        assert self.plan is not None
+        plans: list[Plan] = []
+        for keep, count in ((None, REACHABLE_ALTERNATIVES), (self.plan, 0)):
+            try:
+                plans += self._plans(engine, workload, keep=keep, alternatives=count)
+            except PlanningError:
+                continue
+        found = []
+        seen = [refused]
+        for option in plans:
+            if any(_same_plan(option, p) for p in seen):
+                continue
+            seen.append(option)
+            if not broken and _same_plan(option, self.plan):
+                continue
+            try:
+                dag = self._compile(engine, option, workload)
+            except TransitionRefusedError:
+                continue
+            found.append((self._price(option, workload), len(found), option, dag))
+        if not found:
+            return None
+        _, _, option, dag = min(found)
+        return option, dag
 
     def _cluster(self, engine: Engine) -> Cluster:
         """The slots a transition may touch: the pool, plus revoked slots that units still name
@@ -559,6 +613,21 @@ class Controller:
             "gamma": self.policy.gamma,
             "predicted_transition_s": None if dag is None else dag.predicted_s,
         }
+
+
+def _only(layouts: dict[str, tuple[int, int]]) -> frozenset[tuple[str, int, int]]:
+    """The planner's exclusions that leave each named model-stage only its given (tp, pp)."""
+    return frozenset(
+        (name, tp, pp)
+        for name, (keep_tp, keep_pp) in layouts.items()
+        for tp in (1, 2, 4, 8, 16, 32, 64)
+        for pp in (1, 2, 4, 8, 16, 32, 64)
+        if (tp, pp) != (keep_tp, keep_pp)
+    )
+
+
+def _same_plan(a: Plan, b: Plan) -> bool:
+    return a.layouts() == b.layouts() and _same_units(a, b)
 
 
 def _same_units(a: Plan, b: Plan) -> bool:

@@ -3,8 +3,12 @@
 A signal drifts when it moves more than its relative threshold from its *reference* (its value at
 the last replan). Each crossing is recorded; the drift horizon ``H`` of a signal is the exponential
 moving average of the steps between its crossings (1 before any interval has been seen), and
-estimates how long a new plan will stay right. References reset after every replan, so that steady
-growth keeps triggering.
+estimates how long a new plan will stay right. The clock of each horizon starts when the signal is
+first observed (the job's start is where its first reference was set), so the first crossing
+already closes an interval: a signal that held still for 200 steps before it first moved has
+H = 200, not 1. The slot pool is a signal too (``pool``): every change of the pool is a crossing,
+so a job on a pool that changes once an hour is not told that the next change comes in one step.
+References reset after every replan, so that steady growth keeps triggering.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ import dataclasses
 
 from runtime.control.policy import SIGNALS, JobPolicy
 
+POOL = "pool"
+"""The horizon of the slot pool: its crossings are the pool's changes."""
 HORIZON_ALPHA = 0.5
 """Weight of the newest interval in the drift horizon's moving average."""
 
@@ -51,6 +57,11 @@ class DriftHorizon:
         self.last_crossing: int | None = None
         self.intervals = 0
 
+    def start(self, step: int) -> None:
+        """Start the clock: the first crossing after ``step`` closes an interval from it."""
+        if self.last_crossing is None:
+            self.last_crossing = step
+
     def crossed(self, step: int) -> None:
         if self.last_crossing is not None:
             interval = step - self.last_crossing
@@ -69,16 +80,19 @@ class Monitor:
     def __init__(self, policy: JobPolicy):
         self.policy = policy
         self.reference: dict[str, float] = {}
-        self.horizon = {s: DriftHorizon() for s in SIGNALS}
+        self.horizon = {s: DriftHorizon() for s in (*SIGNALS, POOL)}
         self.history: dict[str, list[tuple[int, float]]] = {s: [] for s in SIGNALS}
         self.pool: int | None = None
 
     def observe(self, step: int, signals: dict[str, float], *, pool: int) -> list[Trigger]:
         triggers = []
+        self.horizon[POOL].start(step)
         if self.pool is not None and pool != self.pool:
+            self.horizon[POOL].crossed(step)
             triggers.append(
                 Trigger(
                     kind="pool",
+                    signal=POOL,
                     value=pool,
                     reference=self.pool,
                     step=step,
@@ -90,6 +104,7 @@ class Monitor:
             if name not in SIGNALS:
                 raise ValueError(f"signals.{name}: unknown signal")
             self.history[name].append((step, value))
+            self.horizon[name].start(step)
             reference = self.reference.setdefault(name, value)
             if reference and abs(value - reference) / abs(reference) > self.policy.threshold(name):
                 self.horizon[name].crossed(step)

@@ -148,3 +148,37 @@ def test_without_an_intact_replica_the_job_restarts_from_its_checkpoint():
     assert controller.restarts >= 1
     restart = next(e for e in controller.events if e["event"] == "control.restart")
     assert restart["from_checkpoint"] and "no intact unit" in restart["reason"]
+
+
+def test_an_unreachable_best_plan_gives_way_to_the_fastest_reachable_one(monkeypatch):
+    """The planner's best plan for the grown pool cannot be reached live (refused here on
+    purpose): the controller compiles the next-best plans and the running layouts with data
+    parallelism replanned, and admits the fastest that a transition can reach."""
+    from runtime.control import controller as control
+    from runtime.transition import TransitionRefusedError
+
+    engine = _engine()
+    controller = Controller(WORKLOAD, ACC, JobPolicy(admission="always_faster"))
+    controller.initial_plan(engine)
+    compile_ = control.Controller._compile
+    refused, tried = [], []
+
+    def compile_unless_first(self, engine_, candidate, workload):
+        if not refused:
+            refused.append(candidate)
+            raise TransitionRefusedError("target: refused by the test")
+        dag = compile_(self, engine_, candidate, workload)  # raises where it really cannot
+        tried.append(candidate)
+        return dag
+
+    monkeypatch.setattr(control.Controller, "_compile", compile_unless_first)
+    _steps(controller, engine, range(1))  # the pool grows to 32 during step 0
+    reasons = [e["reason"] for e in controller.events if e["event"] == "control.decision"]
+    assert reasons[0] == "unreachable, trying the next best: target: refused by the test"
+    assert reasons[1] == "faster by " + reasons[1].removeprefix("faster by ")
+    assert controller.transitions == 1 and controller.plan.num_slots == 32
+    assert len(tried) >= 2 and controller.plan not in refused and controller.plan in tried
+    # the fastest of the reachable options, priced at the step's workload
+    assert controller._price(controller.plan, WORKLOAD) == min(
+        controller._price(p, WORKLOAD) for p in tried
+    )

@@ -113,3 +113,29 @@ def test_a_policy_round_trips_and_defaults_to_thirty_percent():
     policy = JobPolicy.from_json({"thresholds": {"gen_len": 0.2}, "gamma": 0.25})
     assert policy.threshold("gen_len") == 0.2 and policy.threshold("step_time") == 0.30
     assert JobPolicy.from_json(policy.to_json()) == policy
+
+
+def test_a_horizon_clock_starts_at_the_first_observation():
+    h = DriftHorizon()
+    h.start(5)
+    assert h.value == 1.0 and h.last_crossing == 5  # no interval yet: H is still 1
+    h.start(9)  # only the first start counts
+    h.crossed(25)
+    assert h.value == 20.0  # the first crossing closes the interval from the start
+    monitor = Monitor(JobPolicy(thresholds={"gen_len": 0.5}))
+    monitor.observe(3, {"gen_len": 100.0}, pool=8)
+    (fired,) = monitor.observe(40, {"gen_len": 151.0}, pool=8)
+    assert fired.signal == "gen_len" and monitor.horizon_of("gen_len") == 37.0
+
+
+def test_pool_changes_are_crossings_of_the_pool_horizon():
+    monitor = Monitor(JobPolicy())
+    monitor.observe(0, {}, pool=16)
+    assert monitor.observe(99, {}, pool=16) == []
+    (grow,) = monitor.observe(100, {}, pool=24)
+    assert (grow.kind, grow.signal) == ("pool", "pool")
+    assert monitor.horizon_of("pool") == 100.0  # not 1: the pool held for 100 steps
+    monitor.observe(140, {}, pool=8)
+    assert monitor.horizon_of("pool") == 0.5 * 40 + 0.5 * 100
+    assert monitor.effective_horizon("pool", 140) == 70.0
+    assert monitor.effective_horizon("pool", 300) == 160.0  # calm since step 140
