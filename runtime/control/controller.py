@@ -405,11 +405,15 @@ class Controller:
         size = max([engine.pool_size(), *(s + 1 for s in named)])
         lost = {s for s in engine.lost_slots() if s < size} | set(range(engine.pool_size(), size))
         free = self._transition_capacity(engine.pool_size())
+        extra = {}
+        if getattr(engine, "rebuild_s", None):  # an engine that measures its own rebuilds
+            extra["rebuild_s"] = tuple(engine.rebuild_s)
         return Cluster(
             accelerator=self.acc,
             num_slots=size,
             capacity_bytes=(free,) * size,
             lost_slots=frozenset(lost),
+            **extra,
         )
 
     def _transition_capacity(self, pool: int) -> float:
