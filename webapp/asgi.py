@@ -1,4 +1,4 @@
-"""ASGI entry point: HTTP through Django, websockets through Channels (session-authenticated)."""
+"""ASGI entry point: HTTP through Django, websockets through Channels (session or bearer token)."""
 
 import os
 
@@ -8,17 +8,19 @@ from django.core.asgi import get_asgi_application
 
 django_asgi_app = get_asgi_application()
 
-from channels.auth import AuthMiddlewareStack  # noqa: E402
-from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
+from webapp import startup  # noqa: E402
+
+startup.check_or_exit("web server")
+
+from channels.routing import ProtocolTypeRouter  # noqa: E402
 from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
 
 from webapp.jobs.routing import websocket_urlpatterns  # noqa: E402
+from webapp.jobs.ws_auth import websocket_application  # noqa: E402
 
 application = ProtocolTypeRouter(
     {
         "http": django_asgi_app,
-        "websocket": AllowedHostsOriginValidator(
-            AuthMiddlewareStack(URLRouter(websocket_urlpatterns))
-        ),
+        "websocket": AllowedHostsOriginValidator(websocket_application(websocket_urlpatterns)),
     }
 )

@@ -35,7 +35,9 @@ class JobEventsConsumer(AsyncJsonWebsocketConsumer):
         if user is None or not user.is_authenticated:
             await self.close(code=CLOSE_UNAUTHENTICATED)
             return
-        self.job = await self._get_job(user, self.scope["url_route"]["kwargs"]["job_id"])
+        self.job = await self._get_job(
+            user, self.scope["url_route"]["kwargs"]["job_id"], self.scope.get("token")
+        )
         if self.job is None:
             await self.close(code=CLOSE_NOT_FOUND)
             return
@@ -93,8 +95,8 @@ class JobEventsConsumer(AsyncJsonWebsocketConsumer):
         await self.send_json({"type": "error", "code": exc.code, "message": str(exc)})
 
     @database_sync_to_async
-    def _get_job(self, user, job_id: int):
-        return selectors.jobs_visible_to(user).filter(pk=job_id).first()
+    def _get_job(self, user, job_id: int, token=None):
+        return selectors.jobs_visible_to(user, token=token).filter(pk=job_id).first()
 
     @database_sync_to_async
     def _events_since(self, after: int) -> list[dict]:
