@@ -18,6 +18,9 @@ from runtime.events import EventSink, RuntimeEvent
 from runtime.jobs import sft
 from runtime.jobs.spec import SftJobSpec
 
+Command = tuple[str, int]
+"""(``approve`` or ``reject``, the controller's proposal id): what people send a running job."""
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class JobOutcome:

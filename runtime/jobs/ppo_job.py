@@ -21,12 +21,11 @@ from runtime.engine.ray_cluster import ray_connection
 from runtime.engine.ray_engine import RayEngine
 from runtime.engine.slots import SlotPool
 from runtime.events import EventSink, RuntimeEvent
-from runtime.jobs.driver import JobOutcome
+from runtime.jobs.driver import Command, JobOutcome
+from runtime.jobs.sim_job import apply_commands
 from runtime.jobs.spec import PpoJobSpec
 from runtime.planner import default_catalog
 from runtime.ppo.job import PpoRuntime
-
-Command = tuple[str, int]
 
 
 def run_ppo_job(
@@ -91,17 +90,7 @@ def run_ppo_job(
                 engine.revoke()
             if step == spec.grant_at_step:
                 engine.grant()
-            for kind, proposal in commands():
-                try:
-                    outcome = controller.command(kind, proposal, engine)
-                except ValueError as exc:  # not waiting any more (expired, superseded)
-                    outcome = f"ignored: {exc}"
-                sink.emit(
-                    RuntimeEvent(
-                        kind="command.applied",
-                        data={"command": kind, "proposal": proposal, "outcome": outcome},
-                    )
-                )
+            apply_commands(controller, engine, commands(), sink)
             forward_engine_events()
             return True
 

@@ -15,12 +15,25 @@ from runtime.control import Controller, JobPolicy, run_job
 from runtime.engine.sim import SimulatedEngine, TrueModel
 from runtime.engine.traces import generate
 from runtime.events import EventSink, RuntimeEvent
-from runtime.jobs.driver import JobOutcome
+from runtime.jobs.driver import Command, JobOutcome
 from runtime.jobs.spec import PpoSimJobSpec
 from runtime.planner import PpoWorkload, default_catalog
 
-Command = tuple[str, int]
-"""(``approve`` or ``reject``, the controller's proposal id)."""
+
+def apply_commands(controller: Controller, engine, commands: list[Command], sink: EventSink):
+    """Hand people's approvals and rejections to the controller, between steps; each outcome
+    becomes a ``command.applied`` event (a proposal that stopped waiting is ignored, saying why)."""
+    for kind, proposal in commands:
+        try:
+            outcome = controller.command(kind, proposal, engine)
+        except ValueError as exc:  # not waiting any more (expired, superseded)
+            outcome = f"ignored: {exc}"
+        sink.emit(
+            RuntimeEvent(
+                kind="command.applied",
+                data={"command": kind, "proposal": proposal, "outcome": outcome},
+            )
+        )
 
 
 def run_sim_ppo_job(
@@ -55,17 +68,7 @@ def run_sim_ppo_job(
             time.sleep(spec.pace_s)
         if should_stop():
             return False
-        for kind, proposal in commands():
-            try:
-                outcome = controller.command(kind, proposal, engine)
-            except ValueError as exc:  # not waiting any more (expired, superseded)
-                outcome = f"ignored: {exc}"
-            sink.emit(
-                RuntimeEvent(
-                    kind="command.applied",
-                    data={"command": kind, "proposal": proposal, "outcome": outcome},
-                )
-            )
+        apply_commands(controller, engine, commands(), sink)
         return True
 
     def on_step(report) -> None:
