@@ -160,46 +160,48 @@ def _recv(shape, dtype, src: int) -> torch.Tensor:
     return buffer
 
 
-def _stage_forward(
-    ws: Workspace,
-    tokens: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    cache: KVCache | None = None,
-    grad: bool = False,
-) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
-    """Run this slot's pipeline stage on ``tokens`` (every slot knows them; the first stage embeds
-    them, the others receive the previous stage's hidden states). Returns ``(stage input, stage
-    output, head output)``, the head's only on the last stage; the output is sent on otherwise."""
+def _layers(ws: Workspace, x: torch.Tensor, mask: torch.Tensor, cache: KVCache | None = None):
+    """This stage's decoder layers on ``x``; ``mask`` covers the cached positions and ``x``'s."""
     backbone = ws.model.model
-    config = backbone.config
-    batch, length = tokens.shape
+    length = x.shape[1]
     past = cache.length if cache is not None else 0
     positions = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, past:]
-    rotary = rotary_cos_sin(positions, head_dim=config.head_dim, theta=backbone.rope_theta)
+    rotary = rotary_cos_sin(positions, head_dim=backbone.config.head_dim, theta=backbone.rope_theta)
     mask4 = attention_mask_4d(mask, length)
-    x_in = None
-    if ws.first:
-        x = backbone.embed_tokens(tokens)
-    else:
-        x_in = _recv((batch, length, config.hidden_size), torch.float32, ws.prev_slot)
-        x = x_in.requires_grad_(grad)
     for i in ws.layers:
         x = backbone.layers[i](x, rotary=rotary, mask=mask4, cache=cache)
     if cache is not None:
         cache.advance(length)
+    return x
+
+
+def _head(ws: Workspace, x: torch.Tensor) -> torch.Tensor:
+    """The last stage's final norm and head: logits, or the scalar per token."""
+    model, backbone = ws.model, ws.model.model
+    hidden = backbone.norm(x)
+    if hasattr(model, "score"):
+        return model.score(hidden).squeeze(-1)
+    if backbone.config.tie_embeddings:
+        return torch.nn.functional.linear(hidden, backbone.embed_tokens.weight)
+    return model.lm_head(hidden)
+
+
+def _stage_forward(
+    ws: Workspace, tokens: torch.Tensor, mask: torch.Tensor, *, cache: KVCache | None = None
+) -> torch.Tensor | None:
+    """Run this slot's pipeline stage on ``tokens`` (every slot knows them; the first stage embeds
+    them, the others receive the previous stage's hidden states). Returns the head's output on
+    the last stage; the others send their output on and return None."""
+    batch, length = tokens.shape
+    if ws.first:
+        x = ws.model.model.embed_tokens(tokens)
+    else:
+        x = _recv((batch, length, ws.model.config.hidden_size), torch.float32, ws.prev_slot)
+    x = _layers(ws, x, mask, cache)
     if not ws.last:
         dist.send(x.detach().contiguous(), dst=ws.next_slot)
-        return x_in, x, None
-    hidden = backbone.norm(x)
-    model = ws.model
-    if hasattr(model, "score"):
-        head = model.score(hidden).squeeze(-1)
-    elif config.tie_embeddings:
-        head = torch.nn.functional.linear(hidden, backbone.embed_tokens.weight)
-    else:
-        head = model.lm_head(hidden)
-    return x_in, x, head
+        return None
+    return _head(ws, x)
 
 
 # --- generation -----------------------------------------------------------------------------------
@@ -254,7 +256,7 @@ def generate(
     noise = _gumbel(rows, params.seed, params.max_new_tokens, config.vocab_size)
     cache = KVCache(num_layers=config.num_layers, max_len=tokens.shape[1] + params.max_new_tokens)
     batch = tokens.shape[0]
-    _, _, head = _stage_forward(ws, tokens, mask, cache=cache)
+    head = _stage_forward(ws, tokens, mask, cache=cache)
     finished = torch.zeros(batch, dtype=torch.bool)
     out_tokens, out_logprobs, alive_masks = [], [], []
     key_mask = mask
@@ -275,7 +277,7 @@ def generate(
         if bool(finished.all()) or step == params.max_new_tokens - 1:
             break
         key_mask = torch.cat((key_mask, torch.ones_like(key_mask[:, :1])), dim=1)
-        _, _, head = _stage_forward(ws, token[:, None], key_mask, cache=cache)
+        head = _stage_forward(ws, token[:, None], key_mask, cache=cache)
     if not ws.reports:
         return None
     response_mask = torch.stack(alive_masks, dim=1)
@@ -326,7 +328,7 @@ def score(
     """Per-token log-probabilities (``logprobs``), values (``values``) or the last token's scalar
     (``reward``) of the sequences' responses; the reporting slot returns them."""
     ws = workspace(ctx, unit)
-    _, _, head = _stage_forward(ws, sequences, attention_mask)
+    head = _stage_forward(ws, sequences, attention_mask)
     if not ws.reports:
         return None
     start = prompt_length - 1
@@ -493,7 +495,7 @@ def _train_one(ctx: SlotContext, task: TrainTask) -> dict | None:
     if task.unit.layout.pp > 1:
         stats = _train_pipelined(ctx, ws, task)
     else:
-        _, _, head = _stage_forward(ws, task.sequences, task.attention_mask, grad=True)
+        head = _stage_forward(ws, task.sequences, task.attention_mask)
         loss, stats = _loss(task, head, _targets(task), task.weight)
         loss.backward()
     grads = _gradients(ctx, ws, task)
@@ -550,21 +552,10 @@ class _PipelineStageModule(nn.Module):
         self.ws = ws
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor):
-        ws, backbone = self.ws, self.model.model
-        config = backbone.config
-        positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
-        rotary = rotary_cos_sin(positions, head_dim=config.head_dim, theta=backbone.rope_theta)
-        mask4 = attention_mask_4d(mask, mask.shape[1])
-        if ws.first:
-            x = backbone.embed_tokens(x)
-        for i in ws.layers:
-            x = backbone.layers[i](x, rotary=rotary, mask=mask4, cache=None)
-        if not ws.last:
-            return x, mask
-        hidden = backbone.norm(x)
-        if hasattr(self.model, "score"):
-            return self.model.score(hidden).squeeze(-1)
-        return self.model.lm_head(hidden)
+        if self.ws.first:
+            x = self.model.model.embed_tokens(x)
+        x = _layers(self.ws, x, mask)
+        return _head(self.ws, x) if self.ws.last else (x, mask)
 
 
 def _train_pipelined(ctx: SlotContext, ws: Workspace, task: TrainTask) -> dict | None:
