@@ -224,8 +224,7 @@ class RayEngine:
             held = {}
         intact = [u for us in held.values() for u in us[:1]]
         every = intact + [u for us in targets.values() for u in us]
-        live = sorted(set(range(pool.num_slots)) - lost)
-        pool.run(checkpoint.ensure_unit_groups, on=live, units=every)
+        pool.run(checkpoint.ensure_unit_groups, units=every)  # collective over every slot
         saved, expected = {}, {}
         for name, units in held.items():
             path = self._checkpoints / name.replace("@", "_")

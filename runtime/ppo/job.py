@@ -341,7 +341,9 @@ class PpoRuntime:
         key = (tuple(sorted(u.unit_id + str(u.slots) for u in every)), tuple(sorted(dp_groups)))
         live = sorted(set(range(engine.pool.num_slots)) - engine.lost_slots)
         if key not in self._grouped:
-            engine.pool.run(checkpoint.ensure_unit_groups, on=live, units=every)
+            # Creating a group is collective over the whole pool, in the same order on every
+            # process, members or not: a lost slot's replacement process takes part too.
+            engine.pool.run(checkpoint.ensure_unit_groups, units=every)
             engine.prepare_groups(dp_groups)
             self._grouped.add(key)
         engine.pool.run(slot_work.keep_workspaces, on=live, units=every)
@@ -676,8 +678,7 @@ class PpoRuntime:
         held: dict[str, Unit] = {}
         for unit in sorted(engine.units.values(), key=lambda u: u.unit_id):
             held.setdefault(unit.model_stage, unit)
-        live = sorted(set(range(engine.pool.num_slots)) - engine.lost_slots)
-        engine.pool.run(checkpoint.ensure_unit_groups, on=live, units=list(held.values()))
+        engine.pool.run(checkpoint.ensure_unit_groups, units=list(held.values()))  # every slot
         for name, unit in held.items():
             path = root / name.replace("@", "_")
             engine.pool.run(checkpoint.save_unit, on=unit.slots, unit=unit, path=str(path))

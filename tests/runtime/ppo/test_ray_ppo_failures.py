@@ -150,3 +150,31 @@ def test_a_new_driver_on_the_same_job_directory_resumes_from_its_checkpoint(pool
     assert report.extra["ppo_step"] == 2
     assert report.extra["stats"]["mean_response_length"] == first[2]["mean_response_length"]
     assert any(e["event"] == "engine.resumed" and e["step"] == 2 for e in engine.events)
+
+
+def test_a_revoked_then_granted_slot_takes_part_in_the_next_transition(pool, tmp_path):
+    """Groups are made collectively by every process of the pool, the replacement of a revoked
+    slot included, so that one granted back can join new groups (otherwise the processes'
+    group counters disagree and the next group creation waits forever)."""
+    from runtime.transition import Cluster, diff
+
+    engine, job = _engine(pool, tmp_path)
+    workload = job.workload()
+    three = {"actor@training": (3, 1, 1), "critic@training": (1, 2, 1)}
+    plan = plan_by_hand(workload, three, num_slots=SLOTS)
+    engine.start(plan, workload)
+    assert engine.step(plan, workload, 0).ok
+    assert engine.revoke() == 3 and engine.lost_slots() == {3}
+    assert engine.step(plan, workload, 1).ok  # new groups made while slot 3 is out
+    assert engine.grant() == 3 and engine.lost_slots() == frozenset()
+    four = plan_by_hand(
+        workload, {"actor@training": (2, 2, 1), "critic@training": (1, 2, 2)}, num_slots=SLOTS
+    )
+    cpu = default_catalog().accelerator("cpu-slot")
+    dag = diff(engine.units(), four, Cluster(accelerator=cpu, num_slots=SLOTS), workload)
+    assert engine.transition(dag).ok
+    report = engine.step(four, workload, 2)
+    used = {s for us in engine.units().values() for u in us for s in u.slots}
+    engine.stop()
+    assert report.ok and report.extra["ppo_step"] == 2
+    assert 3 in used
