@@ -547,7 +547,22 @@ class Controller:
         return verdict.cost_s > self.policy.approval_above_s
 
     def _propose(self, candidate, verdict, trigger, engine) -> None:
-        if self.pending is not None:  # a newer candidate replaces the one still waiting
+        pending = self.pending
+        if (
+            pending is not None
+            and _same_plan(pending.plan, candidate)
+            and pending.units_at == _unit_ids(engine)
+        ):
+            # The same change asked for again: the person keeps the proposal they are reading.
+            self.emit(
+                {
+                    "event": "control.proposal_still_waiting",
+                    "proposal": pending.proposal_id,
+                    "trigger": trigger.to_json(),
+                }
+            )
+            return
+        if pending is not None:  # a different candidate replaces the one still waiting
             self.emit(
                 {
                     "event": "control.stale",

@@ -81,8 +81,14 @@ def run_ppo_job(
             )
         )
 
-        def between_steps(step: int) -> bool:
-            if step and spec.pace_s:
+        # A job that ran before (its driver was lost) goes on from its last checkpoint: the
+        # loop counts the steps still to run, events and the scenario count the job's steps.
+        resumed = job.last_checkpoint()
+        first = resumed.step if resumed is not None else 0
+
+        def between_steps(loop_step: int) -> bool:
+            step = first + loop_step
+            if loop_step and spec.pace_s:
                 time.sleep(spec.pace_s)
             if should_stop():
                 return False
@@ -100,7 +106,7 @@ def run_ppo_job(
                 RuntimeEvent(
                     kind="step.finished",
                     data={
-                        "step": report.step,
+                        "step": first + report.step,
                         "ok": report.ok,
                         "step_s": round(report.seconds, 4),
                         "gen_len": round(report.gen_len, 2),
@@ -117,7 +123,11 @@ def run_ppo_job(
 
         try:
             summary = run_job(
-                engine, controller, spec.num_steps, between_steps=between_steps, on_step=on_step
+                engine,
+                controller,
+                max(0, spec.num_steps - first),
+                between_steps=between_steps,
+                on_step=on_step,
             )
             forward_engine_events()
             engine.stop()
@@ -130,7 +140,8 @@ def run_ppo_job(
             kind="job.finished",
             data={
                 "status": status,
-                "steps": summary.steps,
+                "steps": first + summary.steps,
+                "resumed_from": first,
                 "wall_s": round(summary.seconds, 2),
                 "transitions": summary.transitions,
                 "transition_s": round(summary.transition_seconds, 3),
@@ -140,4 +151,4 @@ def run_ppo_job(
             },
         )
     )
-    return JobOutcome(status=status, steps_done=summary.steps, final_loss=None)
+    return JobOutcome(status=status, steps_done=first + summary.steps, final_loss=None)

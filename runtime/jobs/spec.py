@@ -135,6 +135,8 @@ class PpoJobSpec:
     """Slot processes started (the pool a grant draws from)."""
     num_steps: int = 30
     batch_size: int = 16
+    minibatch_size: int = 8
+    """Sequences per optimizer step (PPO cuts each step's batch into minibatches)."""
     max_new_tokens: int = 24
     warmup_steps: int = 30
     checkpoint_every: int = 5
@@ -153,6 +155,12 @@ class PpoJobSpec:
         _require_range("num_slots", self.num_slots, 1, 64)
         _require_range("max_slots", self.max_slots, self.num_slots, 64)
         _require_range("num_steps", self.num_steps, 1, 1_000_000)
+        _require_range("batch_size", self.batch_size, 1, 65_536)
+        _require_range("minibatch_size", self.minibatch_size, 1, self.batch_size)
+        _require_range("max_new_tokens", self.max_new_tokens, 1, 32_768)
+        _require_range("warmup_steps", self.warmup_steps, 0, 1_000_000)
+        _require_range("checkpoint_every", self.checkpoint_every, 0, 1_000_000)
+        _require_range("seed", self.seed, 0, 2**31 - 1)
         for field in ("revoke_at_step", "grant_at_step"):
             _require_range(field, getattr(self, field), -1, self.num_steps - 1)
         if self.revoke_at_step >= 0 and self.num_slots < 2:
@@ -167,9 +175,11 @@ class PpoJobSpec:
 
     def job_config(self):
         """The PPO runtime's configuration (``runtime.ppo.job.PpoJobConfig``)."""
+        from runtime.ppo.algorithm import PPOConfig
         from runtime.ppo.job import PpoJobConfig
 
         return PpoJobConfig(
+            ppo=PPOConfig(kl_coef=0.01, epochs=2, minibatch_size=self.minibatch_size),
             model=self.model,
             tasks=tuple(t.strip() for t in self.tasks.split(",") if t.strip()),
             reward=self.reward,

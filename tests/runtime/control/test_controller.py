@@ -51,6 +51,25 @@ def test_a_manual_job_keeps_running_until_a_person_approves():
         controller.command("approve", 1, engine)
 
 
+def test_the_same_change_asked_again_keeps_the_waiting_proposal():
+    from runtime.control.monitor import Trigger
+
+    engine = _engine()
+    controller = Controller(WORKLOAD, ACC, JobPolicy(admission="always_faster", approval="manual"))
+    controller.initial_plan(engine)
+    _steps(controller, engine, range(1))
+    waiting = controller.pending
+    assert waiting is not None
+    again = Trigger(kind="drift", signal="step_time", value=2.0, reference=1.0, step=1)
+    controller.replan(again, engine)
+    assert controller.pending is waiting  # same plan, same units: not superseded
+    assert "control.stale" not in _kinds(controller)
+    kept = controller.events[-1]
+    assert kept["event"] == "control.proposal_still_waiting"
+    assert kept["proposal"] == waiting.proposal_id and kept["trigger"]["signal"] == "step_time"
+    assert controller.command("approve", waiting.proposal_id, engine) == "applied"
+
+
 def test_a_rejected_or_expired_proposal_keeps_the_plan():
     engine = _engine()
     policy = JobPolicy(admission="always_faster", approval="manual", approval_timeout_s=30)
