@@ -51,10 +51,15 @@ def demo(
         str, typer.Option(help="Address to serve on (loopback by default).")
     ] = "127.0.0.1",
     port: Annotated[int, typer.Option(envvar="NEREUS_DEMO_PORT", min=1, max=65535)] = 8000,
-    steps: Annotated[int, typer.Option(min=1, max=1_000_000, help="Steps of the demo job.")] = 2000,
-    slots: Annotated[int, typer.Option(min=1, max=8, help="CPU slots of the demo job.")] = 2,
+    steps: Annotated[
+        int, typer.Option(min=1, max=1_000_000, help="Steps of the demo PPO job.")
+    ] = 150,
+    slots: Annotated[
+        int, typer.Option(min=1, max=8, help="CPU slots the demo PPO job starts with.")
+    ] = 4,
 ) -> None:
-    """Run the service on this machine (Ray head, Celery worker, web server) with a demo job."""
+    """Run the service on this machine (Ray head, Celery worker, web server) with a real PPO job
+    on CPU slots whose response length grows, which loses a slot and gets one back."""
     from nereus.demo import run_demo
 
     raise typer.Exit(code=run_demo(host=host, port=port, num_steps=steps, num_slots=slots))

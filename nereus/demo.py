@@ -1,7 +1,13 @@
-"""``make demo``: the whole service on one machine, with a real job running.
+"""``make demo``: the whole service on one machine, with a real PPO job running.
 
-Starts a Ray head on loopback, a Celery worker that drives jobs on it, and the ASGI server; creates
-a demo user (its password printed once); submits a job; and stops everything on Ctrl-C.
+Starts a Ray head on loopback, a Celery worker that drives jobs on it (and runs the periodic check
+for lost drivers), and the ASGI server; creates a demo user (its password printed once); submits
+a PPO job on CPU slots; and stops everything on Ctrl-C.
+
+The demo job's scenario: the reward favours longer answers, so the response length grows (drift
+triggers); the cluster takes a slot away (the controller's urgent transition runs at once) and
+later gives one back; approval is ``manual_above`` a small predicted transition cost, so plan
+changes that are not urgent wait for a person on the job's page.
 """
 
 from __future__ import annotations
@@ -15,6 +21,43 @@ import time
 from nereus import processes
 
 DEMO_USER = "demo"
+DEMO_REVOKE_AT = 4
+DEMO_GRANT_AT = 10
+DEMO_APPROVAL_ABOVE_S = 0.5
+"""Transitions predicted to cost more than this wait for approval (the urgent one never does)."""
+DEMO_POLICY = {
+    "approval": "manual_above",
+    "approval_above_s": DEMO_APPROVAL_ABOVE_S,
+    # Admit any plan predicted faster (not the payback rule), so that the plan change after the
+    # grant is proposed and a person sees it; step-time noise on shared CPUs triggers less.
+    "admission": "always_faster",
+    "thresholds": {"step_time": 1.5, "efficiency": 1.5},
+}
+
+
+def demo_spec(*, num_steps: int, num_slots: int) -> dict:
+    """The demo PPO job: response length grows (reward ``length``), a slot is revoked and one is
+    granted, and plan changes above a small cost wait for approval."""
+    spec = {
+        "kind": "ppo",
+        "model": "tiny-sft",
+        "tasks": "copy",
+        "reward": "length",
+        "num_slots": num_slots,
+        "max_slots": num_slots + 1,
+        "num_steps": num_steps,
+        "batch_size": 16,
+        "max_new_tokens": 24,
+        "warmup_steps": 20,
+        "checkpoint_every": 5,
+        "pace_s": 1.0,
+        "policy": DEMO_POLICY,
+    }
+    if num_steps > DEMO_REVOKE_AT and num_slots >= 2:
+        spec["revoke_at_step"] = DEMO_REVOKE_AT
+    if num_steps > DEMO_GRANT_AT:
+        spec["grant_at_step"] = DEMO_GRANT_AT
+    return spec
 
 
 def _ensure_demo_user() -> str | None:
@@ -58,11 +101,17 @@ def run_demo(*, host: str, port: int, num_steps: int, num_slots: int) -> int:
     group = processes.ProcessGroup(log_dir=settings.VAR_DIR / "logs")
     try:
         ray_port = processes.free_port()
-        num_cpus = max(4, 2 * (os.cpu_count() or 2))
+        # Enough CPU resources for the job's slot pool (its placement group reserves one CPU per
+        # slot, spare slots included), whatever the machine's core count.
+        num_cpus = max(8, 2 * (os.cpu_count() or 2), num_slots + 4)
         group.start(
             "ray-head",
             processes.ray_head_argv(ray_port, num_cpus=num_cpus),
             env={**os.environ, **processes.ray_head_env()},
+        )
+        # The worker checks RAY_ADDRESS when it starts: the head must answer first.
+        processes.wait_until(
+            lambda: processes.port_in_use(ray_port), timeout_s=120, what="Ray head", group=group
         )
         child_env = {
             **os.environ,
@@ -71,15 +120,12 @@ def run_demo(*, host: str, port: int, num_steps: int, num_slots: int) -> int:
         }
         group.start(
             "celery-worker",
-            processes.celery_worker_argv(concurrency=2),
+            processes.celery_worker_argv(concurrency=2, beat=True),
             env=child_env,
             stop_signal=processes.CELERY_STOP_SIGNAL,
         )
         group.start("web", processes.asgi_server_argv(host=host, port=port), env=child_env)
         url = f"http://{host}:{port}/"
-        processes.wait_until(
-            lambda: processes.port_in_use(ray_port), timeout_s=120, what="Ray head", group=group
-        )
         processes.wait_until(
             lambda: processes.http_ok(url + "healthz"),
             timeout_s=120,
@@ -128,6 +174,6 @@ def _submit_demo_job(*, num_steps: int, num_slots: int):
     user = get_user_model().objects.get(username=DEMO_USER)
     return services.job_submit(
         user=user,
-        name="demo: data-parallel SFT on CPU slots",
-        spec={"num_slots": num_slots, "num_steps": num_steps},
+        name="demo: PPO on CPU slots (length grows, a slot revoked and one granted)",
+        spec=demo_spec(num_steps=num_steps, num_slots=num_slots),
     )

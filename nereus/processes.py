@@ -198,12 +198,17 @@ def ray_head_env() -> dict[str, str]:
 
 
 # Celery's SIGTERM is a warm shutdown that waits for running tasks, which for a job driver can be
-# hours; SIGQUIT is its cold shutdown. The driver task was acknowledged late, so the broker hands
-# it to the next worker, which takes the job over with a new epoch.
+# hours; SIGQUIT is its cold shutdown. The job's driver stops writing its heartbeat, and the
+# periodic check (``jobs.reap``, in a worker started with ``--beat``) hands the job to a new driver
+# with a new epoch, which resumes from the job's last checkpoint.
 CELERY_STOP_SIGNAL = signal.SIGQUIT
 
 
-def celery_worker_argv(*, concurrency: int = 1, hostname: str = "worker@%h") -> list[str]:
+def celery_worker_argv(
+    *, concurrency: int = 1, hostname: str = "worker@%h", beat: bool = False
+) -> list[str]:
+    """A Celery worker; with ``beat``, it also runs the periodic schedule (the check for lost job
+    drivers, ``jobs.reap``): one such worker per deployment is enough."""
     celery_bin = Path(sys.executable).with_name("celery")
     return [
         str(celery_bin),
@@ -216,6 +221,7 @@ def celery_worker_argv(*, concurrency: int = 1, hostname: str = "worker@%h") -> 
         "--without-gossip",
         "--without-mingle",
         f"--hostname={hostname}",
+        *(["--beat"] if beat else []),
     ]
 
 

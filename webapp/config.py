@@ -46,6 +46,11 @@ class ServiceConfig:
     allowed_hosts: tuple[str, ...]
     csrf_trusted_origins: tuple[str, ...]
     log_level: str
+    jobs_dir: Path | None = None
+    """NEREUS_JOBS_DIR: each job's working directory (checkpoints) is ``<jobs_dir>/<job id>/``;
+    on a Ray cluster, a path every node mounts. Default: ``<var_dir>/jobs``."""
+    driver_lost_s: float = 60.0
+    """NEREUS_DRIVER_LOST_S: a job driver silent this long is taken as lost and its job resumed."""
 
     @property
     def embedded(self) -> bool:
@@ -236,6 +241,20 @@ def load(environ: Mapping[str, str] | None = None) -> ServiceConfig:
             f"expected DEBUG, INFO, WARNING, ERROR or CRITICAL, got {log_level!r}",
         )
 
+    jobs_dir = Path(env.get("NEREUS_JOBS_DIR") or var_dir / "jobs")
+    if not jobs_dir.is_absolute():
+        jobs_dir = REPO_ROOT / jobs_dir
+
+    raw_lost = env.get("NEREUS_DRIVER_LOST_S") or "60"
+    try:
+        driver_lost_s = float(raw_lost)
+    except ValueError:
+        driver_lost_s = float("nan")
+    if not 2 <= driver_lost_s <= 86400:
+        raise ConfigError(
+            "NEREUS_DRIVER_LOST_S", f"expected seconds in [2, 86400], got {raw_lost!r}"
+        )
+
     return ServiceConfig(
         production=production,
         secret_key=secret_key,
@@ -246,6 +265,8 @@ def load(environ: Mapping[str, str] | None = None) -> ServiceConfig:
         allowed_hosts=allowed_hosts,
         csrf_trusted_origins=origins,
         log_level=log_level,
+        jobs_dir=jobs_dir,
+        driver_lost_s=driver_lost_s,
     )
 
 

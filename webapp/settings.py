@@ -143,7 +143,10 @@ if CONFIG.redis_url:
 else:
     for _sub in ("queue", "processed", "results", "control"):
         (CELERY_BROKER_DIR / _sub).mkdir(parents=True, exist_ok=True)
-    CELERY_BROKER_URL = "filesystem://"
+    # kombu's filesystem transport, with messages written whole (webapp/broker.py).
+    from webapp import broker as _broker
+
+    CELERY_BROKER_URL = f"{_broker.ALIAS}://"
     CELERY_BROKER_TRANSPORT_OPTIONS = {
         "data_folder_in": str(CELERY_BROKER_DIR / "queue"),
         "data_folder_out": str(CELERY_BROKER_DIR / "queue"),
@@ -164,11 +167,28 @@ CELERY_RESULT_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]
 CELERY_RESULT_EXPIRES = 24 * 3600
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+# The periodic check for lost drivers (a worker started with --beat runs the schedule; one per
+# deployment is enough, more are harmless: a job is taken over under its row lock).
+CELERY_BEAT_SCHEDULE = {
+    "jobs-reap-lost-drivers": {
+        "task": "jobs.reap",
+        "schedule": max(1.0, CONFIG.driver_lost_s / 3),
+        "options": {"expires": max(1.0, CONFIG.driver_lost_s / 3)},
+    },
+}
+CELERY_BEAT_SCHEDULE_FILENAME = str(VAR_DIR / "celery-beat-schedule")
 
 # --- Runtime ---------------------------------------------------------------------------------
 NEREUS_RAY_ADDRESS = CONFIG.ray_address
 # A job whose driver task was delivered this many times without finishing is failed, not retried.
 NEREUS_MAX_DRIVER_DELIVERIES = 3
+# A driver writes a heartbeat (Job.heartbeat_at) every NEREUS_DRIVER_HEARTBEAT_S; a job whose
+# heartbeat is older than NEREUS_DRIVER_LOST_S is taken over by a new driver (a new epoch, which
+# stops the old one at its next step if it is only slow) that resumes from the job's checkpoint.
+NEREUS_DRIVER_LOST_S = CONFIG.driver_lost_s
+NEREUS_DRIVER_HEARTBEAT_S = max(0.5, NEREUS_DRIVER_LOST_S / 4)
+# Each job's working directory (checkpoints): stable, so that a new driver finds them.
+NEREUS_JOBS_DIR = CONFIG.jobs_dir or VAR_DIR / "jobs"
 # Whether the person who proposed a plan override may approve it too (two people by default).
 NEREUS_ALLOW_SELF_APPROVAL = False
 
@@ -219,3 +239,7 @@ LOGGING = {
     "root": {"handlers": ["console"], "level": CONFIG.log_level},
     "loggers": {"django.db.backends": {"level": "INFO"}},
 }
+
+# --- Observability (webapp/observability): Prometheus metrics at /metrics, API latency ---------
+INSTALLED_APPS.append("webapp.observability")
+MIDDLEWARE.insert(0, "webapp.observability.middleware.RequestLatencyMiddleware")

@@ -1,5 +1,5 @@
 // Live job page: stream events over the websocket, resume from the last id after a reconnect, and
-// hand every event to the page's panels (job_sft.js or job_sim.js register with NereusLive.on).
+// hand every event to the page's panels (job_sft.js or job_ppo.js register with NereusLive.on).
 "use strict";
 window.NereusLive = (function () {
   const handlers = [];

@@ -11,7 +11,7 @@
 
     function showKind() {
       for (const set of form.querySelectorAll("fieldset[data-kind]")) {
-        set.hidden = set.dataset.kind !== (kind.value || "sft");
+        set.hidden = !set.dataset.kind.split(" ").includes(kind.value || "sft");
       }
     }
     kind.addEventListener("change", showKind);
@@ -57,7 +57,7 @@
         return;
       }
       const p = reply.preview;
-      document.getElementById("preview-label").textContent = p.simulated ? "(simulated)" : "(real slots)";
+      document.getElementById("preview-label").textContent = p.simulated ? "(simulated)" : "(real CPU slots)";
       summary.textContent = p.predicted_step_s == null
         ? `${p.plan.num_slots} slots; ${p.note}.`
         : `Predicted step time ${p.predicted_step_s.toFixed(2)} s on ${p.plan.num_slots} slots ` +

@@ -89,13 +89,16 @@ def web_server(env: dict[str, str], log_dir: Path) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def celery_worker(env: dict[str, str], log_dir: Path) -> Iterator[processes.ProcessGroup]:
-    """A Celery worker process (prefork, one child) consuming the service's broker."""
+def celery_worker(
+    env: dict[str, str], log_dir: Path, *, beat: bool = False
+) -> Iterator[processes.ProcessGroup]:
+    """A Celery worker process (prefork, one child) consuming the service's broker; with
+    ``beat``, it runs the periodic schedule too (the check for lost job drivers)."""
     group = processes.ProcessGroup(log_dir=log_dir)
     try:
         group.start(
             "celery",
-            processes.celery_worker_argv(concurrency=1),
+            processes.celery_worker_argv(concurrency=1, beat=beat),
             env=env,
             stop_signal=processes.CELERY_STOP_SIGNAL,
         )

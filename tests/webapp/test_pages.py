@@ -1,5 +1,5 @@
-"""The pages: job list (state filter, bulk cancel), submit form and its preview, the simulated
-job's page, the approvals inbox; and who may do what through them."""
+"""The pages: job list (state filter, bulk cancel), submit form and its preview, the PPO job's
+page (simulated and real), the approvals inbox; and who may do what through them."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 import pytest
 
 from runtime.jobs.sim_job import run_sim_ppo_job
-from runtime.jobs.spec import PpoSimJobSpec, spec_from_json
+from runtime.jobs.spec import PpoJobSpec, PpoSimJobSpec, spec_from_json
 from tests.support.jobs import make_job
 from tests.support.plans import initial_event, plan_json, proposal_event
 from webapp.jobs.models import Job, JobEvent, JobState
@@ -32,6 +32,27 @@ SIM_FORM = {
     "approval": "manual",
 }
 SIM_SPEC = PpoSimJobSpec(num_steps=10, policy={"approval": "manual"}).to_json()
+PPO_FORM = {
+    "name": "ppo",
+    "kind": "ppo",
+    "num_steps": 20,
+    "seed": 0,
+    "ppo_model": "tiny-sft",
+    "tasks": "copy,reverse",
+    "reward": "length",
+    "num_slots": 3,
+    "max_slots": 4,
+    "batch_size": 16,
+    "max_new_tokens": 16,
+    "warmup_steps": 10,
+    "checkpoint_every": 4,
+    "revoke_at_step": 5,
+    "grant_at_step": "",
+    "pace_s": 0.5,
+    "approval": "manual_above",
+    "approval_above_s": 2.5,
+}
+PPO_SPEC = PpoJobSpec(num_steps=10, revoke_at_step=3, policy={"approval": "manual"}).to_json()
 
 
 @pytest.fixture
@@ -212,6 +233,108 @@ def test_the_preview_needs_a_login(client):
     assert response.status_code == 302 and response["Location"].startswith("/login/")
 
 
+def test_the_submit_page_submits_a_real_ppo_job(client, operator):
+    client.force_login(operator)
+    page = client.get("/jobs/new/").content.decode()
+    assert 'value="ppo"' in page and 'name="ppo_model"' in page and 'name="revoke_at_step"' in page
+    response = client.post("/jobs/new/", PPO_FORM)
+    assert response.status_code == 302, response.context["form"].errors
+    job = Job.objects.get(name="ppo")
+    spec = job.spec
+    assert (spec["kind"], spec["model"], spec["tasks"], spec["reward"]) == (
+        "ppo",
+        "tiny-sft",
+        "copy,reverse",
+        "length",
+    )
+    assert (spec["num_slots"], spec["max_slots"], spec["batch_size"]) == (3, 4, 16)
+    assert (spec["revoke_at_step"], spec["grant_at_step"], spec["pace_s"]) == (5, -1, 0.5)
+    assert spec["policy"] == {"approval": "manual_above", "approval_above_s": 2.5}
+
+
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        ({"ppo_model": "gpt-9"}, "ppo_model"),
+        ({"ppo_model": ""}, "ppo_model"),
+        ({"tasks": "zigzag"}, "tasks"),
+        ({"tasks": ""}, "tasks"),
+        ({"reward": "vibes"}, "reward"),
+        ({"batch_size": 8}, "batch_size"),
+        ({"batch_size": "lots"}, "batch_size"),
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"max_slots": 2}, "max_slots"),
+        ({"num_slots": 0}, "num_slots"),
+        ({"warmup_steps": -1}, "warmup_steps"),
+        ({"checkpoint_every": ""}, "checkpoint_every"),
+        ({"revoke_at_step": 20}, "revoke_at_step"),
+        ({"grant_at_step": -5}, "grant_at_step"),
+        ({"pace_s": 61}, "pace_s"),
+        ({"approval_above_s": -1}, "approval_above_s"),
+        ({"threshold": 0}, "threshold"),
+    ],
+)
+def test_the_ppo_submit_form_names_the_bad_field(client, operator, change, field):
+    client.force_login(operator)
+    response = client.post("/jobs/new/", {**PPO_FORM, **change})
+    assert response.status_code == 200 and field in response.context["form"].errors, (
+        response.context["form"].errors
+    )
+    assert not Job.objects.exists()
+
+
+def test_the_preview_of_a_ppo_job_is_the_controllers_first_plan_on_its_slots(client, operator):
+    client.force_login(operator)
+    response = client.post("/jobs/new/preview/", PPO_FORM)
+    assert response.status_code == 200, response.content
+    preview = response.json()["preview"]
+    assert preview["kind"] == "ppo" and not preview["simulated"]
+    assert preview["predicted_step_s"] > 0 and preview["plan"]["num_slots"] == 3
+    assert preview["plan"]["accelerator"] == "cpu-slot"
+    names = {ms["name"] for ms in preview["plan"]["model_stages"]}
+    assert {"actor@generation", "actor@training", "critic@training"} <= names
+    for ms in preview["plan"]["model_stages"]:
+        assert all(slot < 3 for unit in ms["units"] for slot in unit)
+    assert not Job.objects.exists()
+
+
+@pytest.mark.parametrize(
+    "change, field",
+    [({"ppo_model": "llama-3.1-70b"}, "ppo_model"), ({"tasks": "zigzag"}, "tasks")],
+)
+def test_the_ppo_preview_answers_bad_input_with_field_errors(client, operator, change, field):
+    client.force_login(operator)
+    response = client.post("/jobs/new/preview/", {**PPO_FORM, **change})
+    assert response.status_code == 400
+    body = response.json()
+    assert not body["ok"] and field in body["errors"], body
+
+
+def test_the_real_ppo_job_page_has_the_controller_and_ppo_panels_without_simulated_labels(
+    client, project, operator, approver
+):
+    job = make_job(owner=operator, project=project, name="ppojob", spec=PPO_SPEC)
+    client.force_login(approver)
+    page = client.get(f"/jobs/{job.pk}/").content.decode()
+    assert "engine: <strong>Ray, CPU slots</strong>" in page
+    assert 'class="sim"' not in page and "simulated cluster" not in page
+    for panel in (
+        "chart-genlen",
+        "chart-memory",
+        "chart-pool",
+        "chart-latency",
+        "map-current",
+        "chart-reward",
+        "chart-kl",
+        "chart-length",
+        "chart-clip",
+    ):
+        assert f'id="{panel}"' in page
+    assert 'id="dag"' in page and 'id="decisions"' in page and 'id="calibration-ops"' in page
+    assert 'id="decide-form"' in page and "js/job_ppo.js" in page
+    assert "takes a slot away before" in page
+
+
 # --- the simulated job's page ----------------------------------------------------------------
 
 
@@ -225,6 +348,7 @@ def test_the_simulated_job_page_labels_the_engine_and_offers_approval_to_approve
         assert f'id="{panel}"' in page
     assert 'id="dag"' in page and 'id="decisions"' in page and 'id="calibration-ops"' in page
     assert 'id="decide-form"' in page and 'id="job-config"' in page
+    assert 'id="chart-reward"' not in page  # PPO's own statistics are the real job's
     client.force_login(viewer)
     page = client.get(f"/jobs/{sim_job.pk}/").content.decode()
     assert 'id="decide-form"' not in page and f"/jobs/{sim_job.pk}/cancel/" not in page

@@ -1,4 +1,5 @@
-"""The submit form: an SFT job on CPU slots, or a PPO job on the simulated cluster.
+"""The submit form: an SFT job on CPU slots, a PPO job on CPU slots through Ray (real), or a PPO
+job on the simulated cluster.
 
 The form only parses what people type; the runtime's job spec (``spec_from_json``) is the one
 validator, and its errors, which name their field, are put on the matching form field.
@@ -10,22 +11,40 @@ from django import forms
 
 from runtime.control.policy import APPROVAL_MODES, SIGNALS
 from runtime.engine.traces import SHAPES
-from runtime.jobs.spec import PpoSimJobSpec, SftJobSpec, spec_from_json
+from runtime.jobs.spec import PpoJobSpec, PpoSimJobSpec, SftJobSpec, spec_from_json
 from runtime.planner.catalog import default_catalog
+from runtime.ppo.job import REWARDS
+from runtime.ppo.tasks import TASK_NAMES
 from webapp.projects.models import Role
 from webapp.projects.selectors import projects_visible_to
 
 _SFT = SftJobSpec()
 _SIM = PpoSimJobSpec()
+_PPO = PpoJobSpec()
 KIND_FIELDS = {
     "sft": ("num_slots",),
     "ppo-sim": ("model", "gpu", "gpus", "trace", "pace_s", "approval"),
+    "ppo": (
+        "ppo_model",
+        "tasks",
+        "reward",
+        "num_slots",
+        "max_slots",
+        "batch_size",
+        "max_new_tokens",
+        "warmup_steps",
+        "checkpoint_every",
+        "approval",
+    ),
 }
+# Spec fields that the form names differently for one kind.
+_KIND_FIELD = {("ppo", "model"): "ppo_model"}
 # Where a spec error lands: the spec's field name (before the colon) -> the form's field.
 _SPEC_FIELD = {
     "policy.gamma": "gamma",
     "policy.approval": "approval",
     "policy.approval_above_s": "approval_above_s",
+    "minibatch_size": "batch_size",  # the form leaves minibatches at their default
     **{f"policy.thresholds.{signal}": "threshold" for signal in SIGNALS},
 }
 
@@ -45,6 +64,7 @@ class JobSubmitForm(forms.Form):
     kind = forms.ChoiceField(
         choices=[
             ("sft", "SFT on CPU slots (real)"),
+            ("ppo", "PPO on CPU slots (real)"),
             ("ppo-sim", "PPO on the simulated cluster"),
         ],
         initial="sft",
@@ -59,6 +79,58 @@ class JobSubmitForm(forms.Form):
         max_value=8,
         initial=_SFT.num_slots,
         help_text="CPU slots stand in for GPUs on this machine.",
+    )
+    # --- ppo (real) ---
+    ppo_model = forms.ChoiceField(
+        required=False,
+        initial=_PPO.model,
+        label="Model",
+        help_text="Actor, critic, reference and reward share it; tiny ones fit CPU slots.",
+    )
+    tasks = forms.CharField(
+        required=False,
+        max_length=200,
+        initial=_PPO.tasks,
+        help_text=f"Comma-separated: {', '.join(TASK_NAMES)}.",
+    )
+    reward = forms.ChoiceField(
+        required=False,
+        choices=[(name, name) for name in REWARDS],
+        initial=_PPO.reward,
+        help_text="length: longer answers earn more, so the response length grows (drift).",
+    )
+    max_slots = forms.IntegerField(
+        required=False,
+        min_value=1,
+        max_value=16,
+        initial=_PPO.max_slots,
+        help_text="Slot processes started; a grant draws from those beyond the job's slots.",
+    )
+    batch_size = forms.IntegerField(
+        required=False, min_value=1, max_value=4096, initial=_PPO.batch_size
+    )
+    max_new_tokens = forms.IntegerField(
+        required=False, min_value=1, max_value=1024, initial=_PPO.max_new_tokens
+    )
+    warmup_steps = forms.IntegerField(
+        required=False,
+        min_value=0,
+        max_value=10_000,
+        initial=_PPO.warmup_steps,
+        help_text="Supervised steps on the tasks' answers before PPO.",
+    )
+    checkpoint_every = forms.IntegerField(
+        required=False,
+        min_value=0,
+        max_value=1_000_000,
+        initial=_PPO.checkpoint_every,
+        help_text="Steps between committed checkpoints (a lost worker resumes from the last).",
+    )
+    revoke_at_step = forms.IntegerField(
+        required=False, initial=-1, help_text="Take a slot away before this step (-1: never)."
+    )
+    grant_at_step = forms.IntegerField(
+        required=False, initial=-1, help_text="Give a slot before this step (-1: never)."
     )
     # --- ppo-sim ---
     model = forms.ChoiceField(required=False, initial=_SIM.model)
@@ -94,6 +166,7 @@ class JobSubmitForm(forms.Form):
         self.fields["project"].queryset = projects_visible_to(user, min_role=Role.OPERATOR)
         catalog = default_catalog()
         self.fields["model"].choices = _choices(catalog.models)
+        self.fields["ppo_model"].choices = _choices(catalog.models)
         self.fields["gpu"].choices = _choices(catalog.accelerators)
 
     def clean(self):
@@ -108,15 +181,25 @@ class JobSubmitForm(forms.Form):
         try:
             spec_from_json(self.spec())
         except ValueError as exc:
-            field, _, _ = str(exc).partition(":")
-            field = _SPEC_FIELD.get(field, field)
-            self.add_error(field if field in self.fields else None, str(exc))
+            self.add_error(self.field_of(str(exc)), str(exc))
         return data
+
+    def field_of(self, message: str) -> str | None:
+        """The form field a spec error (``"field: problem"``) belongs to; None if none does."""
+        field, _, _ = message.partition(":")
+        kind = (
+            (getattr(self, "cleaned_data", None) or {}).get("kind")
+            or self.data.get("kind")
+            or "sft"
+        )
+        field = _KIND_FIELD.get((kind, field), _SPEC_FIELD.get(field, field))
+        return field if field in self.fields else None
 
     def spec(self) -> dict:
         """The job spec the cleaned fields describe (valid once ``is_valid()`` is true)."""
         data = self.cleaned_data
-        if data.get("kind", "sft") == "sft":
+        kind = data.get("kind", "sft")
+        if kind == "sft":
             return {
                 "num_slots": data["num_slots"],
                 "num_steps": data["num_steps"],
@@ -129,6 +212,26 @@ class JobSubmitForm(forms.Form):
             policy["gamma"] = data["gamma"]
         if data.get("threshold") is not None:
             policy["thresholds"] = {signal: data["threshold"] for signal in SIGNALS}
+        if kind == "ppo":
+            spec = {
+                "kind": "ppo",
+                "model": data["ppo_model"],
+                "tasks": data["tasks"],
+                "reward": data["reward"],
+                "num_slots": data["num_slots"],
+                "max_slots": data["max_slots"],
+                "num_steps": data["num_steps"],
+                "batch_size": data["batch_size"],
+                "max_new_tokens": data["max_new_tokens"],
+                "warmup_steps": data["warmup_steps"],
+                "checkpoint_every": data["checkpoint_every"],
+                "seed": data["seed"],
+                "policy": policy,
+            }
+            for field in ("revoke_at_step", "grant_at_step", "pace_s"):
+                if data.get(field) is not None:
+                    spec[field] = data[field]
+            return spec
         return {
             "kind": "ppo-sim",
             "model": data["model"],

@@ -83,6 +83,11 @@ class Job(models.Model):
         default=0, help_text="Increases each time a driver (re)starts; older epochs are refused."
     )
     driver_deliveries = models.PositiveIntegerField(default=0)
+    heartbeat_at = models.DateTimeField(
+        null=True,
+        blank=True,
+        help_text="The current epoch's driver was last alive then; stale means lost.",
+    )
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
     started_at = models.DateTimeField(null=True, blank=True)

@@ -1,16 +1,17 @@
 """What a job would start on, before it is submitted: its first plan and predicted step time.
 
-For a simulated PPO job this is the controller's own first plan (``Controller.initial_plan`` on
-the same trace and simulated cluster the job will start with), so the preview is what the job's
-first ``control.plan`` event will say. An SFT job has no cost model: its layout is data-parallel
-over its slots and no step time is predicted.
+For a PPO job on CPU slots it is the controller's first plan for the job's workload on its slots
+(nothing is started). For a simulated PPO job this is the controller's own first plan
+(``Controller.initial_plan`` on the same trace and simulated cluster the job will start with), so
+the preview is what the job's first ``control.plan`` event will say. An SFT job has no cost
+model: its layout is data-parallel over its slots and no step time is predicted.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from runtime.jobs.spec import PpoSimJobSpec, SftJobSpec, spec_from_json
+from runtime.jobs.spec import PpoJobSpec, PpoSimJobSpec, SftJobSpec, spec_from_json
 
 
 def job_preview(spec: dict[str, Any]) -> dict[str, Any]:
@@ -18,7 +19,55 @@ def job_preview(spec: dict[str, Any]) -> dict[str, Any]:
     validated = spec_from_json(spec)
     if isinstance(validated, PpoSimJobSpec):
         return _ppo_sim_preview(validated)
+    if isinstance(validated, PpoJobSpec):
+        return _ppo_preview(validated)
     return _sft_preview(validated)
+
+
+class _PlannedSlots:
+    """What the controller asks of an engine to plan a job's start: its slots, none lost yet.
+    Nothing is started (no Ray for a preview)."""
+
+    def __init__(self, num_slots: int):
+        self.num_slots = num_slots
+
+    def pool_size(self) -> int:
+        return self.num_slots
+
+    def lost_slots(self) -> frozenset[int]:
+        return frozenset()
+
+    def start(self, plan, workload) -> None:
+        pass
+
+
+def _ppo_preview(spec: PpoJobSpec) -> dict[str, Any]:
+    """The controller's first plan for the job's workload (``PpoRuntime.workload``) on its CPU
+    slots: what the job's first ``control.plan`` event will say, before calibration."""
+    import tempfile
+
+    from runtime.control import Controller, JobPolicy
+    from runtime.planner import PlanningError, default_catalog
+    from runtime.ppo.job import PpoRuntime
+
+    accelerator = default_catalog().accelerator("cpu-slot")
+    with tempfile.TemporaryDirectory(prefix="nereus-preview-") as workdir:
+        workload = PpoRuntime(spec.job_config(), workdir=workdir).workload()
+    controller = Controller(workload, accelerator, JobPolicy.from_json(spec.policy))
+    try:
+        plan = controller.initial_plan(_PlannedSlots(spec.num_slots))
+    except PlanningError as exc:
+        raise ValueError(
+            f"model: no feasible plan for {spec.model} on {spec.num_slots} cpu-slot(s): {exc}"
+        ) from None
+    return {
+        "kind": "ppo",
+        "simulated": False,
+        "predicted_step_s": plan.predicted_step_s,
+        "gen_len": workload.gen_len,
+        "note": "the controller's first plan on the job's CPU slots (before calibration)",
+        "plan": plan.to_json(),
+    }
 
 
 def _sft_preview(spec: SftJobSpec) -> dict[str, Any]:

@@ -5,14 +5,16 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from datetime import UTC, datetime
+import threading
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
 from django.conf import settings
 from django.core.exceptions import ValidationError
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, connection, transaction
 from django.utils import timezone
 
 from webapp.jobs import errors, selectors
@@ -119,11 +121,14 @@ def _replay(job: Job, *, user, token: ApiToken | None, fingerprint: str) -> Job:
         raise mismatch from None
 
 
-def _enqueue_driver(job_id: int) -> None:
+def _enqueue_driver(job_id: int, *, epoch: int | None = None) -> None:
     from webapp.jobs.tasks import job_drive
 
     try:
-        job_drive.delay(job_id)
+        if epoch is None:
+            job_drive.delay(job_id)
+        else:
+            job_drive.delay(job_id, epoch)
     except Exception as exc:  # kombu raises many types; the job must not wait forever for nothing
         logger.exception("could not enqueue the driver of job %s", job_id)
         with transaction.atomic():
@@ -226,15 +231,31 @@ class DatabaseEventSink:
         )
 
 
-def _claim_driver(job_id: int) -> tuple[Job, int] | None:
-    """Take over a job for a new driver: count the delivery, bump the epoch, mark it starting."""
+def _claim_driver(
+    job_id: int, *, epoch: int | None = None, unless_alive: bool = False
+) -> tuple[Job, int] | None:
+    """Take over a job for a new driver: count the delivery, bump the epoch, mark it starting.
+
+    ``epoch``: the delivery was made for that epoch (by ``jobs_reap_lost``); any other epoch means
+    a newer delivery or driver exists, and this one is dropped. ``unless_alive``: drop the delivery
+    when the job's current driver is alive (its heartbeat is fresh): the broker redelivered a task
+    whose driver still runs, and a second copy must not start. Returns None when dropped."""
     with transaction.atomic():
         job = Job.objects.select_for_update().get(pk=job_id)
         if job.is_terminal:
             return None
+        if epoch is not None and job.epoch != epoch:
+            logger.info(
+                "job %s: dropping a delivery for epoch %s (now %s)", job_id, epoch, job.epoch
+            )
+            return None
+        if unless_alive and job.state != JobState.PENDING and _driver_alive(job):
+            logger.info("job %s: its driver (epoch %s) is alive; dropping", job_id, job.epoch)
+            return None
         job.driver_deliveries += 1
         job.epoch += 1
-        job.save(update_fields=["driver_deliveries", "epoch", "updated_at"])
+        job.heartbeat_at = timezone.now()
+        job.save(update_fields=["driver_deliveries", "epoch", "heartbeat_at", "updated_at"])
         if job.state == JobState.CANCELLING:
             job_move(job=job, target=JobState.CANCELLED)
             return None
@@ -253,36 +274,138 @@ def _claim_driver(job_id: int) -> tuple[Job, int] | None:
         return job, job.epoch
 
 
+def _driver_alive(job: Job, now: datetime | None = None) -> bool:
+    if job.heartbeat_at is None:
+        return False
+    age = ((now or timezone.now()) - job.heartbeat_at).total_seconds()
+    return age < settings.NEREUS_DRIVER_LOST_S
+
+
 def _should_stop(job_id: int, epoch: int) -> bool:
+    """Between steps: stop when cancelled or superseded; otherwise this is a heartbeat too."""
+    beat = Job.objects.filter(pk=job_id, epoch=epoch).update(heartbeat_at=timezone.now())
+    if not beat:
+        return True
     job = Job.objects.only("state", "epoch").get(pk=job_id)
     return job.state == JobState.CANCELLING or job.epoch != epoch
 
 
-def job_drive(*, job_id: int) -> str:
-    """Run a job's driver to the end (the body of the Celery task). Returns the final state."""
-    from runtime.jobs.driver import run_sft_job
-    from runtime.jobs.spec import PpoSimJobSpec, spec_from_json
+class _Heartbeat:
+    """A driver's sign of life between its steps too (a step, or starting Ray, may be long):
+    writes ``Job.heartbeat_at`` every ``interval_s`` while the driver's epoch is current."""
 
-    claimed = _claim_driver(job_id)
+    def __init__(self, job_id: int, epoch: int, interval_s: float):
+        self.job_id, self.epoch, self.interval_s = job_id, epoch, interval_s
+        self._done = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, name=f"heartbeat-job-{job_id}", daemon=True
+        )
+
+    def __enter__(self) -> _Heartbeat:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        try:
+            while not self._done.wait(self.interval_s):
+                try:
+                    beat = Job.objects.filter(pk=self.job_id, epoch=self.epoch).update(
+                        heartbeat_at=timezone.now()
+                    )
+                except Exception:  # the database may be away for a moment; try again later
+                    logger.exception("heartbeat of job %s failed", self.job_id)
+                    continue
+                if not beat:
+                    return  # superseded: the driver sees it at its next step and stops
+        finally:
+            connection.close()
+
+
+def jobs_reap_lost(*, now: datetime | None = None) -> list[int]:
+    """Find jobs whose driver went silent (a worker killed, a machine lost) and hand each to a new
+    driver. The epoch is bumped here, under the row lock, so an old driver that was only slow
+    stops at its next step and writes nothing more (exactly one copy runs); the new driver
+    resumes from the job's last checkpoint. Returns the ids of the jobs taken over."""
+    now = now or timezone.now()
+    lost_before = now - timedelta(seconds=settings.NEREUS_DRIVER_LOST_S)
+    running = (JobState.STARTING, JobState.RUNNING, JobState.TRANSITIONING)
+    candidates = Job.objects.filter(
+        state__in=(*running, JobState.AWAITING_APPROVAL, JobState.CANCELLING),
+        heartbeat_at__lt=lost_before,
+    ).values_list("pk", flat=True)
+    taken = []
+    for job_id in list(candidates):
+        with transaction.atomic():
+            job = Job.objects.select_for_update().filter(pk=job_id).first()
+            if job is None or job.is_terminal or _driver_alive(job, now):
+                continue
+            silent_s = round((now - job.heartbeat_at).total_seconds(), 1)
+            job_event_append(
+                job=job,
+                epoch=job.epoch,
+                kind="job.driver_lost",
+                data={"epoch": job.epoch, "silent_s": silent_s},
+            )
+            job.epoch += 1
+            job.heartbeat_at = now  # the new delivery's grace period before it is lost in turn
+            job.save(update_fields=["epoch", "heartbeat_at", "updated_at"])
+            if job.state == JobState.CANCELLING:
+                job_move(job=job, target=JobState.CANCELLED)
+                continue
+            new_epoch = job.epoch
+            transaction.on_commit(
+                lambda job_id=job_id, new_epoch=new_epoch: _enqueue_driver(job_id, epoch=new_epoch)
+            )
+            logger.warning(
+                "job %s: driver silent for %s s; a new driver takes over", job_id, silent_s
+            )
+            taken.append(job_id)
+    return taken
+
+
+def job_workdir(job_id: int) -> Path:
+    """A job's working directory (its checkpoints): the same for every driver of the job."""
+    return Path(settings.NEREUS_JOBS_DIR) / str(job_id)
+
+
+def job_drive(*, job_id: int, epoch: int | None = None) -> str:
+    """Run a job's driver to the end (the body of the Celery task). Returns the final state.
+
+    ``epoch``: see ``_claim_driver``. Without one (the submit's delivery, or the broker's
+    redelivery of it), the job is taken over only when no driver of it is alive."""
+    from runtime.jobs.driver import run_sft_job
+    from runtime.jobs.spec import PpoJobSpec, PpoSimJobSpec, spec_from_json
+
+    claimed = _claim_driver(job_id, epoch=epoch, unless_alive=epoch is None)
     if claimed is None:
         return Job.objects.get(pk=job_id).state
     job, epoch = claimed
     sink = DatabaseEventSink(job_id=job_id, epoch=epoch)
     try:
-        spec = spec_from_json(job.spec)
-        if isinstance(spec, PpoSimJobSpec):
-            outcome = _drive_simulated(job_id, epoch, spec, sink)
-        else:
-            outcome = run_sft_job(
-                spec,
-                sink=sink,
-                ray_address=settings.NEREUS_RAY_ADDRESS,
-                should_stop=lambda: _should_stop(job_id, epoch),
-            )
+        with _Heartbeat(job_id, epoch, settings.NEREUS_DRIVER_HEARTBEAT_S):
+            spec = spec_from_json(job.spec)
+            if isinstance(spec, PpoSimJobSpec):
+                outcome = _drive_simulated(job_id, epoch, spec, sink)
+            elif isinstance(spec, PpoJobSpec):
+                outcome = _drive_ppo(job_id, epoch, spec, sink)
+            else:
+                outcome = run_sft_job(
+                    spec,
+                    sink=sink,
+                    ray_address=settings.NEREUS_RAY_ADDRESS,
+                    should_stop=lambda: _should_stop(job_id, epoch),
+                )
     except errors.StaleEpochError:
         logger.warning("driver of job %s epoch %s was superseded; stopping", job_id, epoch)
         return Job.objects.get(pk=job_id).state
     except Exception as exc:
+        if Job.objects.filter(pk=job_id).values_list("epoch", flat=True).first() != epoch:
+            logger.warning("driver of job %s epoch %s was superseded (%s)", job_id, epoch, exc)
+            return Job.objects.get(pk=job_id).state
         logger.exception("job %s failed", job_id)
         return _finish(
             job_id,
@@ -295,35 +418,89 @@ def job_drive(*, job_id: int) -> str:
     return _finish(job_id, epoch, target)
 
 
-def _drive_simulated(job_id: int, epoch: int, spec, sink: DatabaseEventSink):
-    """A simulated PPO job: the controller's events become plans, proposals and transitions
-    (``webapp.plans``), and the approvals people give reach the controller between steps."""
-    from runtime.jobs.sim_job import run_sim_ppo_job
-    from webapp.plans.services import record_controller_event
+class _ControlLink:
+    """The web side of a controller: its events become plans, proposals and transitions
+    (``webapp.plans``), and the approvals people give (``command.*`` entries of the job's log)
+    reach it between steps."""
 
-    seen = {"after": 0}
+    def __init__(self, job_id: int, epoch: int):
+        self.job_id, self.epoch = job_id, epoch
+        # Commands given to an older driver were for its proposals; this one starts after them.
+        last = (
+            JobEvent.objects.filter(job_id=job_id, kind__in=COMMAND_KINDS)
+            .order_by("-pk")
+            .values_list("pk", flat=True)
+            .first()
+        )
+        self.after = last or 0
 
-    def emit_control(event: dict) -> None:
-        record_controller_event(job=Job(pk=job_id), event=event, epoch=epoch)
+    def emit_control(self, event: dict) -> None:
+        from webapp.plans.services import record_controller_event
 
-    def commands() -> list[tuple[str, int]]:
+        with transaction.atomic():
+            record_controller_event(job=Job(pk=self.job_id), event=event, epoch=self.epoch)
+            self._follow(event.get("event"))
+
+    def _follow(self, kind: str | None) -> None:
+        """The job's state follows its controller: awaiting approval while a proposal waits."""
+        if kind == "control.proposal":
+            source, target = JobState.RUNNING, JobState.AWAITING_APPROVAL
+        elif kind in _PROPOSAL_ENDS:
+            source, target = JobState.AWAITING_APPROVAL, JobState.RUNNING
+        else:
+            return
+        job = Job.objects.select_for_update().get(pk=self.job_id)
+        if job.epoch == self.epoch and job.state == source:
+            job_move(job=job, target=target)
+
+    def commands(self) -> list[tuple[str, int]]:
         new = list(
             JobEvent.objects.filter(
-                job_id=job_id,
-                pk__gt=seen["after"],
-                kind__in=("command.approve", "command.reject"),
+                job_id=self.job_id, pk__gt=self.after, kind__in=COMMAND_KINDS
             ).order_by("pk")
         )
         if new:
-            seen["after"] = new[-1].pk
-        return [(e.kind.partition(".")[2], int(e.data["proposal"])) for e in new]
+            self.after = new[-1].pk
+        return [
+            (e.kind.partition(".")[2], int(e.data["proposal"]))
+            for e in new
+            if e.epoch == self.epoch
+        ]
 
+
+COMMAND_KINDS = ("command.approve", "command.reject")
+_PROPOSAL_ENDS = ("control.approved", "control.rejected", "control.expired", "control.stale")
+
+
+def _drive_simulated(job_id: int, epoch: int, spec, sink: DatabaseEventSink):
+    """A simulated PPO job: the real controller against the simulated cluster."""
+    from runtime.jobs.sim_job import run_sim_ppo_job
+
+    link = _ControlLink(job_id, epoch)
     return run_sim_ppo_job(
         spec,
         sink=sink,
-        emit_control=emit_control,
-        commands=commands,
+        emit_control=link.emit_control,
+        commands=link.commands,
         should_stop=lambda: _should_stop(job_id, epoch),
+    )
+
+
+def _drive_ppo(job_id: int, epoch: int, spec, sink: DatabaseEventSink):
+    """A real PPO job on slots through the Ray engine (``RAY_ADDRESS``, or a local Ray). Its
+    working directory is the job's own, so a driver that takes over after a lost worker resumes
+    from the last committed checkpoint there."""
+    from runtime.jobs.ppo_job import run_ppo_job
+
+    link = _ControlLink(job_id, epoch)
+    return run_ppo_job(
+        spec,
+        sink=sink,
+        emit_control=link.emit_control,
+        commands=link.commands,
+        should_stop=lambda: _should_stop(job_id, epoch),
+        ray_address=settings.NEREUS_RAY_ADDRESS,
+        workdir=job_workdir(job_id),
     )
 
 
@@ -336,5 +513,7 @@ def _finish(job_id: int, epoch: int, target: str, reason: str = "", detail: str 
         target = JobState.CANCELLED  # cancelled during its last step: the user asked it to stop
     if target == JobState.CANCELLED and job.state != JobState.CANCELLING:
         job_move(job=job, target=JobState.CANCELLING)
+    if target == JobState.SUCCEEDED and job.state != JobState.RUNNING:
+        job_move(job=job, target=JobState.RUNNING)  # ended with a proposal still waiting
     job_move(job=job, target=target, reason=reason, detail=detail)
     return job.state

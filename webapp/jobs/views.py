@@ -78,8 +78,9 @@ def job_new(request):
                 project=form.cleaned_data["project"],
             )
         except ValidationError as exc:
-            for field, problems in exc.message_dict.items():
-                form.add_error(field if field in form.fields else None, problems)
+            for problems in exc.message_dict.values():
+                for problem in problems:
+                    form.add_error(form.field_of(problem), problem)
         except (project_errors.NotFoundError, project_errors.RoleError) as exc:
             form.add_error("project", str(exc))
         else:
@@ -97,8 +98,7 @@ def job_preview_view(request):
     try:
         preview = job_preview(form.spec())
     except ValueError as exc:
-        field, _, _ = str(exc).partition(":")
-        field = field if field in form.fields else "__all__"
+        field = form.field_of(str(exc)) or "__all__"
         return JsonResponse(
             {"ok": False, "errors": {field: [{"message": str(exc), "code": "invalid"}]}},
             status=400,
@@ -113,7 +113,8 @@ def job_detail(request, job_id: int):
     except project_errors.NotFoundError:
         raise Http404("no such job") from None
     role = role_of(request.user, job.project)
-    simulated = isinstance(job.spec, dict) and job.spec.get("kind") == "ppo-sim"
+    kind = job.spec.get("kind", "sft") if isinstance(job.spec, dict) else "sft"
+    simulated = kind == "ppo-sim"
     context = {
         "job": job,
         "role": role,
@@ -121,7 +122,7 @@ def job_detail(request, job_id: int):
         "can_approve": role is not None and role.allows(Role.APPROVER),
         "simulated": simulated,
     }
-    if simulated:
+    if kind in ("ppo", "ppo-sim"):  # the controller's panels; labelled by the events' flag too
         policy = job.spec.get("policy") or {}
         thresholds = policy.get("thresholds") or {}
         context["config"] = {
@@ -133,8 +134,9 @@ def job_detail(request, job_id: int):
             "memory_budget": 1.0 - HEADROOM,
             "decide_url": reverse("plans:decide", args=[0]).replace("/0/", "/{id}/"),
             "can_approve": context["can_approve"],
+            "simulated": simulated,
         }
-        return render(request, "jobs/detail_sim.html", context)
+        return render(request, "jobs/detail_ppo.html", context)
     return render(request, "jobs/detail.html", context)
 
 

@@ -2,9 +2,10 @@
 
 ``record_controller_event`` turns the runtime controller's events into rows and appends each to
 the job's event log. ``proposal_decide`` records a person's answer to a proposal and appends a
-``command.approve`` / ``command.reject`` event; the job's driver is meant to read those commands
-and pass them to ``Controller.command``, but that driver integration is not built yet, so today a
-decision is recorded and logged without reaching a running controller.
+``command.approve`` / ``command.reject`` event; the job's driver (``webapp.jobs.services``, for the
+"ppo" and "ppo-sim" kinds) reads those commands between steps and passes them to
+``Controller.command``, which answers with ``control.approved`` / ``control.rejected`` /
+``control.stale``.
 """
 
 from __future__ import annotations

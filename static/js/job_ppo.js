@@ -1,7 +1,9 @@
-// The simulated PPO job's panels, all drawn from the job's events: drift charts (sequence length,
-// peak memory, slot pool, with threshold bands and trigger points), step latency by stage
-// (predicted by the plan in force vs measured), the plan map (current and proposed), the
-// transition DAG, calibration and the decisions log.
+// A PPO job's panels (real on CPU slots, or on the simulated cluster), all drawn from the job's
+// events: drift charts (sequence length, peak memory, slot pool, with threshold bands and trigger
+// points), step latency by stage (predicted by the plan in force vs measured), PPO's own charts
+// (reward, KL, response length, clip fraction and entropy; real jobs), the plan map (current and
+// proposed), the transition DAG (live, node by node, when the engine reports nodes), calibration
+// and the decisions log. The "simulated" labels follow the events' own `simulated` flag.
 "use strict";
 (function () {
   const cfg = JSON.parse(document.getElementById("job-config").textContent);
@@ -11,7 +13,9 @@
     steps: [], genLen: [], memory: [], pool: [], stage: { generation: [], inference: [], training: [] },
     predicted: { generation: [], inference: [], training: [] }, band: { gen_len: [], peak_memory: [] },
     ref: {}, latest: {}, triggers: [], current: null, candidate: null, proposals: {}, waiting: null,
-    target: null, transitions: [], shown: null, nodeStates: {}, calibration: null, lastStep: null,
+    target: null, transitions: [], shown: null, live: null, calibration: null, lastStep: null,
+    ppo: { steps: [], reward: [], kl: [], klCoef: [], length: [], clip: [], entropy: [] },
+    simulated: null,
   };
   let dirty = false;
 
@@ -31,9 +35,31 @@
   }
 
   // --- drift and latency --------------------------------------------------------------------
+  function label(simulated) {
+    if (simulated == null || simulated === S.simulated) return;
+    S.simulated = Boolean(simulated);
+    for (const el of document.querySelectorAll(".sim")) el.hidden = !S.simulated;
+    for (const el of document.querySelectorAll(".real")) el.hidden = S.simulated;
+  }
+
+  // A new driver (after a lost worker) resumes from a checkpoint and runs some steps again: the
+  // re-run replaces what the lost driver had reported from that step on.
+  function truncateFrom(step) {
+    const keep = S.steps.findIndex((s) => s >= step);
+    if (keep >= 0) {
+      for (const arr of [S.steps, S.genLen, S.memory, S.pool, ...Object.values(S.stage),
+        ...Object.values(S.predicted), ...Object.values(S.band)]) arr.splice(keep);
+    }
+    const k = S.ppo.steps.findIndex((s) => s >= step);
+    if (k >= 0) for (const arr of Object.values(S.ppo)) arr.splice(k);
+  }
+
   function onStep(d) {
     $("step-now").textContent = d.step + 1;
+    label(d.simulated);
+    if (S.steps.length && d.step <= S.steps[S.steps.length - 1]) truncateFrom(d.step);
     S.lastStep = d;
+    onPpo(d);
     if (!d.ok) { S.triggers.push({ kind: "failed step", step: d.step, detail: d.failure }); return; }
     for (const [signal, value] of [["gen_len", d.gen_len], ["peak_memory", d.peak_memory], ["step_time", d.step_s]]) {
       if (S.ref[signal] === undefined) S.ref[signal] = value;  // the monitor's first reference
@@ -53,6 +79,38 @@
     }
     drawCalibration();
     redrawSoon();
+  }
+
+  function onPpo(d) {
+    const p = d.ppo;
+    if (!p || p.mean_reward == null || !$("chart-reward")) return;
+    const step = d.ppo_step ?? d.step;
+    if (S.ppo.steps.length && step <= S.ppo.steps[S.ppo.steps.length - 1]) {
+      const k = S.ppo.steps.findIndex((s) => s >= step);
+      for (const arr of Object.values(S.ppo)) arr.splice(k);
+    }
+    S.ppo.steps.push(step);
+    S.ppo.reward.push(p.mean_reward);
+    S.ppo.kl.push(p.kl);
+    S.ppo.klCoef.push(p.kl_coef);
+    S.ppo.length.push(p.mean_response_length);
+    S.ppo.clip.push(p.clip_fraction);
+    S.ppo.entropy.push(p.entropy);
+  }
+
+  function drawPpo() {
+    if (!$("chart-reward")) return;
+    const x = S.ppo.steps;
+    const line = (y, name, extra) => ({ x, y, name, mode: "lines+markers", type: "scatter", ...extra });
+    const layout = (title, extra) => NereusLive.layout(title, { xaxis: { title: { text: "PPO step" } }, ...extra });
+    Plotly.react("chart-reward", [line(S.ppo.reward, "mean reward")], layout("reward"), plotConfig);
+    Plotly.react("chart-kl", [line(S.ppo.kl, "KL(actor ‖ reference)"),
+      line(S.ppo.klCoef, "KL coefficient", { yaxis: "y2", line: { dash: "dot" } })],
+    layout("KL", { yaxis2: { overlaying: "y", side: "right", title: { text: "coefficient" }, showgrid: false } }), plotConfig);
+    Plotly.react("chart-length", [line(S.ppo.length, "mean response length")], layout("tokens"), plotConfig);
+    Plotly.react("chart-clip", [line(S.ppo.clip, "clip fraction"),
+      line(S.ppo.entropy, "entropy", { yaxis: "y2", line: { dash: "dot" } })],
+    layout("clip fraction", { yaxis2: { overlaying: "y", side: "right", title: { text: "entropy (nats)" }, showgrid: false } }), plotConfig);
   }
 
   function onTrigger(d) {
@@ -90,7 +148,9 @@
     plotConfig);
     Plotly.react("chart-pool", [{ ...line(S.pool, "slots"), line: { shape: "hv" } },
       markers((t) => t.kind === "pool", (t) => t.value, "pool trigger", "diamond"),
-      markers((t) => t.kind === "failure", valueAt(S.pool), "slot failure", "x")],
+      markers((t) => t.kind === "failure", valueAt(S.pool), "slot failure", "x"),
+      markers((t) => t.kind === "revoked", valueAt(S.pool), "slot revoked", "triangle-down"),
+      markers((t) => t.kind === "granted", valueAt(S.pool), "slot granted", "triangle-up")],
     NereusLive.layout("slots"), plotConfig);
     const traces = [];
     STAGES.forEach((st, i) => {
@@ -100,6 +160,7 @@
     });
     traces.push(markers((t) => t.signal === "step_time", valueAt(S.stage.generation), "step-time trigger", "diamond"));
     Plotly.react("chart-latency", traces, NereusLive.layout("seconds"), plotConfig);
+    drawPpo();
   }
 
   // --- plans and proposals ------------------------------------------------------------------
@@ -146,10 +207,36 @@
     // as a whole, so its nodes take the transition's outcome.
     const states = {};
     for (const n of t.dag.nodes) {
-      const reported = S.nodeStates[n.id];
-      states[n.id] = reported || (n.state !== "pending" ? n.state : t.ok ? "done" : "failed");
+      const reported = t.reported[n.id];
+      states[n.id] = (reported && reported.state) ||
+        (n.state !== "pending" ? n.state : t.ok ? "done" : "failed");
     }
     return states;
+  }
+
+  // A transition executing now: its nodes as the engine reports them (the whole DAG, with its
+  // edges and critical path, comes with control.transition once it is done).
+  function liveNode(d) {
+    if (!S.live) S.live = { nodes: {}, step: S.lastStep ? S.lastStep.step : null };
+    S.live.nodes[d.node] = { ...(S.live.nodes[d.node] || {}), ...d };
+    drawLive();
+  }
+
+  function drawLive() {
+    const live = S.live;
+    if (!live) return;
+    const nodes = Object.values(live.nodes).map((n) => ({ id: n.node, kind: n.kind || "node",
+      model_stage: n.model_stage || "", slots: [], predicted_s: n.predicted_s, actual_s: n.actual_s,
+      state: n.state, error: n.error }));
+    const done = nodes.filter((n) => n.state === "done").length;
+    const running = nodes.filter((n) => n.state === "running").length;
+    $("dag-summary").textContent = `Transition ${S.transitions.length + 1} executing after step ` +
+      `${live.step ?? "–"}: ${done} of ${nodes.length} nodes done, ${running} running (live; edges ` +
+      "and the critical path appear when it completes).";
+    $("dag").dataset.state = "running";
+    $("dag").dataset.transition = S.transitions.length + 1;
+    NereusDag.render($("dag"), { nodes, edges: [], critical_path: [] },
+      Object.fromEntries(nodes.map((n) => [n.id, n.state])));
   }
 
   function drawTransitions() {
@@ -162,9 +249,10 @@
       body.appendChild(tr);
     });
     const t = S.shown;
+    if (S.live) { drawLive(); return; }
     if (!t) return;
     const states = nodeStates(t);
-    const perNode = t.dag.nodes.some((n) => S.nodeStates[n.id] || n.state !== "pending");
+    const perNode = t.dag.nodes.some((n) => t.reported[n.id] || n.state !== "pending");
     $("dag-summary").textContent = `Transition ${t.index} (${t.simulated ? "simulated" : "real"}): ` +
       `${t.ok ? "complete" : "failed"} — ${t.nodes} nodes, predicted ${num(t.predicted_s)} s, actual ` +
       `${num(t.actual_s)} s; critical path (thick) ${num(t.dag.critical_path_s)} s.` +
@@ -219,6 +307,26 @@
     const record = d.record || {};
     switch (event.kind) {
       case "step.finished": onStep(d); break;
+      case "job.started": label(d.simulated); break;
+      case "job.driver_lost":
+        log("driver lost", "", "a new driver takes over", `epoch ${d.epoch} silent for ${num(d.silent_s)} s`, "");
+        break;
+      case "engine.revoked": case "engine.granted": {
+        const kind = event.kind.replace("engine.", "");
+        S.triggers.push({ kind, step: S.lastStep ? S.lastStep.step : 0, detail: `slot ${d.slot} ${kind}` });
+        log(kind, `slot ${d.slot}`, "", "the cluster's move", "");
+        redrawSoon();
+        break;
+      }
+      case "engine.slots_lost":
+        log("slots lost", `slots ${(d.slots || []).join(", ")}`, `group re-formed in ${num(d.reform_s)} s`, "", "");
+        break;
+      case "engine.resumed":
+        log("resumed", "", `from the checkpoint of step ${d.step}`, "a new driver took over", "");
+        break;
+      case "engine.step_failed":
+        log("step failed", `step ${d.step}`, "", d.error || "", "");
+        break;
       case "control.trigger": onTrigger(d); break;
       case "control.plan":
         S.current = d.plan; drawMaps(); drawCalibration();
@@ -255,7 +363,11 @@
         log("command", "", `${d.command} ${d.proposal}: ${d.outcome}`, "", "");
         break;
       case "control.transition": {
-        const t = { ...d, index: S.transitions.length + 1, step: S.lastStep ? S.lastStep.step : null };
+        const reported = S.live ? S.live.nodes : {};
+        const t = { ...d, index: S.transitions.length + 1, reported,
+          step: S.live && S.live.step != null ? S.live.step : S.lastStep ? S.lastStep.step : null };
+        S.live = null;
+        label(d.simulated);
         S.transitions.push(t);
         S.shown = t;
         if (d.ok && S.target) { S.current = S.target; S.target = null; }
@@ -264,10 +376,11 @@
         drawTransitions(); drawMaps(); drawCalibration();
         break;
       }
-      case "transition.node":
-        S.nodeStates[d.node] = d.state;
-        if (S.shown) drawTransitions();
+      case "transition.groups":
+        S.live = { nodes: {}, step: S.lastStep ? S.lastStep.step : null };
+        drawLive();
         break;
+      case "transition.node": liveNode(d); break;
       case "control.restart":
         if (S.target) { S.current = S.target; S.target = null; }
         log("restart", "", `from checkpoint in ${num(d.seconds)} s`, d.reason || "", "");
@@ -280,8 +393,12 @@
         S.calibration = d; drawCalibration();
         break;
       case "job.finished":
-        $("job-summary").textContent = `Finished (${d.status}): ${d.steps} steps in ${num(d.simulated_s, 4)} ` +
-          `simulated seconds, ${d.transitions} transitions, ${d.restarts} restarts.`;
+        $("job-summary").textContent = d.simulated
+          ? `Finished (${d.status}): ${d.steps} steps in ${num(d.simulated_s, 4)} simulated seconds, ` +
+            `${d.transitions} transitions, ${d.restarts} restarts.`
+          : `Finished (${d.status}): ${d.steps} steps in ${num(d.wall_s, 4)} s, ${d.transitions} ` +
+            `transitions (${num(d.transition_s)} s), ${d.restarts} restarts, final mean reward ` +
+            `${num(d.mean_reward)}.`;
         break;
       default:
     }

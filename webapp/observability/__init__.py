@@ -1,0 +1,1 @@
+"""Operations: Prometheus metrics at ``/metrics`` and the request-latency middleware."""
