@@ -312,6 +312,24 @@ def read_unit(ctx: SlotContext, *, unit: Unit) -> dict[str, tuple[ShardSpec, tor
     return {s.key: (s, state[s.key].detach().cpu().clone()) for s in _my_shards(unit, ctx.rank)}
 
 
+def install_unit(
+    ctx: SlotContext, *, unit: Unit, shards: dict[str, tuple[ShardSpec, torch.Tensor]]
+) -> int:
+    """Put back this slot's shards of ``unit`` as ``read_unit`` gave them (a unit carried over
+    to a new process); returns the bytes placed."""
+    if ctx.rank not in unit.slots:
+        return 0
+    mine = _my_shards(unit, ctx.rank)
+    missing = [s.key for s in mine if s.key not in shards]
+    if missing:
+        raise ValueError(f"{unit.unit_id}: shard {missing[0]} was not given for slot {ctx.rank}")
+    state = _allocate(mine, ctx.device)
+    for spec in mine:
+        state[spec.key].copy_(shards[spec.key][1])
+    _units(ctx)[unit.unit_id] = state
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
 # --- flat buffers ---------------------------------------------------------------------------------
 
 

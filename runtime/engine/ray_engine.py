@@ -25,7 +25,7 @@ import time
 import zlib
 from pathlib import Path
 
-from runtime.emu import checkpoint
+from runtime.emu import checkpoint, slot_ops
 from runtime.emu.engine import _POOL_GROUPS, IntegrityError, UnitEngine
 from runtime.emu.primitives import Destroy
 from runtime.engine.interface import StepReport, TransitionOutcome
@@ -122,19 +122,37 @@ class RayEngine:
         return slot
 
     def _probe(self) -> None:
-        """Find slots whose process died and re-form the group around new ones."""
+        """Find slots whose process died; re-form the group on new processes, keeping the units
+        the dead ones did not touch."""
         # A dead process answers at once; a live one between steps within moments, even when
         # the machine is busy: the patience is for the latter.
-        dead = [i for i, ok in enumerate(self.engine.pool.alive(timeout_s=30)) if not ok]
+        pool = self.engine.pool
+        dead = [i for i, ok in enumerate(pool.alive(timeout_s=30)) if not ok]
         if not dead:
             return
-        seconds = self.engine.pool.replace(dead)
+        started = time.monotonic()
+        # A communicator that lost a member cannot be used again, and torch keeps per-process
+        # state about the groups it made (names, meshes) that a re-initialised process would
+        # carry over: every slot gets a new process. The intact units' shards wait on the
+        # driver meanwhile (as they would in host memory on a GPU node) and go back in place.
+        intact = [u for u in self.engine.units.values() if not set(u.slots) & set(dead)]
+        kept = {
+            unit.unit_id: pool.run(slot_ops.read_unit, on=unit.slots, unit=unit) for unit in intact
+        }
+        pool.replace(range(pool.num_slots))
+        for unit in intact:
+            pool.run(
+                slot_ops.install_unit,
+                [{"shards": held} for held in kept.pop(unit.unit_id)],
+                on=unit.slots,
+                unit=unit,
+            )
         self.engine.lost_slots.update(dead)
-        # Every group and mesh belonged to the old communicator.
         self.engine._groups.clear()
-        _POOL_GROUPS.pop(self.engine.pool, None)
+        _POOL_GROUPS.pop(pool, None)
         if self.job is not None:
             self.job.regrouped()
+        seconds = time.monotonic() - started
         self._event({"event": "engine.slots_lost", "slots": dead, "reform_s": round(seconds, 3)})
 
     # --- the interface ----------------------------------------------------------------------------

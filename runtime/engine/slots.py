@@ -236,15 +236,16 @@ class SlotPool:
             ]
         )
 
-    def replace(self, dead: Sequence[int]) -> float:
-        """Start new processes for the ``dead`` slots and re-form the group with them, as
-        torchelastic re-forms a worker group: a communicator that lost a member cannot be used
-        again. The survivors keep their units' state; the new slots hold nothing. Call it while
-        no call is running on the survivors. Returns the seconds it took."""
+    def replace(self, slots: Sequence[int]) -> float:
+        """Start new processes for ``slots`` (dead ones, or all) and re-form the group with
+        them, as torchelastic re-forms a worker group: a communicator that lost a member cannot
+        be used again. A surviving process not replaced re-joins in place, keeping its units'
+        state; a new one holds nothing. Call it while no call is running on the survivors.
+        Returns the seconds it took."""
         if self._remote_cls is None:
             raise RuntimeError("replace: this pool was not made by SlotPool.create")
         started = time.perf_counter()
-        for slot in dead:
+        for slot in slots:
             with contextlib.suppress(ray.exceptions.RayError):  # already gone
                 ray.kill(self._actors[slot], no_restart=True)
             options = self._placements[slot]
@@ -302,9 +303,20 @@ class SlotPool:
                 out.append(False)
         return out
 
-    def kill(self, slot: int) -> None:
-        """End one slot's actor abruptly, as a revoked GPU or a crashed node would."""
-        ray.kill(self._actors[slot], no_restart=True)
+    def kill(self, slot: int, *, timeout_s: float = 30.0) -> None:
+        """End one slot's actor abruptly, as a revoked GPU or a crashed node would; returns once
+        Ray reports it dead (``ray.kill`` itself only asks)."""
+        actor = self._actors[slot]
+        ray.kill(actor, no_restart=True)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                ray.get(actor.memory.remote(), timeout=1.0)
+            except ray.exceptions.RayActorError:
+                return
+            except ray.exceptions.GetTimeoutError:
+                continue
+        raise SlotError(f"slot {slot}: still answering {timeout_s:.0f} s after it was killed")
 
     def close(self) -> None:
         """Leave the group and end the actors; best effort, never raises."""

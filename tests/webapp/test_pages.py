@@ -260,7 +260,7 @@ def test_the_submit_page_submits_a_real_ppo_job(client, operator):
         ({"tasks": "zigzag"}, "tasks"),
         ({"tasks": ""}, "tasks"),
         ({"reward": "vibes"}, "reward"),
-        ({"batch_size": 8}, "batch_size"),
+        ({"batch_size": 0}, "batch_size"),
         ({"batch_size": "lots"}, "batch_size"),
         ({"max_new_tokens": 0}, "max_new_tokens"),
         ({"max_slots": 2}, "max_slots"),
