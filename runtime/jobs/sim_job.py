@@ -36,15 +36,11 @@ def apply_commands(controller: Controller, engine, commands: list[Command], sink
         )
 
 
-def run_sim_ppo_job(
-    spec: PpoSimJobSpec,
-    *,
-    sink: EventSink,
-    emit_control: Callable[[dict], None],
-    commands: Callable[[], list[Command]] = list,
-    should_stop: Callable[[], bool] = lambda: False,
-) -> JobOutcome:
-    """Run the job to its last step (or a stop); controller events go to ``emit_control``."""
+def sim_job_parts(
+    spec: PpoSimJobSpec, *, emit: Callable[[dict], None] | None = None
+) -> tuple[SimulatedEngine, Controller]:
+    """The job's simulated cluster (its generated trace, its hidden true model) and its
+    controller: what a run starts from, and what a preview asks for the first plan."""
     catalog = default_catalog()
     accelerator = catalog.accelerator(spec.gpu)
     trace = generate(
@@ -58,9 +54,20 @@ def run_sim_ppo_job(
     )
     workload = PpoWorkload.for_model(catalog.model(spec.model), gen_len=trace.gen_len_at(0))
     engine = SimulatedEngine(trace, accelerator, truth=TrueModel.draw(spec.seed), seed=spec.seed)
-    controller = Controller(
-        workload, accelerator, JobPolicy.from_json(spec.policy), emit=emit_control
-    )
+    controller = Controller(workload, accelerator, JobPolicy.from_json(spec.policy), emit=emit)
+    return engine, controller
+
+
+def run_sim_ppo_job(
+    spec: PpoSimJobSpec,
+    *,
+    sink: EventSink,
+    emit_control: Callable[[dict], None],
+    commands: Callable[[], list[Command]] = list,
+    should_stop: Callable[[], bool] = lambda: False,
+) -> JobOutcome:
+    """Run the job to its last step (or a stop); controller events go to ``emit_control``."""
+    engine, controller = sim_job_parts(spec, emit=emit_control)
     sink.emit(RuntimeEvent(kind="job.started", data={"spec": spec.to_json(), "simulated": True}))
 
     def between_steps(step: int) -> bool:

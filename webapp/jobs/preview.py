@@ -64,7 +64,7 @@ def _ppo_preview(spec: PpoJobSpec) -> dict[str, Any]:
         "kind": "ppo",
         "simulated": False,
         "predicted_step_s": plan.predicted_step_s,
-        "gen_len": workload.gen_len,
+        "gen_len": controller.workload.gen_len,
         "note": "the controller's first plan on the job's CPU slots (before calibration)",
         "plan": plan.to_json(),
     }
@@ -94,25 +94,10 @@ def _sft_preview(spec: SftJobSpec) -> dict[str, Any]:
 
 
 def _ppo_sim_preview(spec: PpoSimJobSpec) -> dict[str, Any]:
-    from runtime.control import Controller, JobPolicy
-    from runtime.engine.sim import SimulatedEngine, TrueModel
-    from runtime.engine.traces import generate
-    from runtime.planner import PlanningError, PpoWorkload, default_catalog
+    from runtime.jobs.sim_job import sim_job_parts
+    from runtime.planner import PlanningError
 
-    catalog = default_catalog()
-    accelerator = catalog.accelerator(spec.gpu)
-    trace = generate(
-        spec.trace,
-        seed=spec.seed,
-        steps=spec.num_steps,
-        gpus=spec.gpus,
-        accelerator=accelerator.name,
-        spot=True,
-        hours=spec.trace_hours,
-    )
-    workload = PpoWorkload.for_model(catalog.model(spec.model), gen_len=trace.gen_len_at(0))
-    engine = SimulatedEngine(trace, accelerator, truth=TrueModel.draw(spec.seed), seed=spec.seed)
-    controller = Controller(workload, accelerator, JobPolicy.from_json(spec.policy))
+    engine, controller = sim_job_parts(spec)
     try:
         plan = controller.initial_plan(engine)
     except PlanningError as exc:
@@ -121,7 +106,7 @@ def _ppo_sim_preview(spec: PpoSimJobSpec) -> dict[str, Any]:
         "kind": "ppo-sim",
         "simulated": True,
         "predicted_step_s": plan.predicted_step_s,
-        "gen_len": workload.gen_len,
+        "gen_len": controller.workload.gen_len,
         "note": "the controller's first plan on the simulated cluster",
         "plan": plan.to_json(),
     }
