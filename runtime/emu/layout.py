@@ -93,6 +93,26 @@ class ShardSpec:
         """Half-open [start, stop) per dimension, in global coordinates."""
         return tuple((o, o + n) for o, n in zip(self.global_offset, self.local_shape, strict=True))
 
+    def view_of(self, full):
+        """The slice of a whole tensor ``full`` (of ``global_shape``) this shard covers, as a view."""
+        for dim, (start, stop) in enumerate(self.region()):
+            full = full.narrow(dim, start, stop - start)
+        return full
+
+
+def assemble(pieces) -> dict:
+    """Whole tensors from shards: ``{key: [(ShardSpec, local tensor), ...]}`` (what
+    ``UnitEngine.read`` returns) → ``{key: tensor of the global shape}``."""
+    import torch
+
+    out = {}
+    for key, held in pieces.items():
+        full = torch.empty(held[0][0].global_shape, dtype=held[0][1].dtype)
+        for spec, tensor in held:
+            spec.view_of(full).copy_(tensor)
+        out[key] = full
+    return out
+
 
 def chunk_bounds(size: int, parts: int, index: int) -> tuple[int, int]:
     """[start, stop) of chunk ``index`` of ``parts`` as ``torch.chunk`` cuts ``size`` (may be empty)."""

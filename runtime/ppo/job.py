@@ -32,7 +32,7 @@ import torch
 
 from runtime.emu import checkpoint
 from runtime.emu.engine import UnitEngine
-from runtime.emu.layout import ShardError
+from runtime.emu.layout import ShardError, assemble
 from runtime.emu.primitives import Unit
 from runtime.emu.reshard import plan_copies
 from runtime.engine.interface import StepReport
@@ -716,18 +716,11 @@ class PpoRuntime:
     def parameters(self, engine: UnitEngine, role: str) -> dict[str, torch.Tensor]:
         """The full parameters of a training model, assembled on the driver from one replica."""
         unit = next(u for u in engine.units.values() if u.model_stage == f"{role}@training")
-        full: dict[str, torch.Tensor] = {}
+        pieces: dict[str, list] = {}
         for held in engine.pool.run(slot_work.read_parameters, on=unit.slots, unit=unit):
-            for key, (spec, tensor) in held.items():
-                if key not in full:
-                    full[key] = torch.empty(spec.global_shape, dtype=tensor.dtype)
-                view = full[key]
-                for dim, (offset, size) in enumerate(
-                    zip(spec.global_offset, spec.local_shape, strict=True)
-                ):
-                    view = view.narrow(dim, offset, size)
-                view.copy_(tensor)
-        return full
+            for key, pair in held.items():
+                pieces.setdefault(key, []).append(pair)
+        return assemble(pieces)
 
     def save_state(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from runtime.emu import checkpoint
+from runtime.emu import checkpoint, slot_ops
 from runtime.emu.layout import REPLICATED, ShardSpec
 from runtime.emu.primitives import Unit
 from runtime.emu.reshard import Copy
@@ -343,11 +343,8 @@ def score(
 # --- weights --------------------------------------------------------------------------------------
 
 
-def _narrow(t: torch.Tensor, spec: ShardSpec, copy: Copy) -> torch.Tensor:
-    if not spec.global_shape:
-        return t
-    offset = spec.global_offset[copy.dim] if spec.local_shape != spec.global_shape else 0
-    return t.narrow(copy.dim, copy.start - offset, copy.stop - copy.start)
+def _slice_of(t: torch.Tensor, spec: ShardSpec, copy: Copy) -> torch.Tensor:
+    return slot_ops._narrow(t, spec, copy.dim, copy.start, copy.stop)
 
 
 @torch.no_grad()
@@ -369,20 +366,20 @@ def sync_weights(
     incoming: dict[int, list[Copy]] = defaultdict(list)
     for c in copies:
         if c.src_slot == ctx.rank and c.dst_slot == ctx.rank:
-            dst = _narrow(ws.locals[c.key], ws.shards[c.key], c)
-            dst.copy_(_narrow(src_state[c.key], src_specs[c.key], c))
+            dst = _slice_of(ws.locals[c.key], ws.shards[c.key], c)
+            dst.copy_(_slice_of(src_state[c.key], src_specs[c.key], c))
         elif c.src_slot == ctx.rank:
             outgoing[c.dst_slot].append(c)
         elif c.dst_slot == ctx.rank:
             incoming[c.src_slot].append(c)
     requests, received = [], {}
     for src, group in sorted(incoming.items()):
-        sizes = [_narrow(ws.locals[c.key], ws.shards[c.key], c).numel() for c in group]
+        sizes = [_slice_of(ws.locals[c.key], ws.shards[c.key], c).numel() for c in group]
         received[src] = (torch.empty(sum(sizes)), sizes)
         requests.append(dist.irecv(received[src][0], src=src))
     for dst, group in sorted(outgoing.items()):
         packed = torch.cat(
-            [_narrow(src_state[c.key], src_specs[c.key], c).reshape(-1).float() for c in group]
+            [_slice_of(src_state[c.key], src_specs[c.key], c).reshape(-1).float() for c in group]
         )
         requests.append(dist.isend(packed, dst=dst))
     for request in requests:
@@ -390,7 +387,7 @@ def sync_weights(
     nbytes = 0
     for src, (buffer, sizes) in received.items():
         for c, piece in zip(incoming[src], buffer.split(sizes), strict=True):
-            dst = _narrow(ws.locals[c.key], ws.shards[c.key], c)
+            dst = _slice_of(ws.locals[c.key], ws.shards[c.key], c)
             dst.copy_(piece.view(dst.shape))
         nbytes += buffer.numel() * buffer.element_size()
     return nbytes
@@ -404,16 +401,9 @@ def load_frozen(ctx: SlotContext, *, unit: Unit, path: str) -> bool:
     full = torch.load(path, mmap=True, weights_only=True)
     with torch.no_grad():
         for key, local in ws.locals.items():
-            local.copy_(_slice(full[key], ws.shards[key]))
+            local.copy_(ws.shards[key].view_of(full[key]))
     ws.frozen_loaded = True
     return True
-
-
-def _slice(full: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
-    out = full
-    for dim, (offset, size) in enumerate(zip(spec.global_offset, spec.local_shape, strict=True)):
-        out = out.narrow(dim, offset, size)
-    return out
 
 
 @torch.no_grad()
@@ -424,15 +414,14 @@ def place_training_unit(ctx: SlotContext, *, unit: Unit, path: str) -> int:
         return 0
     full = torch.load(path, mmap=True, weights_only=True)
     shards = unit.layout.shards(unit.position_of(ctx.rank))
-    from runtime.emu.slot_ops import _allocate
 
-    state = _allocate(shards, ctx.device)
+    state = slot_ops._allocate(shards, ctx.device)
     for spec in shards:
         key, _, kind = spec.key.partition("::")
         if kind in ("exp_avg", "exp_avg_sq"):
             state[spec.key].zero_()
         else:
-            state[spec.key].copy_(_slice(full[key], spec))
+            state[spec.key].copy_(spec.view_of(full[key]))
     ctx.state.setdefault("units", {})[unit.unit_id] = state
     return sum(t.numel() * t.element_size() for t in state.values())
 

@@ -8,6 +8,7 @@ import statistics
 import pytest
 import torch
 
+from runtime.emu.layout import assemble
 from runtime.engine.ray_cluster import ray_connection
 from runtime.engine.ray_engine import RayEngine
 from runtime.engine.slots import SlotPool
@@ -86,16 +87,8 @@ def _state(engine):
     """Every training unit's logical state (parameters and Adam's) assembled on the driver."""
     out = {}
     for name, units in engine.units().items():
-        for key, pieces in engine.engine.read(units[0]).items():
-            full = torch.empty(pieces[0][0].global_shape, dtype=pieces[0][1].dtype)
-            for spec, tensor in pieces:
-                view = full
-                for dim, (offset, size) in enumerate(
-                    zip(spec.global_offset, spec.local_shape, strict=True)
-                ):
-                    view = view.narrow(dim, offset, size)
-                view.copy_(tensor)
-            out[f"{name}:{key}"] = full
+        for key, tensor in assemble(engine.engine.read(units[0])).items():
+            out[f"{name}:{key}"] = tensor
     return out
 
 
