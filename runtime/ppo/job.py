@@ -200,6 +200,7 @@ class PpoRuntime:
         self.state = JobState(kl_coef=self.kl.value)
         self.stats: list[StepStats] = []
         self._weights: dict[str, Path] = {}
+        self._workload: PpoWorkload | None = None
         self._grouped: set[tuple] = set()
         if config.init_from:
             self._check_initial(config.init_from)
@@ -207,7 +208,12 @@ class PpoRuntime:
     # --- set-up ---------------------------------------------------------------------------------
 
     def workload(self) -> PpoWorkload:
-        """The planner's view of a step of this job."""
+        """The planner's view of a step of this job (made once: it samples prompts)."""
+        if self._workload is None:
+            self._workload = self._make_workload()
+        return self._workload
+
+    def _make_workload(self) -> PpoWorkload:
         prompt_len = max(len(p.tokens) for p in self.tasks.sample(64, seed=self.config.seed))
         return PpoWorkload.for_model(
             self.model,
