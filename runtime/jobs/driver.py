@@ -32,6 +32,22 @@ class JobOutcome:
     final_loss: float | None
 
 
+def apply_commands(controller, engine, commands: list[Command], sink: EventSink) -> None:
+    """Hand people's approvals and rejections to the controller, between steps; each outcome
+    becomes a ``command.applied`` event (a proposal that stopped waiting is ignored, saying why)."""
+    for kind, proposal in commands:
+        try:
+            outcome = controller.command(kind, proposal, engine)
+        except ValueError as exc:  # not waiting any more (expired, superseded)
+            outcome = f"ignored: {exc}"
+        sink.emit(
+            RuntimeEvent(
+                kind="command.applied",
+                data={"command": kind, "proposal": proposal, "outcome": outcome},
+            )
+        )
+
+
 def run_sft_job(
     spec: SftJobSpec,
     *,

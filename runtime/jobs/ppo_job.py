@@ -21,8 +21,7 @@ from runtime.engine.ray_cluster import ray_connection
 from runtime.engine.ray_engine import RayEngine
 from runtime.engine.slots import SlotPool
 from runtime.events import EventSink, RuntimeEvent
-from runtime.jobs.driver import Command, JobOutcome
-from runtime.jobs.sim_job import apply_commands
+from runtime.jobs.driver import Command, JobOutcome, apply_commands
 from runtime.jobs.spec import PpoJobSpec
 from runtime.planner import default_catalog
 from runtime.ppo.job import PpoRuntime

@@ -15,25 +15,9 @@ from runtime.control import Controller, JobPolicy, run_job
 from runtime.engine.sim import SimulatedEngine, TrueModel
 from runtime.engine.traces import generate
 from runtime.events import EventSink, RuntimeEvent
-from runtime.jobs.driver import Command, JobOutcome
+from runtime.jobs.driver import Command, JobOutcome, apply_commands
 from runtime.jobs.spec import PpoSimJobSpec
 from runtime.planner import PpoWorkload, default_catalog
-
-
-def apply_commands(controller: Controller, engine, commands: list[Command], sink: EventSink):
-    """Hand people's approvals and rejections to the controller, between steps; each outcome
-    becomes a ``command.applied`` event (a proposal that stopped waiting is ignored, saying why)."""
-    for kind, proposal in commands:
-        try:
-            outcome = controller.command(kind, proposal, engine)
-        except ValueError as exc:  # not waiting any more (expired, superseded)
-            outcome = f"ignored: {exc}"
-        sink.emit(
-            RuntimeEvent(
-                kind="command.applied",
-                data={"command": kind, "proposal": proposal, "outcome": outcome},
-            )
-        )
 
 
 def sim_job_parts(
