@@ -12,9 +12,9 @@ The pool moves as a cluster's does. The job may use the first ``pool_size()`` sl
 takes the highest one away (its process is killed, as a reclaimed spot GPU's would be) and
 ``grant`` gives one (back). A slot whose process died, revoked or failed, is found before the
 controller next asks (``lost_slots``): a communicator that lost a member cannot be used again,
-so the engine re-forms the group with a new process in its place (``SlotPool.replace``); the
-survivors keep their units, and the slot counts as lost (it holds nothing) until a restart
-places units again or a grant gives it back.
+so the engine re-forms the group on new processes (``SlotPool.renew``), carrying the intact
+units over; the dead slot counts as lost (it holds nothing) until a restart places units again
+or a grant gives it back.
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ class RayEngine:
         kept = {
             unit.unit_id: pool.run(slot_ops.read_unit, on=unit.slots, unit=unit) for unit in intact
         }
-        pool.replace(range(pool.num_slots))
+        pool.renew()
         for unit in intact:
             pool.run(
                 slot_ops.install_unit,

@@ -107,33 +107,6 @@ class SlotWorker:
             "peak_bytes": peak_kib * 1024,
         }
 
-    def rejoin(
-        self,
-        *,
-        rank: int,
-        world_size: int,
-        master_addr: str,
-        master_port: int,
-        backend: str,
-        timeout_s: float,
-    ) -> float:
-        """Leave a group that lost a member and join the re-formed one. The units' state stays;
-        everything tied to the old group (subgroups, meshes, workspaces) goes."""
-        units = self.ctx.state.get("units", {})
-        self.ctx.state.clear()
-        gc.collect()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        self.ctx.state["units"] = units
-        return self.join_group(
-            rank=rank,
-            world_size=world_size,
-            master_addr=master_addr,
-            master_port=master_port,
-            backend=backend,
-            timeout_s=timeout_s,
-        )
-
     def leave_group(self) -> None:
         # Drop the cached subgroups and every tensor first: a gloo group that outlives
         # destroy_process_group can abort the process at exit (pytorch/pytorch#179291).
@@ -236,21 +209,20 @@ class SlotPool:
             ]
         )
 
-    def replace(self, slots: Sequence[int]) -> float:
-        """Start new processes for ``slots`` (dead ones, or all) and re-form the group with
-        them, as torchelastic re-forms a worker group: a communicator that lost a member cannot
-        be used again. A surviving process not replaced re-joins in place, keeping its units'
-        state; a new one holds nothing. Call it while no call is running on the survivors.
-        Returns the seconds it took."""
+    def renew(self) -> float:
+        """Start a new process for every slot and form a new group, as torchelastic re-forms a
+        worker group after a member died: a communicator that lost a member cannot be used
+        again, and torch keeps per-process group state that a re-initialised process would
+        carry over, so no process survives. The new slots hold nothing. Returns the seconds."""
         if self._remote_cls is None:
-            raise RuntimeError("replace: this pool was not made by SlotPool.create")
+            raise RuntimeError("renew: this pool was not made by SlotPool.create")
         started = time.perf_counter()
-        for slot in slots:
+        for slot, actor in enumerate(self._actors):
             with contextlib.suppress(ray.exceptions.RayError):  # already gone
-                ray.kill(self._actors[slot], no_restart=True)
+                ray.kill(actor, no_restart=True)
             options = self._placements[slot]
             self._actors[slot] = self._remote_cls.options(**options).remote(slot_index=slot)
-        self._join("rejoin")
+        self._join("join_group")
         return time.perf_counter() - started
 
     @property
