@@ -81,7 +81,6 @@ class PpoSimJobSpec:
     """The controller policy (``runtime/control/policy.py``): thresholds, gamma, approval, ..."""
 
     def __post_init__(self) -> None:
-        from runtime.control.policy import JobPolicy, PolicyError
         from runtime.engine.traces import SHAPES
         from runtime.planner.catalog import CatalogError, default_catalog
 
@@ -103,10 +102,7 @@ class PpoSimJobSpec:
             raise ValueError(
                 f"trace_hours: expected 0 < trace_hours <= 1000, got {self.trace_hours}"
             )
-        try:
-            JobPolicy.from_json(self.policy)
-        except PolicyError as exc:
-            raise ValueError(str(exc)) from None
+        _check_policy(self.policy)
 
     def to_json(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "policy": dict(self.policy)}
@@ -148,8 +144,6 @@ class PpoJobSpec:
     policy: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        from runtime.control.policy import JobPolicy, PolicyError
-
         if self.kind != "ppo":
             raise ValueError(f"kind: expected one of {', '.join(JOB_KINDS)}, got {self.kind!r}")
         _require_range("num_slots", self.num_slots, 1, 64)
@@ -168,10 +162,7 @@ class PpoJobSpec:
         if not 0 <= self.pace_s <= 60:
             raise ValueError(f"pace_s: expected 0 <= pace_s <= 60, got {self.pace_s}")
         self.job_config().validate()
-        try:
-            JobPolicy.from_json(self.policy)
-        except PolicyError as exc:
-            raise ValueError(str(exc)) from None
+        _check_policy(self.policy)
 
     def job_config(self):
         """The PPO runtime's configuration (``runtime.ppo.job.PpoJobConfig``)."""
@@ -227,6 +218,16 @@ def _typed_fields(cls, data: Mapping[str, Any]) -> dict[str, Any]:
             raise ValueError(f"{name}: expected {expected.__name__}, got {value!r}")
         values[name] = value
     return values
+
+
+def _check_policy(policy: dict) -> None:
+    """A job's controller policy, checked at submission (errors name the field)."""
+    from runtime.control.policy import JobPolicy, PolicyError
+
+    try:
+        JobPolicy.from_json(policy)
+    except PolicyError as exc:
+        raise ValueError(str(exc)) from None
 
 
 def _require_range(field: str, value: int, low: int, high: int) -> None:
