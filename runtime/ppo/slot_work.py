@@ -142,7 +142,7 @@ def keep_workspaces(ctx: SlotContext, *, units: list[Unit]) -> int:
 
 
 def _stored(ctx: SlotContext, unit: Unit) -> dict[str, torch.Tensor]:
-    return ctx.state["units"][unit.unit_id]
+    return slot_ops._units(ctx)[unit.unit_id]
 
 
 def _refresh(ws: Workspace, state: dict[str, torch.Tensor]) -> None:
@@ -414,7 +414,6 @@ def place_training_unit(ctx: SlotContext, *, unit: Unit, path: str) -> int:
         return 0
     full = torch.load(path, mmap=True, weights_only=True)
     shards = unit.layout.shards(unit.position_of(ctx.rank))
-
     state = slot_ops._allocate(shards, ctx.device)
     for spec in shards:
         key, _, kind = spec.key.partition("::")
@@ -422,7 +421,7 @@ def place_training_unit(ctx: SlotContext, *, unit: Unit, path: str) -> int:
             state[spec.key].zero_()
         else:
             state[spec.key].copy_(spec.view_of(full[key]))
-    ctx.state.setdefault("units", {})[unit.unit_id] = state
+    slot_ops._units(ctx)[unit.unit_id] = state
     return sum(t.numel() * t.element_size() for t in state.values())
 
 
