@@ -51,10 +51,12 @@ from runtime.transition.units import (
 class TransitionRefusedError(ValueError):
     """The transition cannot be made; nothing has moved. The message names the field."""
 
-    def __init__(self, message: str, *, needs_restore: bool = False):
+    def __init__(self, message: str, *, needs_restore: bool = False, memory: bool = False):
         super().__init__(message)
         self.needs_restore = needs_restore
         """No intact unit is left for some model-stage: only a checkpoint can bring it back."""
+        self.memory = memory
+        """No order of the primitives fits the slots' memory (another route might)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -109,7 +111,28 @@ def diff(
     derived_from: Plan | None = None,
 ) -> TransitionDag:
     """Compile the transition from ``current`` (a plan, or the units a job holds now) to
-    ``target``; raises ``TransitionRefusedError`` before anything moves when it cannot be made."""
+    ``target``; raises ``TransitionRefusedError`` before anything moves when it cannot be made.
+
+    Layout changes go through the common grain first (fewest bytes moved). When no order of that
+    route fits the slots' memory, the compiler tries the route through the coarsest common layout
+    (merge replicas first, then split), whose slots never hold more than the larger of the
+    current and target shards."""
+    try:
+        return _diff(current, target, cluster, workload, efficiency, tag, derived_from, "grain")
+    except TransitionRefusedError as exc:
+        if not exc.memory:
+            raise
+        try:
+            return _diff(
+                current, target, cluster, workload, efficiency, tag, derived_from, "coarsen"
+            )
+        except TransitionRefusedError as again:
+            if not again.memory:
+                raise exc from None
+            raise
+
+
+def _diff(current, target, cluster, workload, efficiency, tag, derived_from, route):
     _check_plan(target, cluster, workload, "target")
     if isinstance(current, Plan):
         _check_same_job(current, target)
@@ -122,7 +145,7 @@ def diff(
         ms.name: unit_layout(ms, target.model_stage(ms.name).layout, workload.precision)
         for ms in persistent_stages(workload)
     }
-    builder = _Builder(cluster, efficiency, tag)
+    builder = _Builder(cluster, efficiency, tag, route=route)
     final: dict[str, tuple[Unit, ...]] = {}
     for ms in persistent_stages(workload):
         intact = [u for u in held[ms.name] if not set(u.slots) & cluster.lost_slots]
@@ -267,7 +290,10 @@ def _check_final(dag: TransitionDag, final: dict[str, tuple[Unit, ...]]) -> None
 class _Builder:
     """Accumulates nodes and data edges for every model-stage."""
 
-    def __init__(self, cluster: Cluster, efficiency, tag: str):
+    def __init__(self, cluster: Cluster, efficiency, tag: str, *, route: str = "grain"):
+        self.route = route
+        """``grain`` (split to the common grain, then merge) or ``coarsen`` (merge to the
+        coarsest common layout, then split): see ``diff``."""
         self.acc = cluster.accelerator
         # CPU slots exchange over gloo (bucketed, zero-copy pipeline splits); GPUs over NCCL.
         self.gloo = cluster.accelerator.name == "cpu-slot"
@@ -401,11 +427,49 @@ class _Builder:
         current = leaving[0].layout if leaving else kept[0].layout
         k_tp, r_tp = divmod(layout.tp, current.tp)
         k_pp, r_pp = divmod(layout.pp, current.pp)
+        coarse = dataclasses.replace(
+            current, tp=math.lcm(current.tp, layout.tp), pp=math.lcm(current.pp, layout.pp)
+        )
+        m = (coarse.tp // current.tp) * (coarse.pp // current.pp)
         if leaving and not r_tp and not r_pp and k_tp * k_pp > 1 and len(leaving) >= k_tp * k_pp:
             built = self._by_merging_first(name, leaving, kept, todo, k_tp * k_pp)
+        elif self.route == "coarsen" and coarse != layout and m > 1 and len(leaving) >= m:
+            built = self._by_coarsening(name, leaving, kept, todo, coarse, m)
         else:
             built = self._by_grain(name, leaving, kept, todo)
         return tuple(kept) + tuple(built)
+
+    def _by_coarsening(self, name, leaving, kept, todo, coarse: UnitLayout, m: int) -> list[Unit]:
+        """Merge groups of ``m`` current replicas into the coarsest common layout (local
+        slicing: every slot's share shrinks), split each down to the target layout on its own
+        slots, then extend target replicas where they are wanted and destroy the rest.
+
+        Moves about as many bytes as the grain route, but a slot never holds more than the
+        larger of its current and target shards, where the grain route holds the grain's (up to
+        ``k`` times the current shard) on every slot at once. The route for a full device."""
+        layout = todo[0].layout
+        producer: dict[tuple[int, ...], tuple[Unit, str | None]] = {
+            u.slots: (u, None) for u in kept
+        }
+        ready = {u.slots: 0.0 for u in kept}
+        groups = len(leaving) // m
+        for j in range(groups):
+            group = leaving[j * m : (j + 1) * m]
+            merging = {u.slots: (u, None) for u in group}
+            tree = _group_tree(group, coarse, f"{name}/{self.tag}.c{j}")
+            whole = self._merge_up(tree, merging, {})
+            pieces = self._split_down_after(whole, layout, merging[whole.slots][1])
+            split_s = self._split_time(whole, layout)
+            for piece, node_id in pieces:
+                producer[piece.slots] = (piece, node_id)
+                ready[piece.slots] = split_s
+        for unit in leaving[groups * m :]:
+            self.destroy(unit)
+        needed = [w.slots for w in todo]
+        extends = self._schedule_extends(name, layout, ready, needed, set(), set())
+        readers = self._emit_extends(name, needed, extends, producer)
+        self._destroy_unused(producer, set(needed), kept, readers)
+        return [producer[w.slots][0] for w in todo]
 
     def _by_grain(self, name, leaving, kept, todo) -> list[Unit]:
         """Split every current unit down to the common grain, move grain replicas, merge up.
@@ -556,7 +620,11 @@ class _Builder:
 
     def _split_down(self, unit: Unit, grain: UnitLayout) -> list[tuple[Unit, str | None]]:
         """Split ``unit`` to the grain (tp first, then pp): its pieces and their producing nodes."""
-        pieces: list[tuple[Unit, str | None]] = [(unit, None)]
+        return self._split_down_after(unit, grain, None)
+
+    def _split_down_after(self, unit: Unit, grain: UnitLayout, after: str | None):
+        """``_split_down`` of a unit that ``after`` produces (None: it exists already)."""
+        pieces: list[tuple[Unit, str | None]] = [(unit, after)]
         for axis in ("tp", "pp"):
             k = getattr(unit.layout, axis) // getattr(grain, axis)
             if k == 1:
@@ -653,7 +721,8 @@ def _add_resource_edges(dag: TransitionDag) -> None:
                 what = f" while {running} runs" if running else ""
                 raise TransitionRefusedError(
                     f"target: slot {slot} would need {worst / 2**30:.2f} GiB{what}, over its "
-                    f"{dag.capacity[slot] / 2**30:.2f} GiB, and no order of the primitives fits"
+                    f"{dag.capacity[slot] / 2**30:.2f} GiB, and no order of the primitives fits",
+                    memory=True,
                 )
             dag.add_edge(*edge, "resource")
 

@@ -388,3 +388,47 @@ def test_merge_kinds_are_the_four_primitives():
     kinds = {type(n.primitive) for n in dag.nodes.values()}
     assert kinds <= {Split, Merge, Extend, Destroy} and Split in kinds and Merge in kinds
     assert simulate(dag).ok
+
+
+def _tight(before: Plan, after: Plan, slack: float) -> tuple[float, ...]:
+    """Per slot: ``slack`` times the larger of what it holds before and after."""
+    a = occupancy(units_of(before, WORKLOAD), before.num_slots)
+    b = occupancy(units_of(after, WORKLOAD), after.num_slots)
+    return tuple(max(x, y) * slack + 1 for x, y in zip(a, b, strict=True))
+
+
+def test_a_full_device_reshapes_through_the_coarse_layout_when_the_grain_does_not_fit():
+    """(2,2,2) -> (2,4,1) on the same eight slots. Through the grain (2,1) every slot would hold
+    twice its shard at once, and more while merging back; with 60% room that is refused, so the
+    compiler merges the two replicas into (4,2) (every slot's share halves), then splits it
+    along pp back to one share."""
+    base = {n: (Layout(dp=1, tp=1, pp=1), ((0,),)) for n in NAMES}
+    name = "actor@training"
+    current = _plan({**base, name: (Layout(dp=2, tp=2, pp=2), ((0, 1, 2, 3), (4, 5, 6, 7)))}, 8)
+    # Where the split of the merged (4,2) unit puts the two (4,1) replicas: tp positions
+    # interleave the merged replicas, pp rows become the new units.
+    target = _plan({**base, name: (Layout(dp=2, tp=4, pp=1), ((0, 4, 1, 5), (2, 6, 3, 7)))}, 8)
+    roomy = Cluster(accelerator=ACC, num_slots=8, capacity_bytes=(1e15,) * 8)
+    assert _kinds(diff(current, target, roomy, WORKLOAD), name)[:2] == ["split", "split"]
+
+    # A merge holds the old and the new slices side by side (1.5x); the grain route holds up to
+    # three times a shard (the split's doubled pieces, then merging them). 60% room: only the
+    # coarse route fits.
+    caps = _tight(current, target, 1.6)
+    tight = Cluster(accelerator=ACC, num_slots=8, capacity_bytes=caps)
+    dag = diff(current, target, tight, WORKLOAD)
+    assert _kinds(dag, name) == ["merge", "split"]
+    merge, split = (n for n in dag.nodes.values() if n.model_stage == name)
+    assert merge.predicted_bytes == 0  # merging slices locally
+    assert (merge.node_id, split.node_id) in dag.edges
+    for slot in range(8):
+        worst, _, _ = dag.worst_case(slot)
+        assert worst <= caps[slot]
+    _assert_reaches_target(dag, target)
+    assert simulate(dag).ok
+
+    # With 20% room neither route fits, and the refusal names the slot.
+    squeezed = Cluster(accelerator=ACC, num_slots=8, capacity_bytes=_tight(current, target, 1.2))
+    with pytest.raises(TransitionRefusedError, match=r"slot \d+ would need") as refused:
+        diff(current, target, squeezed, WORKLOAD)
+    assert refused.value.memory

@@ -148,3 +148,36 @@ def test_a_slot_lost_mid_transition_stops_it_and_reports_the_intact_units(engine
     assert actor and {s for u in actor for s in u.slots} <= {4, 5}  # merged in place, not moved
     assert result.events[-1]["event"] == "transition.finished"
     assert not result.events[-1]["ok"]
+
+
+def test_a_full_device_reshapes_through_the_coarse_layout_with_state_unchanged(engine):
+    """(2,2,2) -> (2,4,1) with 60% room per slot: the grain route does not fit, so the compiler
+    merges the replicas and splits the merged unit along pp; the real primitives carry it out on
+    the slots and every replica's logical state is bit for bit what it was."""
+    base = {n: (Layout(dp=1, tp=1, pp=1), ((0,),)) for n in NAMES}
+    name = "actor@training"
+    current = _plan({**base, name: (Layout(dp=2, tp=2, pp=2), ((0, 1, 2, 3), (4, 5, 6, 7)))})
+    target = _plan({**base, name: (Layout(dp=2, tp=4, pp=1), ((0, 4, 1, 5), (2, 6, 3, 7)))})
+    before_bytes = occupancy(units_of(current, WORKLOAD), NUM_SLOTS)
+    after_bytes = occupancy(units_of(target, WORKLOAD), NUM_SLOTS)
+    caps = tuple(max(a, b) * 1.6 + 1 for a, b in zip(before_bytes, after_bytes, strict=True))
+    dag = diff(
+        current,
+        target,
+        Cluster(accelerator=ACC, num_slots=NUM_SLOTS, capacity_bytes=caps),
+        WORKLOAD,
+    )
+    assert [n.kind for n in dag.nodes.values() if n.model_stage == name] == ["merge", "split"]
+
+    checksums = {}
+    for stage, units in units_of(current, WORKLOAD).items():
+        for unit in units:
+            engine.create(unit, seed=state_seed(stage))
+        checksums[stage] = engine.checksum(units[0])
+    result = Executor(dag, engine).run()
+    assert result.ok and not result.failed
+    units = result.units[name]
+    assert sorted(u.slots for u in units) == sorted(target.model_stage(name).units)
+    assert all((u.layout.tp, u.layout.pp) == (4, 1) for u in units)
+    for unit in units:
+        assert engine.checksum(unit) == checksums[name], unit.unit_id
