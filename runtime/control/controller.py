@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from runtime.control.admission import Verdict, decide
-from runtime.control.monitor import Monitor, Trigger
+from runtime.control.monitor import POOL, Monitor, Trigger
 from runtime.control.policy import JobPolicy
 from runtime.engine.interface import Engine, StepReport
 from runtime.planner import PlanningError, plan
@@ -39,6 +39,36 @@ REACHABLE_ALTERNATIVES = 3
 """Checkpoint bandwidth per node the controller assumes."""
 
 Event = dict[str, Any]
+
+
+OUTLOOK_WINDOW = 64
+"""Steps of generated-length history a move's saving is priced over."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Outlook:
+    """What admission weighs for one candidate: step seconds now and after the move, and the
+    signals whose horizon the saving lasts for."""
+
+    current_s: float
+    candidate_s: float
+    signals: tuple[str, ...]
+    lengths: tuple[float, ...] = ()
+    robust: bool = False
+    """Faster at every one of ``lengths`` (the recent range of the generated length)."""
+
+    def to_json(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["current_s"] = None if math.isinf(self.current_s) else self.current_s
+        out["signals"], out["lengths"] = list(self.signals), list(self.lengths)
+        return out
+
+
+def _quantiles(values: list[float]) -> list[float]:
+    """Minimum, quartiles and maximum of ``values`` (nearest rank)."""
+    ordered = sorted(values)
+    last = len(ordered) - 1
+    return [ordered[round(q * last)] for q in (0.0, 0.25, 0.5, 0.75, 1.0)]
 
 
 @dataclasses.dataclass
@@ -275,11 +305,7 @@ class Controller:
             return []
         if self._memory_quiet_until > step:
             return []
-        workload = self._workload(ahead)
-        for ms in workload.model_stages():
-            layout = self.plan.model_stage(ms.name).layout
-            shape = LayoutShape.of_layout(ms, workload, self.acc, layout)
-            need = float(total_bytes(memory_breakdown(shape, num_slots=self.plan.num_slots))[0])
+        for ms, need in self._needs(self.plan, ahead):
             if need * self.memory_factor > memory_budget(self.acc.memory_bytes):
                 self._memory_quiet_until = step + max(1, self.policy.lookahead_steps)
                 return [
@@ -293,6 +319,25 @@ class Controller:
                     )
                 ]
         return []
+
+    def _needs(self, plan_: Plan, gen_len: float):
+        """Each model-stage and the bytes its fullest slot needs at ``gen_len``, by the
+        planner's memory model (before the measured factor)."""
+        workload = self._workload(gen_len)
+        for ms in workload.model_stages():
+            shape = LayoutShape.of_layout(ms, workload, self.acc, plan_.model_stage(ms.name).layout)
+            yield ms, float(total_bytes(memory_breakdown(shape, num_slots=plan_.num_slots))[0])
+
+    def _fits(self, plan_: Plan, gen_len: float) -> bool:
+        """Whether ``plan_`` fits its slots' budget at ``gen_len``, by the measured factor."""
+        budget = memory_budget(self.acc.memory_bytes)
+        return all(need * self.memory_factor <= budget for _, need in self._needs(plan_, gen_len))
+
+    def _envelope(self) -> float:
+        """The longest generated length of the last ``OUTLOOK_WINDOW`` steps: a plan chosen
+        when the length is low must still fit when it comes back up."""
+        recent = [v for _, v in self.monitor.history["gen_len"][-OUTLOOK_WINDOW:]]
+        return max([self._gen_len, *recent])
 
     # --- replanning and admission ---------------------------------------------------------------
 
@@ -308,6 +353,11 @@ class Controller:
             return
         try:
             candidate = self._candidate(engine, workload)
+            envelope = self._envelope()
+            if not trigger.urgent and not broken and not self._fits(candidate, envelope):
+                # Best at this length but too big for lengths the job has just seen: plan for
+                # the longest of them instead (it is priced over the whole range below).
+                candidate = self._candidate(engine, self._workload(envelope))
         except PlanningError as exc:
             self.emit(self._decision(trigger, None, None, f"no feasible plan: {exc}"))
             return
@@ -340,20 +390,25 @@ class Controller:
                     (candidate, dag), candidate_s = found, self._price(found[0], workload)
             cost = math.inf if dag is None else dag.predicted_s
         urgent = trigger.urgent
+        outlook = Outlook(current_s=current_s, candidate_s=candidate_s, signals=(trigger.signal,))
+        if not broken and trigger.kind in ("drift", "pool") and candidate_s < current_s:
+            outlook = self._outlook(candidate, trigger, current_s, candidate_s)
         verdict = decide(
             admission=self.policy.admission,
-            current_s=current_s,
-            candidate_s=candidate_s,
+            current_s=outlook.current_s,
+            candidate_s=outlook.candidate_s,
             cost_s=cost,
-            horizon_steps=self.monitor.effective_horizon(trigger.signal, trigger.step),
+            horizon_steps=self._horizon(outlook.signals, trigger.step),
             gamma=self.policy.gamma,
             urgent=urgent,
             infeasible=infeasible,
         )
-        self.emit(self._decision(trigger, candidate, verdict, verdict.reason, dag=dag))
+        self.emit(
+            self._decision(trigger, candidate, verdict, verdict.reason, dag=dag, outlook=outlook)
+        )
         if not verdict.admit and verdict.reason.startswith("pays back"):
             # Too slow to repay now: keep it, and admit it if the signal stays calm long enough.
-            self.deferred = (candidate, current_s, candidate_s, cost, trigger)
+            self.deferred = (candidate, outlook, cost, trigger)
         if not verdict.admit:
             salvaged = self._off_pool(engine) and self._salvage(trigger, workload, engine)
             if broken and not salvaged:
@@ -367,6 +422,37 @@ class Controller:
             self._restart(candidate, workload, engine, because=verdict.reason)
         else:
             self._apply(candidate, workload, dag, engine)
+
+    def _outlook(self, candidate: Plan, trigger: Trigger, current_s: float, candidate_s: float):
+        """The horizon a non-urgent move's saving lasts for: which signals it rests on.
+
+        The seed's rule repays a move within the triggering signal's horizon: the saving is
+        assumed to end when that signal next crosses its threshold. That holds when the saving
+        comes from the signal's value (a layout that is faster at a longer length). It does not
+        when the candidate is faster at *every* generated length of the last ``OUTLOOK_WINDOW``
+        steps (typically: it uses slots the pool just gave): the length swinging within that
+        range again will not end the saving, and the move repays over the slot pool's horizon
+        as well as the trigger's own (the larger of the two). The saving itself is the one at
+        the latest length either way."""
+        assert self.plan is not None
+        recent = [v for _, v in self.monitor.history["gen_len"][-OUTLOOK_WINDOW:]]
+        lengths = sorted({*_quantiles(recent), self._gen_len}) if recent else [self._gen_len]
+        robust = all(
+            self._price(self.plan, w) > self._price(candidate, w)
+            for w in map(self._workload, lengths)
+        )
+        signals = (trigger.signal, POOL) if robust else (trigger.signal,)
+        return Outlook(
+            current_s=current_s,
+            candidate_s=candidate_s,
+            signals=tuple(dict.fromkeys(signals)),
+            lengths=tuple(lengths),
+            robust=robust,
+        )
+
+    def _horizon(self, signals: tuple[str, ...], step: int) -> float:
+        """H for admission: the longest effective horizon among the signals the saving rests on."""
+        return max(self.monitor.effective_horizon(s, step) for s in signals)
 
     def _reachable(self, engine: Engine, workload: PpoWorkload, refused: Plan, broken: bool):
         """The planner's best plan could not be reached live (no order of the primitives fits
@@ -466,13 +552,13 @@ class Controller:
     def _reconsider(self, step: int, engine: Engine) -> None:
         """Re-run admission for the deferred candidate with the horizon as it is now."""
         assert self.deferred is not None
-        candidate, current_s, candidate_s, cost, trigger = self.deferred
+        candidate, outlook, cost, trigger = self.deferred
         verdict = decide(
             admission=self.policy.admission,
-            current_s=current_s,
-            candidate_s=candidate_s,
+            current_s=outlook.current_s,
+            candidate_s=outlook.candidate_s,
             cost_s=cost,
-            horizon_steps=self.monitor.effective_horizon(trigger.signal, step),
+            horizon_steps=self._horizon(outlook.signals, step),
             gamma=self.policy.gamma,
             urgent=False,
         )
@@ -619,7 +705,7 @@ class Controller:
             self.emit({"event": "control.expired", "proposal": self.pending.proposal_id})
             self.pending = None
 
-    def _decision(self, trigger, candidate, verdict, reason, dag=None) -> Event:
+    def _decision(self, trigger, candidate, verdict, reason, dag=None, outlook=None) -> Event:
         return {
             "event": "control.decision",
             "trigger": trigger.to_json(),
@@ -631,6 +717,7 @@ class Controller:
             "horizon_steps": self.monitor.horizon_of(trigger.signal),
             "gamma": self.policy.gamma,
             "predicted_transition_s": None if dag is None else dag.predicted_s,
+            "outlook": None if outlook is None else outlook.to_json(),
         }
 
 

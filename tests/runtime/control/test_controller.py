@@ -201,3 +201,59 @@ def test_an_unreachable_best_plan_gives_way_to_the_fastest_reachable_one(monkeyp
     assert controller._price(controller.plan, WORKLOAD) == min(
         controller._price(p, WORKLOAD) for p in tried
     )
+
+
+def _swinging(controller) -> None:
+    """Steps 0-106: the length holds at 1000 for 96 steps, then swings 1000 <-> 1500 every two
+    steps (each swing crosses the 30% threshold; references reset after each): the length's
+    H goes 96 -> 49 -> 25.5 -> 13.75 -> 7.875 -> 4.9375. The pool (16) never changes: calm for
+    106 steps."""
+    monitor = controller.monitor
+    for step in range(96):
+        monitor.observe(step, {"gen_len": 1000.0}, pool=16)
+    for step, value in zip(range(96, 107, 2), (1500.0, 1000.0) * 3, strict=True):
+        assert monitor.observe(step, {"gen_len": value}, pool=16)
+        monitor.replanned()
+    controller._gen_len = 1000.0  # what the last step reported
+    assert monitor.horizon_of("gen_len") == 4.9375
+    assert monitor.effective_horizon("pool", 106) == 106.0
+
+
+@pytest.mark.parametrize("everywhere", [True, False])
+def test_a_saving_that_survives_the_swing_repays_over_the_pools_horizon(monkeypatch, everywhere):
+    """The pool has grown to 32 when the swinging length triggers a replan. The candidate (all 32
+    slots) is priced 1 s/step faster at the latest length. If it is faster at every length of the
+    recent swing too, the swing crossing again will not end the saving: H is the larger of the
+    length's (4.9375) and the calm pool's (106), and the move is admitted. If it is faster only
+    at the latest length, the seed's rule stands: the length's H, and the move is refused."""
+    from runtime.control.monitor import Trigger
+
+    engine = _engine(pool=((1.0, 32),), gpus=16)
+    controller = Controller(WORKLOAD, ACC, JobPolicy())
+    first = controller.initial_plan(engine)
+    engine.step(first, WORKLOAD, 0)  # the simulated clock passes 1 s: the pool is 32 now
+    assert engine.pool_size() == 32
+    _swinging(controller)
+
+    def price(plan_, workload):  # the running plan: 10 s; the candidate: 9 s, or 11 s at 1500
+        if plan_ is first:
+            return 10.0
+        return 9.0 if everywhere or workload.gen_len < 1200 else 11.0
+
+    monkeypatch.setattr(controller, "_price", price)
+    trigger = Trigger(kind="drift", signal="gen_len", value=1000.0, reference=1500.0, step=106)
+    controller.replan(trigger, engine)
+    decision = next(e for e in controller.events if e["event"] == "control.decision")
+    verdict, outlook = decision["verdict"], decision["outlook"]
+    assert verdict["saving_s"] == 1.0 and verdict["payback_steps"] == verdict["cost_s"]
+    assert outlook["lengths"] == [1000.0, 1500.0] and outlook["robust"] is everywhere
+    if everywhere:
+        assert outlook["signals"] == ["gen_len", "pool"] and verdict["horizon_steps"] == 106.0
+        # The seed's rule alone would have refused it: it pays back beyond 0.5 x 4.9375 steps.
+        assert 0.5 * 4.9375 < verdict["payback_steps"] <= 0.5 * 106
+        assert decision["admit"] and controller.transitions == 1
+    else:
+        assert outlook["signals"] == ["gen_len"] and verdict["horizon_steps"] == 4.9375
+        assert not decision["admit"] and controller.transitions == 0
+        assert decision["reason"].startswith("pays back in")
+        assert controller.deferred is not None  # kept, in case the swing calms down
