@@ -596,6 +596,7 @@ class Controller:
                 "ok": outcome.ok,
                 "predicted_s": dag.predicted_s,
                 "actual_s": outcome.seconds,
+                "rebuild_s": outcome.rebuild_s,
                 "nodes": len(dag.nodes),
                 "failure": outcome.failure,
                 "simulated": outcome.simulated,

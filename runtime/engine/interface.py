@@ -46,6 +46,9 @@ class TransitionOutcome:
     lost_slots: tuple[int, ...] = ()
     failure: str = ""
     simulated: bool = False
+    rebuild_s: float = 0.0
+    """Of ``seconds``, the part spent rebuilding derived model-stages (an engine that rebuilds
+    them at the next step instead reports 0 here and the time in that step)."""
 
 
 class Engine(Protocol):

@@ -205,10 +205,15 @@ class SimulatedEngine:
                 lost_slots=tuple(sorted(self._lost)),
                 failure=result.reason or f"slot {lost[0]} failed during the transition",
                 simulated=True,
+                rebuild_s=rebuild,
             )
         self._units = dict(dag.target)
         return TransitionOutcome(
-            ok=True, seconds=result.makespan_s, units=self.units(), simulated=True
+            ok=True,
+            seconds=result.makespan_s,
+            units=self.units(),
+            simulated=True,
+            rebuild_s=rebuild,
         )
 
     def restart(self, plan: Plan, workload: PpoWorkload) -> float:
