@@ -587,6 +587,17 @@ class Controller:
         return RESTART_ESTIMATE_S + 2 * state / (STORAGE_ESTIMATE_BYTES_PER_S * nodes)
 
     def _apply(self, candidate: Plan, workload: PpoWorkload, dag, engine: Engine) -> None:
+        # The compiled DAG before it runs, so that a page can draw its edges and critical path
+        # while the engine reports the nodes one by one.
+        self.emit(
+            {
+                "event": "control.transition_started",
+                "predicted_s": dag.predicted_s,
+                "nodes": len(dag.nodes),
+                "simulated": bool(getattr(engine, "simulated", False)),
+                "dag": dag.to_json(),
+            }
+        )
         outcome = engine.transition(dag)
         self.transitions += 1
         self.transition_s += outcome.seconds

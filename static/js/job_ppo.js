@@ -214,8 +214,8 @@
     return states;
   }
 
-  // A transition executing now: its nodes as the engine reports them (the whole DAG, with its
-  // edges and critical path, comes with control.transition once it is done).
+  // A transition executing now: the compiled DAG (control.transition_started) with its nodes'
+  // states as the engine reports them; control.transition brings the measured times when done.
   function liveNode(d) {
     if (!S.live) S.live = { nodes: {}, step: S.lastStep ? S.lastStep.step : null };
     S.live.nodes[d.node] = { ...(S.live.nodes[d.node] || {}), ...d };
@@ -225,18 +225,23 @@
   function drawLive() {
     const live = S.live;
     if (!live) return;
-    const nodes = Object.values(live.nodes).map((n) => ({ id: n.node, kind: n.kind || "node",
+    const reported = Object.values(live.nodes).map((n) => ({ id: n.node, kind: n.kind || "node",
       model_stage: n.model_stage || "", slots: [], predicted_s: n.predicted_s, actual_s: n.actual_s,
       state: n.state, error: n.error }));
-    const done = nodes.filter((n) => n.state === "done").length;
-    const running = nodes.filter((n) => n.state === "running").length;
+    // With the compiled DAG, its nodes and edges; a node the engine reported takes its state.
+    const dag = live.dag || { nodes: reported, edges: [], critical_path: [] };
+    const states = Object.fromEntries(dag.nodes.map((n) => [n.id, "pending"]));
+    for (const n of reported) states[n.id] = n.state;
+    const values = Object.values(states);
+    const done = values.filter((s) => s === "done").length;
+    const running = values.filter((s) => s === "running").length;
     $("dag-summary").textContent = `Transition ${S.transitions.length + 1} executing after step ` +
-      `${live.step ?? "–"}: ${done} of ${nodes.length} nodes done, ${running} running (live; edges ` +
-      "and the critical path appear when it completes).";
+      `${live.step ?? "–"}: ${done} of ${dag.nodes.length} nodes done, ${running} running (live` +
+      (live.dag ? `; predicted ${num(live.predicted_s)} s, critical path (thick) ` +
+        `${num(live.dag.critical_path_s)} s).` : "; edges appear when it completes).");
     $("dag").dataset.state = "running";
     $("dag").dataset.transition = S.transitions.length + 1;
-    NereusDag.render($("dag"), { nodes, edges: [], critical_path: [] },
-      Object.fromEntries(nodes.map((n) => [n.id, n.state])));
+    NereusDag.render($("dag"), dag, states);
   }
 
   function drawTransitions() {
@@ -376,8 +381,14 @@
         drawTransitions(); drawMaps(); drawCalibration();
         break;
       }
+      case "control.transition_started":
+        S.live = { nodes: {}, step: S.lastStep ? S.lastStep.step : null, dag: d.dag,
+          predicted_s: d.predicted_s };
+        label(d.simulated);
+        drawLive();
+        break;
       case "transition.groups":
-        S.live = { nodes: {}, step: S.lastStep ? S.lastStep.step : null };
+        if (!S.live) S.live = { nodes: {}, step: S.lastStep ? S.lastStep.step : null };
         drawLive();
         break;
       case "transition.node": liveNode(d); break;

@@ -47,6 +47,15 @@ def test_a_manual_job_keeps_running_until_a_person_approves():
     assert {s for ms in controller.plan.model_stages for s in ms.slots} > set(range(16))
     transition = next(e for e in controller.events if e["event"] == "control.transition")
     assert transition["ok"] and transition["simulated"] and transition["dag"]["nodes"]
+    # The compiled DAG went out before it ran (the page draws its edges live), the same one.
+    kinds = _kinds(controller)
+    started = controller.events[kinds.index("control.transition_started")]
+    assert kinds.index("control.transition_started") < kinds.index("control.transition")
+    assert started["simulated"] and started["predicted_s"] == transition["predicted_s"]
+    assert [n["id"] for n in started["dag"]["nodes"]] == [
+        n["id"] for n in transition["dag"]["nodes"]
+    ]
+    assert started["dag"]["edges"] == transition["dag"]["edges"]
     with pytest.raises(ValueError, match="proposal: 1 is not waiting"):
         controller.command("approve", 1, engine)
 
