@@ -161,8 +161,10 @@ class PpoJobSpec:
             raise ValueError("revoke_at_step: a job on one slot has none to give up")
         if not 0 <= self.pace_s <= 60:
             raise ValueError(f"pace_s: expected 0 <= pace_s <= 60, got {self.pace_s}")
-        self.job_config().validate()
+        config = self.job_config()
+        config.validate()
         _check_policy(self.policy)
+        _check_fits(config, self.num_slots)
 
     def job_config(self):
         """The PPO runtime's configuration (``runtime.ppo.job.PpoJobConfig``)."""
@@ -218,6 +220,19 @@ def _typed_fields(cls, data: Mapping[str, Any]) -> dict[str, Any]:
             raise ValueError(f"{name}: expected {expected.__name__}, got {value!r}")
         values[name] = value
     return values
+
+
+def _check_fits(config, num_slots: int) -> None:
+    """A job whose models cannot fit its CPU slots in any layout is refused at submission, not
+    when its first plan is made: the planner's memory model decides, as it will at start."""
+    from runtime.planner import PlanningError, default_catalog, plan
+
+    try:
+        plan(config.workload(), default_catalog().accelerator("cpu-slot"), num_slots)
+    except PlanningError as exc:
+        raise ValueError(
+            f"model: {config.model} does not fit {num_slots} CPU slots in any layout ({exc})"
+        ) from None
 
 
 def _check_policy(policy: dict) -> None:

@@ -100,6 +100,22 @@ class PpoJobConfig:
         except ValueError as exc:
             raise PpoConfigError(str(exc)) from None
 
+    def workload(self) -> PpoWorkload:
+        """The planner's view of a step of this job (samples 64 prompts for their length)."""
+        tasks = self.task_set()
+        prompt_len = max(len(p.tokens) for p in tasks.sample(64, seed=self.seed))
+        return PpoWorkload.for_model(
+            self.model_config(),
+            global_batch=self.batch_size,
+            prompt_len=prompt_len,
+            gen_len=max(1, self.max_new_tokens // 4),
+            micro_batch=min(self.batch_size, 8),
+            gen_micro_batch=self.batch_size,
+            ppo_epochs=self.ppo.epochs,
+            ppo_minibatches=-(-self.batch_size // self.ppo.minibatch_size),
+            precision="fp32",
+        )
+
     def sampling(self, seed: int) -> SamplingParams:
         return SamplingParams(
             max_new_tokens=self.max_new_tokens,
@@ -214,18 +230,7 @@ class PpoRuntime:
         return self._workload
 
     def _make_workload(self) -> PpoWorkload:
-        prompt_len = max(len(p.tokens) for p in self.tasks.sample(64, seed=self.config.seed))
-        return PpoWorkload.for_model(
-            self.model,
-            global_batch=self.config.batch_size,
-            prompt_len=prompt_len,
-            gen_len=max(1, self.config.max_new_tokens // 4),
-            micro_batch=min(self.config.batch_size, 8),
-            gen_micro_batch=self.config.batch_size,
-            ppo_epochs=self.config.ppo.epochs,
-            ppo_minibatches=-(-self.config.batch_size // self.config.ppo.minibatch_size),
-            precision="fp32",
-        )
+        return self.config.workload()
 
     def check_plan(self, plan: Plan, workload: PpoWorkload) -> None:
         """Raise ``PpoConfigError`` when a model-stage's layout cannot take the model, before any

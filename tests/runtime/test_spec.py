@@ -38,3 +38,14 @@ def test_integers_are_accepted_for_floats_but_still_range_checked():
 def test_non_object_is_refused():
     with pytest.raises(ValueError, match="spec: expected a JSON object"):
         SftJobSpec.from_json([1, 2])
+
+
+def test_a_ppo_job_whose_models_cannot_fit_its_cpu_slots_is_refused_at_submission():
+    from runtime.jobs.spec import PpoJobSpec
+
+    with pytest.raises(ValueError) as info:
+        PpoJobSpec.from_json({"kind": "ppo", "model": "llama-3.1-8b", "num_slots": 4})
+    message = str(info.value)
+    assert message.startswith("model: llama-3.1-8b does not fit 4 CPU slots in any layout")
+    assert "GiB" in message  # the planner's reason: what a slot would need against its budget
+    assert PpoJobSpec.from_json({"kind": "ppo", "model": "tiny-sft", "num_slots": 4}).num_slots == 4

@@ -257,6 +257,7 @@ def test_the_submit_page_submits_a_real_ppo_job(client, operator):
     [
         ({"ppo_model": "gpt-9"}, "ppo_model"),
         ({"ppo_model": ""}, "ppo_model"),
+        ({"ppo_model": "llama-3.1-8b"}, "ppo_model"),  # in the catalog, but not on 3 CPU slots
         ({"tasks": "zigzag"}, "tasks"),
         ({"tasks": ""}, "tasks"),
         ({"reward": "vibes"}, "reward"),
