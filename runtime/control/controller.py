@@ -42,7 +42,7 @@ Event = dict[str, Any]
 
 
 OUTLOOK_WINDOW = 64
-"""Steps of generated-length history a move's saving is priced over."""
+"""Steps of generated-length history behind a move's outlook and the memory envelope."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -356,7 +356,7 @@ class Controller:
             envelope = self._envelope()
             if not trigger.urgent and not broken and not self._fits(candidate, envelope):
                 # Best at this length but too big for lengths the job has just seen: plan for
-                # the longest of them instead (it is priced over the whole range below).
+                # the longest of them instead (the swing is likely to come back).
                 candidate = self._candidate(engine, self._workload(envelope))
         except PlanningError as exc:
             self.emit(self._decision(trigger, None, None, f"no feasible plan: {exc}"))
