@@ -304,7 +304,11 @@
     body.prepend(row(body, [step, event, trigger, outcome, reason, economics]));
   }
   const triggerText = (t) => (t ? `${t.kind}${t.signal ? " " + t.signal : ""}: ${t.detail}` : "");
-  const economics = (v) => (v ? `${num(v.cost_s)} s / ${num(v.saving_s)} s per step / ${num(v.payback_steps)} steps (H ${num(v.horizon_steps)})` : "");
+  // H's source: the trigger's signal, and the pool's too when the saving holds at every recent
+  // length (the controller's outlook).
+  const economics = (v, outlook) => (v ? `${num(v.cost_s)} s / ${num(v.saving_s)} s per step / ` +
+    `${num(v.payback_steps)} steps (H ${num(v.horizon_steps)}` +
+    (outlook && outlook.signals && outlook.signals.length ? ` from ${outlook.signals.join(", ")})` : ")") : "");
 
   // --- dispatch -----------------------------------------------------------------------------
   NereusLive.on((event) => {
@@ -340,7 +344,8 @@
       case "control.decision":
         if (d.candidate) S.candidate = { plan: d.candidate, reason: d.reason };
         S.target = d.candidate || null;  // what a following transition moves to (as the server does)
-        log("decision", triggerText(d.trigger), d.admit ? "admitted" : "kept the plan", d.reason, economics(d.verdict));
+        log("decision", triggerText(d.trigger), d.admit ? "admitted" : "kept the plan", d.reason,
+          economics(d.verdict, d.outlook));
         drawMaps();
         break;
       case "control.proposal":
