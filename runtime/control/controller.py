@@ -47,21 +47,15 @@ OUTLOOK_WINDOW = 64
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Outlook:
-    """What admission weighs for one candidate: step seconds now and after the move, and the
-    signals whose horizon the saving lasts for."""
+    """The signals whose horizon a candidate's saving lasts for, and why."""
 
-    current_s: float
-    candidate_s: float
     signals: tuple[str, ...]
     lengths: tuple[float, ...] = ()
     robust: bool = False
     """Faster at every one of ``lengths`` (the recent range of the generated length)."""
 
     def to_json(self) -> dict:
-        out = dataclasses.asdict(self)
-        out["current_s"] = None if math.isinf(self.current_s) else self.current_s
-        out["signals"], out["lengths"] = list(self.signals), list(self.lengths)
-        return out
+        return {"signals": list(self.signals), "lengths": list(self.lengths), "robust": self.robust}
 
 
 def _quantiles(values: list[float]) -> list[float]:
@@ -336,8 +330,11 @@ class Controller:
     def _envelope(self) -> float:
         """The longest generated length of the last ``OUTLOOK_WINDOW`` steps: a plan chosen
         when the length is low must still fit when it comes back up."""
-        recent = [v for _, v in self.monitor.history["gen_len"][-OUTLOOK_WINDOW:]]
-        return max([self._gen_len, *recent])
+        return max([self._gen_len, *self._recent_lengths()])
+
+    def _recent_lengths(self) -> list[float]:
+        """The generated lengths of the last ``OUTLOOK_WINDOW`` steps."""
+        return [v for _, v in self.monitor.history["gen_len"][-OUTLOOK_WINDOW:]]
 
     # --- replanning and admission ---------------------------------------------------------------
 
@@ -390,13 +387,13 @@ class Controller:
                     (candidate, dag), candidate_s = found, self._price(found[0], workload)
             cost = math.inf if dag is None else dag.predicted_s
         urgent = trigger.urgent
-        outlook = Outlook(current_s=current_s, candidate_s=candidate_s, signals=(trigger.signal,))
+        outlook = Outlook(signals=(trigger.signal,))
         if not broken and trigger.kind in ("drift", "pool") and candidate_s < current_s:
-            outlook = self._outlook(candidate, trigger, current_s, candidate_s)
+            outlook = self._outlook(candidate, trigger)
         verdict = decide(
             admission=self.policy.admission,
-            current_s=outlook.current_s,
-            candidate_s=outlook.candidate_s,
+            current_s=current_s,
+            candidate_s=candidate_s,
             cost_s=cost,
             horizon_steps=self._horizon(outlook.signals, trigger.step),
             gamma=self.policy.gamma,
@@ -408,7 +405,7 @@ class Controller:
         )
         if not verdict.admit and verdict.reason.startswith("pays back"):
             # Too slow to repay now: keep it, and admit it if the signal stays calm long enough.
-            self.deferred = (candidate, outlook, cost, trigger)
+            self.deferred = (candidate, current_s, candidate_s, cost, trigger, outlook.signals)
         if not verdict.admit:
             salvaged = self._off_pool(engine) and self._salvage(trigger, workload, engine)
             if broken and not salvaged:
@@ -423,7 +420,7 @@ class Controller:
         else:
             self._apply(candidate, workload, dag, engine)
 
-    def _outlook(self, candidate: Plan, trigger: Trigger, current_s: float, candidate_s: float):
+    def _outlook(self, candidate: Plan, trigger: Trigger) -> Outlook:
         """The horizon a non-urgent move's saving lasts for: which signals it rests on.
 
         The seed's rule repays a move within the triggering signal's horizon: the saving is
@@ -435,7 +432,7 @@ class Controller:
         as well as the trigger's own (the larger of the two). The saving itself is the one at
         the latest length either way."""
         assert self.plan is not None
-        recent = [v for _, v in self.monitor.history["gen_len"][-OUTLOOK_WINDOW:]]
+        recent = self._recent_lengths()
         lengths = sorted({*_quantiles(recent), self._gen_len}) if recent else [self._gen_len]
         robust = all(
             self._price(self.plan, w) > self._price(candidate, w)
@@ -443,8 +440,6 @@ class Controller:
         )
         signals = (trigger.signal, POOL) if robust else (trigger.signal,)
         return Outlook(
-            current_s=current_s,
-            candidate_s=candidate_s,
             signals=tuple(dict.fromkeys(signals)),
             lengths=tuple(lengths),
             robust=robust,
@@ -552,13 +547,13 @@ class Controller:
     def _reconsider(self, step: int, engine: Engine) -> None:
         """Re-run admission for the deferred candidate with the horizon as it is now."""
         assert self.deferred is not None
-        candidate, outlook, cost, trigger = self.deferred
+        candidate, current_s, candidate_s, cost, trigger, signals = self.deferred
         verdict = decide(
             admission=self.policy.admission,
-            current_s=outlook.current_s,
-            candidate_s=outlook.candidate_s,
+            current_s=current_s,
+            candidate_s=candidate_s,
             cost_s=cost,
-            horizon_steps=self._horizon(outlook.signals, step),
+            horizon_steps=self._horizon(signals, step),
             gamma=self.policy.gamma,
             urgent=False,
         )

@@ -56,10 +56,10 @@ def _tight_cluster() -> Cluster:
     return Cluster(accelerator=ACC, num_slots=NUM_SLOTS, capacity_bytes=caps)
 
 
-def _materialise(engine: UnitEngine) -> dict[str, int]:
-    """Create the current plan's units; every replica of a model-stage holds the same state."""
+def _materialise(engine: UnitEngine, plan: Plan = CURRENT) -> dict[str, int]:
+    """Create ``plan``'s units; every replica of a model-stage holds the same state."""
     checksums = {}
-    for name, units in units_of(CURRENT, WORKLOAD).items():
+    for name, units in units_of(plan, WORKLOAD).items():
         for unit in units:
             engine.create(unit, seed=state_seed(name))
         checksums[name] = engine.checksum(units[0])
@@ -169,11 +169,7 @@ def test_a_full_device_reshapes_through_the_coarse_layout_with_state_unchanged(e
     )
     assert [n.kind for n in dag.nodes.values() if n.model_stage == name] == ["merge", "split"]
 
-    checksums = {}
-    for stage, units in units_of(current, WORKLOAD).items():
-        for unit in units:
-            engine.create(unit, seed=state_seed(stage))
-        checksums[stage] = engine.checksum(units[0])
+    checksums = _materialise(engine, current)
     result = Executor(dag, engine).run()
     assert result.ok and not result.failed
     units = result.units[name]
