@@ -76,6 +76,22 @@ class Proposal:
     created_s: float
     units_at: frozenset[str]
     """The unit ids it was compiled against: if they changed, the proposal is stale."""
+    route: str = "live"
+    """``live`` (a transition DAG) or ``restart`` (no live route: checkpoint/restart)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Deferred:
+    """A candidate refused as too slow to repay, kept while its signals stay calm: admission
+    runs again each step with the horizon as it is then."""
+
+    plan: Plan
+    current_s: float
+    candidate_s: float
+    cost_s: float
+    trigger: Trigger
+    signals: tuple[str, ...]
+    route: str
 
 
 def place(candidate: Plan, alive: list[int], num_slots: int) -> Plan:
@@ -123,7 +139,7 @@ class Controller:
         self.memory_factor = 1.0
         """Measured peak memory over the planner's prediction (learned; never below 1)."""
         self._memory_quiet_until = -1
-        self.deferred: tuple | None = None
+        self.deferred: Deferred | None = None
         """A candidate refused as too slow to repay, reconsidered while its signal stays calm."""
 
     # --- events ---------------------------------------------------------------------------------
@@ -367,16 +383,19 @@ class Controller:
             return
         current_s = math.inf if broken else self._price(self.plan, workload)
         candidate_s = self._price(candidate, workload)
-        restart = self.policy.admission in ("restart", "never")
-        infeasible, dag = "", None
-        if restart:
-            cost = self._restart_estimate(candidate, workload)
-        else:
+        route = "restart" if self.policy.admission in ("restart", "never") else "live"
+        infeasible, dag, no_live_route = "", None, ""
+        if route == "live":
             try:
                 dag = self._compile(engine, candidate, workload)
             except TransitionRefusedError as exc:
                 found = self._reachable(engine, workload, candidate, broken)
-                if found is None:
+                if found is None and not broken:
+                    # No order of the primitives reaches the candidate, nor any alternative:
+                    # a checkpoint/restart still can. It is one more route with its own (much
+                    # larger) cost, and admission weighs it like any other.
+                    route, no_live_route = "restart", str(exc)
+                elif found is None:
                     infeasible = str(exc)
                 else:
                     self.emit(
@@ -385,6 +404,9 @@ class Controller:
                         )
                     )
                     (candidate, dag), candidate_s = found, self._price(found[0], workload)
+        if route == "restart":
+            cost = self._restart_estimate(candidate, workload)
+        else:
             cost = math.inf if dag is None else dag.predicted_s
         urgent = trigger.urgent
         outlook = Outlook(signals=(trigger.signal,))
@@ -400,12 +422,27 @@ class Controller:
             urgent=urgent,
             infeasible=infeasible,
         )
+        if no_live_route:
+            verdict = dataclasses.replace(
+                verdict,
+                reason=f"{verdict.reason}, by checkpoint/restart (no live route: {no_live_route})",
+            )
         self.emit(
-            self._decision(trigger, candidate, verdict, verdict.reason, dag=dag, outlook=outlook)
+            self._decision(
+                trigger, candidate, verdict, verdict.reason, dag=dag, outlook=outlook, route=route
+            )
         )
         if not verdict.admit and verdict.reason.startswith("pays back"):
             # Too slow to repay now: keep it, and admit it if the signal stays calm long enough.
-            self.deferred = (candidate, current_s, candidate_s, cost, trigger, outlook.signals)
+            self.deferred = Deferred(
+                plan=candidate,
+                current_s=current_s,
+                candidate_s=candidate_s,
+                cost_s=cost,
+                trigger=trigger,
+                signals=outlook.signals,
+                route=route,
+            )
         if not verdict.admit:
             salvaged = self._off_pool(engine) and self._salvage(trigger, workload, engine)
             if broken and not salvaged:
@@ -413,9 +450,9 @@ class Controller:
                 self._restart(candidate, workload, engine, because=verdict.reason)
             return
         if self._needs_approval(verdict, urgent):
-            self._propose(candidate, verdict, trigger, engine)
+            self._propose(candidate, verdict, trigger, engine, route=route)
             return
-        if restart:
+        if route == "restart":
             self._restart(candidate, workload, engine, because=verdict.reason)
         else:
             self._apply(candidate, workload, dag, engine)
@@ -547,13 +584,14 @@ class Controller:
     def _reconsider(self, step: int, engine: Engine) -> None:
         """Re-run admission for the deferred candidate with the horizon as it is now."""
         assert self.deferred is not None
-        candidate, current_s, candidate_s, cost, trigger, signals = self.deferred
+        deferred = self.deferred
+        candidate, trigger, route = deferred.plan, deferred.trigger, deferred.route
         verdict = decide(
             admission=self.policy.admission,
-            current_s=current_s,
-            candidate_s=candidate_s,
-            cost_s=cost,
-            horizon_steps=self._horizon(signals, step),
+            current_s=deferred.current_s,
+            candidate_s=deferred.candidate_s,
+            cost_s=deferred.cost_s,
+            horizon_steps=self._horizon(deferred.signals, step),
             gamma=self.policy.gamma,
             urgent=False,
         )
@@ -563,8 +601,8 @@ class Controller:
         workload = self._workload(self._gen_len)
         self.emit(self._decision(trigger, candidate, verdict, f"deferred, now {verdict.reason}"))
         if self._needs_approval(verdict, False):
-            self._propose(candidate, verdict, trigger, engine)
-        elif self.policy.admission == "restart":
+            self._propose(candidate, verdict, trigger, engine, route=route)
+        elif route == "restart":
             self._restart(candidate, workload, engine, because=verdict.reason)
         else:
             try:
@@ -639,7 +677,7 @@ class Controller:
             return True
         return verdict.cost_s > self.policy.approval_above_s
 
-    def _propose(self, candidate, verdict, trigger, engine) -> None:
+    def _propose(self, candidate, verdict, trigger, engine, *, route: str = "live") -> None:
         pending = self.pending
         if (
             pending is not None
@@ -670,6 +708,7 @@ class Controller:
             trigger=trigger,
             created_s=engine.now(),
             units_at=_unit_ids(engine),
+            route=route,
         )
         self.emit(
             {
@@ -677,6 +716,7 @@ class Controller:
                 "proposal": self.pending.proposal_id,
                 "plan": candidate.to_json(),
                 "verdict": verdict.to_json(),
+                "route": route,
             }
         )
 
@@ -696,7 +736,7 @@ class Controller:
             return "stale"
         workload = self._workload(self._gen_len)
         self.emit({"event": "control.approved", "proposal": proposal_id})
-        if self.policy.admission == "restart":
+        if pending.route == "restart":
             self._restart(pending.plan, workload, engine, because="approved")
             return "restarted"
         try:
@@ -712,7 +752,9 @@ class Controller:
             self.emit({"event": "control.expired", "proposal": self.pending.proposal_id})
             self.pending = None
 
-    def _decision(self, trigger, candidate, verdict, reason, dag=None, outlook=None) -> Event:
+    def _decision(
+        self, trigger, candidate, verdict, reason, dag=None, outlook=None, route=None
+    ) -> Event:
         return {
             "event": "control.decision",
             "trigger": trigger.to_json(),
@@ -725,6 +767,7 @@ class Controller:
             "gamma": self.policy.gamma,
             "predicted_transition_s": None if dag is None else dag.predicted_s,
             "outlook": None if outlook is None else outlook.to_json(),
+            "route": route,
         }
 
 

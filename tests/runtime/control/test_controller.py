@@ -266,3 +266,81 @@ def test_a_saving_that_survives_the_swing_repays_over_the_pools_horizon(monkeypa
         assert not decision["admit"] and controller.transitions == 0
         assert decision["reason"].startswith("pays back in")
         assert controller.deferred is not None  # kept, in case the swing calms down
+
+
+def _no_live_route(monkeypatch):
+    """Every live transition is refused for memory (as on a full device where no order of the
+    primitives fits), and so is every alternative."""
+    from runtime.control import controller as control
+    from runtime.transition import TransitionRefusedError
+
+    def refuse(self, engine_, candidate, workload):
+        raise TransitionRefusedError("target: refused by the test", memory=True)
+
+    monkeypatch.setattr(control.Controller, "_compile", refuse)
+
+
+def _decisions(controller):
+    return [e for e in controller.events if e["event"] == "control.decision"]
+
+
+def test_without_a_live_route_a_move_that_pays_goes_by_checkpoint_restart(monkeypatch):
+    """The pool grows to 32 and no transition can reach any faster plan live: the move is a
+    checkpoint/restart, priced as one, and the policy's admission weighs that price."""
+    _no_live_route(monkeypatch)
+    engine = _engine()
+    controller = Controller(WORKLOAD, ACC, JobPolicy(admission="always_faster"))
+    controller.initial_plan(engine)
+    _steps(controller, engine, range(2))
+    decision = _decisions(controller)[0]
+    candidate = controller.plan
+    assert decision["route"] == "restart" and decision["admit"]
+    assert decision["verdict"]["cost_s"] == controller._restart_estimate(candidate, WORKLOAD)
+    assert decision["reason"].endswith(
+        "by checkpoint/restart (no live route: target: refused by the test)"
+    )
+    assert controller.restarts == 1 and controller.transitions == 0
+    assert candidate.num_slots == 32
+    restart = next(e for e in controller.events if e["event"] == "control.restart")
+    assert restart["reason"] == decision["reason"]
+    assert restart["seconds"] == controller.restart_s  # the restart's time is accounted for
+
+
+def test_payback_waits_until_a_restart_repays_within_the_horizon(monkeypatch):
+    """Payback admission prices the same restart: right after the pool changed it does not repay
+    within gamma × H and is kept; the pool then stays calm, its H grows by a step a step, and the
+    restart is admitted at the first step where it repays."""
+    _no_live_route(monkeypatch)
+    engine = _engine()
+    controller = Controller(WORKLOAD, ACC, JobPolicy())
+    first = controller.initial_plan(engine)
+    _steps(controller, engine, range(1))
+    refused = _decisions(controller)[0]
+    payback = refused["verdict"]["payback_steps"]
+    assert refused["route"] == "restart" and not refused["admit"]
+    assert payback > 0.5 * refused["verdict"]["horizon_steps"]
+    assert controller.deferred is not None and controller.deferred.route == "restart"
+    step = 1
+    while controller.restarts == 0 and step < 400:
+        _steps(controller, engine, [step])
+        step += 1
+    admitted = _decisions(controller)[-1]
+    assert admitted["reason"].startswith("deferred, now pays back in")
+    assert controller.restarts == 1 and controller.plan is not first
+    horizon = admitted["verdict"]["horizon_steps"]
+    assert payback <= 0.5 * horizon < payback + 0.5  # the first step it repays, not later
+
+
+def test_an_approved_restart_proposal_restarts(monkeypatch):
+    _no_live_route(monkeypatch)
+    engine = _engine()
+    policy = JobPolicy(admission="always_faster", approval="manual")
+    controller = Controller(WORKLOAD, ACC, policy)
+    controller.initial_plan(engine)
+    _steps(controller, engine, range(1))
+    proposal = controller.pending
+    assert proposal is not None and proposal.route == "restart"
+    event = next(e for e in controller.events if e["event"] == "control.proposal")
+    assert event["route"] == "restart"
+    assert controller.command("approve", proposal.proposal_id, engine) == "restarted"
+    assert controller.restarts == 1 and controller.plan == proposal.plan
