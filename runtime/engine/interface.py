@@ -33,6 +33,8 @@ class StepReport:
     """The fullest slot's peak as a fraction of its capacity."""
     failure: str = ""
     simulated: bool = False
+    rebuild_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Per stage, the longest one new derived unit took to build this step (none: empty)."""
     extra: dict = dataclasses.field(default_factory=dict)
     """What the job itself reports (PPO's statistics); the controller does not read it."""
 

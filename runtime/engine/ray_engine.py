@@ -19,7 +19,6 @@ or a grant gives it back.
 
 from __future__ import annotations
 
-import statistics
 import tempfile
 import time
 import zlib
@@ -66,28 +65,18 @@ class RayEngine:
         self.on_event = None
         """Called with each event as it happens (a transition's nodes live, slots lost)."""
         self._rebuild = {"generation": 1.0, "inference": 0.5}
-        """Seconds a stage's first step on new units costs over its usual time (workspaces,
-        groups): learned from the steps after each transition."""
-        self._usual: dict[str, list[float]] = {}
-        self._rebuilt = False
+        """Seconds one new unit of each derived stage takes to build (groups, modules,
+        workspaces): learned from the builds the job reports, first step included."""
 
     @property
     def rebuild_s(self) -> tuple[tuple[str, float], ...]:
-        """What the transition compiler should add for rebuilding each stage's derived units."""
+        """What the transition compiler should charge for building a new unit of each stage."""
         return tuple(sorted(self._rebuild.items()))
 
     def _learn_rebuild(self, report: StepReport) -> None:
-        if not report.ok:
-            return
-        for stage, seconds in report.stage_seconds.items():
-            usual = self._usual.setdefault(stage, [])
-            if self._rebuilt and len(usual) >= 2 and stage in self._rebuild:
-                extra = max(0.0, seconds - statistics.median(usual))
-                self._rebuild[stage] = 0.5 * self._rebuild[stage] + 0.5 * extra
-            elif not self._rebuilt:
-                usual.append(seconds)
-                del usual[:-5]
-        self._rebuilt = False
+        for stage, seconds in report.rebuild_seconds.items():
+            if stage in self._rebuild:
+                self._rebuild[stage] = 0.5 * self._rebuild[stage] + 0.5 * seconds
 
     def now(self) -> float:
         return time.monotonic() - self._t0
@@ -206,7 +195,6 @@ class RayEngine:
 
     def transition(self, dag: TransitionDag) -> TransitionOutcome:
         result = Executor(dag, self.engine, on_event=self._event).run()
-        self._rebuilt = True
         failure = "" if result.ok else f"nodes {result.failed} failed"
         return TransitionOutcome(
             ok=result.ok,
@@ -268,7 +256,6 @@ class RayEngine:
             self.job.resume(resume)
             self._event({"event": "engine.resumed", "step": resume.step})
         self.engine.lost_slots.clear()  # every unit was placed anew on live processes
-        self._rebuilt = True
         if self.job is not None:
             self.job.regrouped()
         return time.monotonic() - started

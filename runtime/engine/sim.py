@@ -190,9 +190,11 @@ class SimulatedEngine:
             return predicted * EMU_OVERHEAD * math.exp(self.rng.gauss(0, self.truth.noise))
 
         result = simulate(dag, durations=true_seconds)
-        rebuild = sum(
-            seconds * REBUILD_TRUTH * math.exp(self.rng.gauss(0, self.truth.noise))
-            for seconds in dag.rebuilds.values()
+        rebuild = dag.rebuild_makespan(
+            {
+                name: seconds * REBUILD_TRUTH * math.exp(self.rng.gauss(0, self.truth.noise))
+                for name, seconds in dag.rebuilds.items()
+            }
         )
         result = dataclasses.replace(result, makespan_s=result.makespan_s + rebuild)
         lost = self.trace.failures_between(self.clock, self.clock + result.makespan_s)

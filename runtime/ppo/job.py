@@ -345,8 +345,11 @@ class PpoRuntime:
             )
         return out
 
-    def _prepare(self, engine: UnitEngine, units: dict[str, tuple[Unit, ...]]) -> None:
-        """Create, collectively over the pool, the groups and meshes these units need."""
+    def _prepare(
+        self, engine: UnitEngine, units: dict[str, tuple[Unit, ...]], workload: PpoWorkload
+    ) -> None:
+        """Create, collectively over the pool, the groups and meshes these units need, and build
+        the derived units' workspaces."""
         every = [u for group in units.values() for u in group]
         dp_groups = self._dp_groups(units)
         key = (tuple(sorted(u.unit_id + str(u.slots) for u in every)), tuple(sorted(dp_groups)))
@@ -358,6 +361,18 @@ class PpoRuntime:
             engine.prepare_groups(dp_groups)
             self._grouped.add(key)
         engine.pool.run(slot_work.keep_workspaces, on=live, units=every)
+        # New derived units (a transition's, or the first step's) are built now, every slot at
+        # once, rather than one after another when each stage first syncs weights into them.
+        derived = sorted(
+            (u for ms in workload.model_stages() if not persists(ms) for u in units[ms.name]),
+            key=lambda u: u.unit_id,
+        )
+        stage_of = {u.unit_id: u.model_stage.partition("@")[2] for u in derived}
+        self._rebuild_s: dict[str, float] = {}
+        for took in engine.pool.run(slot_work.build_workspaces, on=live, units=derived):
+            for unit_id, seconds in took.items():
+                stage = stage_of[unit_id]
+                self._rebuild_s[stage] = max(self._rebuild_s.get(stage, 0.0), seconds)
 
     @staticmethod
     def _dp_groups(units) -> list[tuple[int, ...]]:
@@ -409,7 +424,7 @@ class PpoRuntime:
         c = self.config
         started = time.perf_counter()
         units = self.units_for(engine, plan, workload)
-        self._prepare(engine, units)
+        self._prepare(engine, units, workload)
         stage_s: dict[str, float] = {}
         self._measured: dict[str, float] = {}
 
@@ -496,6 +511,7 @@ class PpoRuntime:
             stage_seconds=stage_s,
             peak_memory=peak / default_catalog().accelerator("cpu-slot").memory_bytes,
             op_times=op_times,
+            rebuild_seconds=dict(self._rebuild_s),
             extra={"stats": stats.to_json(), "sync_bytes": sync_bytes, "ppo_step": step},
         )
 

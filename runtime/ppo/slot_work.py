@@ -131,6 +131,20 @@ def workspace(ctx: SlotContext, unit: Unit) -> Workspace:
     return ws
 
 
+def build_workspaces(ctx: SlotContext, *, units: list[Unit]) -> dict[str, float]:
+    """Build this slot's workspaces of ``units`` that it has not built yet, in the order given
+    (the same on every slot, so that a unit's members meet in its collectives), before the step
+    needs them; returns the seconds each new one took, by unit id."""
+    cache = ctx.state.setdefault("ppo_workspaces", {})
+    took = {}
+    for unit in units:
+        if ctx.rank in unit.slots and _key(unit) not in cache:
+            started = time.perf_counter()
+            workspace(ctx, unit)
+            took[unit.unit_id] = time.perf_counter() - started
+    return took
+
+
 def keep_workspaces(ctx: SlotContext, *, units: list[Unit]) -> int:
     """Drop the workspaces of units not in ``units`` (replaced by a transition); returns the count."""
     cache = ctx.state.setdefault("ppo_workspaces", {})

@@ -70,8 +70,8 @@ class Cluster:
     lost_slots: frozenset[int] = frozenset()
     """Slots revoked or failed: what they held is gone and no target may use them."""
     rebuild_s: tuple[tuple[str, float], ...] = (("generation", 20.0), ("inference", 2.0))
-    """Seconds to rebuild a derived model-stage of each stage in a new layout at the next step
-    (a generation engine's start-up and graph capture, an inference unit's set-up)."""
+    """Seconds to build one new unit of a derived model-stage of each stage (a generation
+    engine's start-up and graph capture, an inference unit's set-up)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.num_slots, bool) or not isinstance(self.num_slots, int):
@@ -182,8 +182,15 @@ def _diff(current, target, cluster, workload, efficiency, tag, derived_from, rou
             continue
         was = None if before is None else before.model_stage(ms.name)
         now = target.model_stage(ms.name)
-        if was is None or (was.layout, was.units) != (now.layout, now.units):
+        same_shape = was is not None and (was.layout.tp, was.layout.pp) == (
+            now.layout.tp,
+            now.layout.pp,
+        )
+        kept = set(was.units) if same_shape else set()
+        new_units = [u for u in now.units if u not in kept]
+        if new_units:  # units kept in place keep what they have built
             dag.rebuilds[ms.name] = rebuild.get(ms.stage, 0.0)
+            dag.rebuild_slots[ms.name] = tuple(sorted(s for u in new_units for s in u))
     _add_resource_edges(dag)
     # What admission uses: the executor's policy played out on predicted times (slots run one
     # primitive at a time, so this is at least the critical path).

@@ -166,8 +166,11 @@ class TransitionDag:
         """Each model-stage's units once the transition is done."""
         self.predicted_makespan_s: float | None = None
         self.rebuilds: dict[str, float] = {}
-        """Derived model-stages whose layout or placement changes: the seconds the next step
-        spends building each anew (they move no state, so they are not nodes)."""
+        """Derived model-stages with new units (a new layout, or new placements): the seconds
+        building one of their units takes (they move no state, so they are not nodes)."""
+        self.rebuild_slots: dict[str, tuple[int, ...]] = {}
+        """For each model-stage in ``rebuilds``, the slots its new units occupy. Every slot
+        builds its new units at once with the others, one unit after another."""
         for a, b in edges:
             self.add_edge(a, b, "data")
 
@@ -279,7 +282,18 @@ class TransitionDag:
         moving = self.predicted_makespan_s
         if moving is None:
             moving = self.critical_path()[0]
-        return moving + sum(self.rebuilds.values())
+        return moving + self.rebuild_makespan()
+
+    def rebuild_makespan(self, seconds: dict[str, float] | None = None) -> float:
+        """How long rebuilding the new derived units takes: slots build in parallel, each its
+        own units in turn, so the slot with the most to build sets it. ``seconds`` overrides
+        ``rebuilds`` (an engine's true per-unit times)."""
+        seconds = self.rebuilds if seconds is None else seconds
+        per_slot: dict[int, float] = {}
+        for name, slots in self.rebuild_slots.items():
+            for slot in slots:
+                per_slot[slot] = per_slot.get(slot, 0.0) + seconds.get(name, 0.0)
+        return max(per_slot.values(), default=0.0)
 
     # --- memory ---------------------------------------------------------------------------------
 
@@ -356,6 +370,8 @@ class TransitionDag:
                 "worst_case": worst,
             },
             "rebuilds": dict(self.rebuilds),
+            "rebuild_slots": {ms: list(slots) for ms, slots in self.rebuild_slots.items()},
+            "rebuild_s": self.rebuild_makespan(),
             "target": {
                 ms: [{"id": u.unit_id, "slots": list(u.slots)} for u in units]
                 for ms, units in self.target.items()

@@ -99,7 +99,12 @@ def test_transitions_between_steps_keep_the_trajectory_and_the_state(runtime):
     fixed_engine, fixed_job = runtime()
     plan = _plan(fixed_job, START, 4)
     fixed_engine.start(plan, fixed_job.workload())
-    fixed = [fixed_engine.step(plan, fixed_job.workload(), s).extra["stats"] for s in range(steps)]
+    reports = [fixed_engine.step(plan, fixed_job.workload(), s) for s in range(steps)]
+    fixed = [r.extra["stats"] for r in reports]
+    # The derived units' workspaces are built once, before the first step's stages, and kept.
+    assert set(reports[0].rebuild_seconds) == {"generation", "inference"}
+    assert all(r.rebuild_seconds == {} for r in reports[1:])
+    assert dict(fixed_engine.rebuild_s) != {"generation": 1.0, "inference": 0.5}  # learned
     fixed_params = fixed_job.parameters(fixed_engine.engine, "actor")
     fixed_engine.stop()
 
@@ -120,7 +125,13 @@ def test_transitions_between_steps_keep_the_trajectory_and_the_state(runtime):
                 assert all(torch.equal(before[k], after[k]) for k in before), step
                 moved.append(len(dag.nodes))
             plan = target
-        moved_stats = engine.step(plan, job.workload(), step).extra["stats"]
+        report = engine.step(plan, job.workload(), step)
+        moved_stats = report.extra["stats"]
+        # A step after a transition builds the derived units it changed, and no others.
+        if step == 2:  # actor@generation went from tp 2 to dp 2; inference stayed
+            assert set(report.rebuild_seconds) == {"generation"}
+        if step in (1, 5):
+            assert report.rebuild_seconds == {}
         reference = fixed[step]
         assert moved_stats["mean_response_length"] == reference["mean_response_length"], step
         for key in ("mean_reward", "kl", "policy_loss", "value_loss", "entropy"):

@@ -294,6 +294,48 @@ def test_dag_json_has_what_the_pages_draw():
     assert all(n["state"] == "pending" for n in data["nodes"])
 
 
+def test_rebuilds_count_only_new_derived_units_and_slots_build_side_by_side():
+    """Generation grows from one tp-2 unit to two (the first stays where it is) and actor@inference
+    moves to tp 2 on the same slots as the new generation unit; ref@inference moves off slot 0.
+    Only new units are built; each slot builds its own in turn, all slots at once."""
+    base = {n: (Layout(dp=1, tp=1, pp=1), ((0,),)) for n in NAMES}
+    current = _plan(
+        {**base, "actor@generation": (Layout(dp=1, tp=2, pp=1), ((2, 3),))}, num_slots=6
+    )
+    target = _plan(
+        {
+            **base,
+            "actor@generation": (Layout(dp=2, tp=2, pp=1), ((2, 3), (4, 5))),
+            "actor@inference": (Layout(dp=1, tp=2, pp=1), ((4, 5),)),
+            "ref@inference": (Layout(dp=1, tp=1, pp=1), ((1,),)),
+        },
+        num_slots=6,
+    )
+    cluster = Cluster(
+        accelerator=ACC,
+        num_slots=6,
+        capacity_bytes=(1e15,) * 6,
+        rebuild_s=(("generation", 10.0), ("inference", 3.0)),
+    )
+    dag = diff(current, target, cluster, WORKLOAD)
+    assert dag.rebuilds == {"actor@generation": 10.0, "actor@inference": 3.0, "ref@inference": 3.0}
+    assert dag.rebuild_slots == {
+        "actor@generation": (4, 5),
+        "actor@inference": (4, 5),
+        "ref@inference": (1,),
+    }
+    # Slots 4 and 5 build a generation unit and then an inference one; slot 1 builds one
+    # inference unit meanwhile: 13 s, where building model-stage after model-stage took 16.
+    assert dag.rebuild_makespan() == 13.0
+    assert dag.rebuild_makespan({"actor@generation": 1.0, "ref@inference": 5.0}) == 5.0
+    moving = dag.predicted_makespan_s
+    assert dag.predicted_s == moving + 13.0
+    assert dag.to_json()["rebuild_s"] == 13.0
+    # Nothing derived changes: nothing is rebuilt.
+    same = diff(current, current, cluster, WORKLOAD)
+    assert same.rebuilds == {} and same.rebuild_makespan() == 0.0
+
+
 # --- bad input -------------------------------------------------------------------------------------
 
 
