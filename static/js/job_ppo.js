@@ -191,6 +191,9 @@
       `${num(S.current && S.current.predicted_step_s)} → ${num(p.plan.predicted_step_s)} s/step; ` +
       `transition cost ${num(v.cost_s)} s, saving ${num(v.saving_s)} s/step, payback ` +
       `${num(v.payback_steps)} steps against a horizon of ${num(v.horizon_steps)} steps (gamma ${v.gamma}).` +
+      (p.route === "restart"
+        ? " Approving restarts the job: no live transition reaches this plan, so the state is saved and loaded onto it."
+        : "") +
       (p.decidedBy ? ` ${p.decision} by ${p.decidedBy}: waiting for the controller.` : "");
     $("proposal-body").appendChild(text);
     const form = $("decide-form");
@@ -349,7 +352,7 @@
         drawMaps();
         break;
       case "control.proposal":
-        S.proposals[d.proposal] = { plan: d.plan, verdict: d.verdict, row: record.proposal };
+        S.proposals[d.proposal] = { plan: d.plan, verdict: d.verdict, row: record.proposal, route: d.route };
         S.waiting = d.proposal;
         log("proposal", "", "waiting for approval", (d.verdict || {}).reason || "", economics(d.verdict));
         drawProposal(); drawMaps();

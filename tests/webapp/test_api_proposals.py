@@ -75,6 +75,7 @@ def test_the_inbox_lists_waiting_proposals_of_visible_projects(
     )
     assert row["controller_id"] == 2 and row["proposed_by"] is None and row["decided_by"] is None
     assert row["plan"] == events.plan_json(6) and row["verdict"]["admit"]
+    assert row["route"] == "live"
     everything = client.get(PROPOSALS).json()["results"]
     assert [r["id"] for r in everything] == [waiting.pk, stale.pk]  # newest first, ml only
     assert client.get(f"{PROPOSALS}?state=stale").json()["results"][0]["id"] == stale.pk

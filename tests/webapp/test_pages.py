@@ -380,6 +380,21 @@ def test_the_inbox_lists_waiting_proposals_to_approvers_only(client, waiting, ap
     assert f'id="proposal-{waiting.pk}"' not in page and "Nothing waits" in page
 
 
+def test_the_inbox_warns_that_approving_a_restart_proposal_restarts_the_job(
+    client, sim_job, approver
+):
+    plan_services.record_controller_event(job=sim_job, event=initial_event())
+    plan_services.record_controller_event(
+        job=sim_job, event={**proposal_event(1), "route": "restart"}
+    )
+    client.force_login(approver)
+    page = client.get("/approvals/").content.decode()
+    assert "Approving restarts the job" in page
+    plan_services.record_controller_event(job=sim_job, event=proposal_event(2))  # a live one
+    page = client.get("/approvals/").content.decode()
+    assert "proposal-" in page and "Approving restarts the job" not in page
+
+
 def test_a_viewer_or_operator_cannot_approve_through_the_page(client, waiting, viewer, operator):
     for user in (viewer, operator):
         client.force_login(user)

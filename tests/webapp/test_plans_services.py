@@ -15,7 +15,14 @@ from tests.support.jobs import make_job
 from webapp.jobs import errors as job_errors
 from webapp.jobs.models import JobEvent, JobState
 from webapp.plans import errors, services
-from webapp.plans.models import Plan, Proposal, ProposalState, Transition, TransitionState
+from webapp.plans.models import (
+    Plan,
+    Proposal,
+    ProposalRoute,
+    ProposalState,
+    Transition,
+    TransitionState,
+)
 from webapp.projects import errors as project_errors
 from webapp.projects.models import Role
 
@@ -159,6 +166,15 @@ def test_controller_outcomes_set_the_proposals_state(job, approver):
     assert job.events.filter(kind="control.rejected").get().data["record"] == {"proposal": None}
 
 
+def test_a_proposal_keeps_its_route(job):
+    """A proposal the controller can only reach by checkpoint/restart says so; one without a
+    route (an older driver) is a live transition."""
+    _record(job, events.proposal_event(1))
+    _record(job, {**events.proposal_event(2), "route": "restart"})
+    routes = dict(Proposal.objects.values_list("controller_id", "route"))
+    assert routes == {1: ProposalRoute.LIVE, 2: ProposalRoute.RESTART}
+
+
 def test_an_older_epoch_is_refused(job):
     with pytest.raises(job_errors.StaleEpochError):
         services.record_controller_event(job=job, event=events.initial_event(), epoch=0)
@@ -176,6 +192,7 @@ def test_an_older_epoch_is_refused(job):
             {"event": "control.proposal", "proposal": 1, "plan": events.plan_json(), "verdict": 3},
             "verdict",
         ),
+        ({**events.proposal_event(1), "route": "teleport"}, "route"),
         ({"event": "control.transition", "ok": True, "predicted_s": 1.0, "dag": []}, "dag"),
         (
             {"event": "control.transition", "ok": "yes", "predicted_s": 1.0, "dag": {"nodes": []}},

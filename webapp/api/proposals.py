@@ -47,6 +47,7 @@ class ProposalOutput(serializers.ModelSerializer):
             "plan",
             "verdict",
             "reason",
+            "route",
             "proposed_by",
             "state",
             "decided_by",

@@ -83,6 +83,13 @@ class ProposalState(models.TextChoices):
     """The job moved on (new units, a new driver, a newer proposal): the plan no longer applies."""
 
 
+class ProposalRoute(models.TextChoices):
+    LIVE = "live"
+    """A transition DAG moves the running job's state."""
+    RESTART = "restart"
+    """No live transition reaches the plan: approving saves the state and restarts onto it."""
+
+
 class Proposal(models.Model):
     """A plan change waiting for a person: from the controller (``proposed_by`` empty) or a
     person's override. Tied to the job, the driver epoch and the exact plan proposed."""
@@ -95,6 +102,12 @@ class Proposal(models.Model):
     plan = models.JSONField(help_text="The proposed plan, as Plan.to_json().")
     verdict = models.JSONField(null=True, blank=True, help_text="The admission verdict, if any.")
     reason = models.TextField(blank=True)
+    route = models.CharField(
+        max_length=16,
+        choices=ProposalRoute.choices,
+        default=ProposalRoute.LIVE,
+        help_text="How approving moves the job: a live transition, or a checkpoint/restart.",
+    )
     proposed_by = models.ForeignKey(
         settings.AUTH_USER_MODEL,
         null=True,

@@ -26,7 +26,14 @@ from webapp.jobs import errors as job_errors
 from webapp.jobs.models import Job, JobEvent
 from webapp.jobs.services import job_event_append
 from webapp.plans import errors
-from webapp.plans.models import Plan, Proposal, ProposalState, Transition, TransitionState
+from webapp.plans.models import (
+    Plan,
+    Proposal,
+    ProposalRoute,
+    ProposalState,
+    Transition,
+    TransitionState,
+)
 from webapp.projects.models import ApiToken, Role
 from webapp.projects.selectors import require_role
 
@@ -136,6 +143,13 @@ def _record_proposal(job: Job, epoch: int, data: dict) -> dict:
     verdict = data.get("verdict")
     if verdict is not None and not isinstance(verdict, dict):
         raise ValueError(errors.BAD_EVENT.format(field="verdict", problem="expected an object"))
+    route = data.get("route", ProposalRoute.LIVE)
+    if route not in ProposalRoute.values:
+        raise ValueError(
+            errors.BAD_EVENT.format(
+                field="route", problem=f"expected one of {ProposalRoute.values}"
+            )
+        )
     # The controller holds one proposal at a time: a new one replaces any it made before.
     Proposal.objects.filter(job=job, proposed_by__isnull=True, state=ProposalState.WAITING).exclude(
         epoch=epoch, controller_id=controller_id
@@ -148,6 +162,7 @@ def _record_proposal(job: Job, epoch: int, data: dict) -> dict:
             "plan": plan,
             "verdict": verdict,
             "reason": str((verdict or {}).get("reason", "")),
+            "route": route,
             "expires_at": timezone.now() + approval_timeout(job),
         },
     )
