@@ -6,6 +6,7 @@ a DAG whose intermediate units fit in every order it admits. Profitability (the 
 with ``saving`` the predicted seconds per step the candidate saves and ``cost`` the predicted
 seconds of the transition, admit when ``cost / saving <= gamma × H``, ``H`` being the triggering
 signal's drift horizon in steps: the move must repay itself well before the world drifts again.
+It must also repay before the run ends: a move that needs more steps than are left only costs.
 Urgent triggers (slots revoked or lost, a memory violation) check feasibility only.
 """
 
@@ -42,8 +43,10 @@ def decide(
     gamma: float,
     urgent: bool,
     infeasible: str = "",
+    steps_left: float = math.inf,
 ) -> Verdict:
-    """One admission decision with its reason; exact arithmetic, no side effects."""
+    """One admission decision with its reason; exact arithmetic, no side effects.
+    ``steps_left``: steps the run has after this one (unknown: no end)."""
     saving = current_s - candidate_s
     payback = cost_s / saving if saving > 0 else math.inf
 
@@ -69,6 +72,11 @@ def decide(
     if admission == "always_faster":
         return verdict(True, f"faster by {saving:.3f} s/step")
     limit = gamma * horizon_steps
+    if payback <= limit and payback > steps_left:
+        return verdict(
+            False,
+            f"the run ends first: pays back in {payback:.2f} steps, {steps_left:.0f} left",
+        )
     if payback <= limit:
         return verdict(
             True, f"pays back in {payback:.2f} steps <= gamma {gamma} × H {horizon_steps:.2f}"

@@ -141,6 +141,8 @@ class Controller:
         self._memory_quiet_until = -1
         self.deferred: Deferred | None = None
         """A candidate refused as too slow to repay, reconsidered while its signal stays calm."""
+        self.last_step: int | None = None
+        """The run's last step (``run_job`` sets it); a move must repay before then."""
 
     # --- events ---------------------------------------------------------------------------------
 
@@ -421,6 +423,7 @@ class Controller:
             gamma=self.policy.gamma,
             urgent=urgent,
             infeasible=infeasible,
+            steps_left=self._steps_left(trigger.step),
         )
         if no_live_route:
             verdict = dataclasses.replace(
@@ -581,6 +584,10 @@ class Controller:
         self._apply(salvage, workload, dag, engine)
         return True
 
+    def _steps_left(self, step: int) -> float:
+        """Steps the run has after ``step`` (no known end: infinitely many)."""
+        return math.inf if self.last_step is None else max(0, self.last_step - step)
+
     def _reconsider(self, step: int, engine: Engine) -> None:
         """Re-run admission for the deferred candidate with the horizon as it is now."""
         assert self.deferred is not None
@@ -594,12 +601,22 @@ class Controller:
             horizon_steps=self._horizon(deferred.signals, step),
             gamma=self.policy.gamma,
             urgent=False,
+            steps_left=self._steps_left(step),
         )
         if not verdict.admit:
             return
         self.deferred = None
         workload = self._workload(self._gen_len)
-        self.emit(self._decision(trigger, candidate, verdict, f"deferred, now {verdict.reason}"))
+        self.emit(
+            self._decision(
+                trigger,
+                candidate,
+                verdict,
+                f"deferred, now {verdict.reason}",
+                route=route,
+                step=step,
+            )
+        )
         if self._needs_approval(verdict, False):
             self._propose(candidate, verdict, trigger, engine, route=route)
         elif route == "restart":
@@ -753,8 +770,10 @@ class Controller:
             self.pending = None
 
     def _decision(
-        self, trigger, candidate, verdict, reason, dag=None, outlook=None, route=None
+        self, trigger, candidate, verdict, reason, dag=None, outlook=None, route=None, step=None
     ) -> Event:
+        """``step``: when the decision is taken, if not at its trigger (a deferred one)."""
+        step = trigger.step if step is None else step
         return {
             "event": "control.decision",
             "trigger": trigger.to_json(),
@@ -768,6 +787,7 @@ class Controller:
             "predicted_transition_s": None if dag is None else dag.predicted_s,
             "outlook": None if outlook is None else outlook.to_json(),
             "route": route,
+            "steps_left": None if self.last_step is None else self._steps_left(step),
         }
 
 
@@ -831,6 +851,7 @@ def run_job(
     False to stop the job; ``on_step(report)`` receives each step's report (by default it becomes
     a ``step`` event of the controller)."""
     controller.initial_plan(engine)
+    controller.last_step = steps - 1
     failed = 0
     step_seconds = 0.0
     done = 0

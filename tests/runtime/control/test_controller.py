@@ -1,5 +1,7 @@
 """The controller on the simulated cluster: the approval gate, the urgent path, the step loop."""
 
+import math
+
 import pytest
 
 from runtime.control import Controller, JobPolicy, run_job
@@ -329,6 +331,32 @@ def test_payback_waits_until_a_restart_repays_within_the_horizon(monkeypatch):
     assert controller.restarts == 1 and controller.plan is not first
     horizon = admitted["verdict"]["horizon_steps"]
     assert payback <= 0.5 * horizon < payback + 0.5  # the first step it repays, not later
+
+
+def test_a_move_that_would_repay_only_after_the_run_ends_is_not_made(monkeypatch):
+    """The deferred restart above is admitted at step k, repaying in p steps. A run whose last
+    step leaves fewer than p steps after k never makes it; one that leaves p or more does."""
+    _no_live_route(monkeypatch)
+
+    def run(last_step):
+        engine = _engine()
+        controller = Controller(WORKLOAD, ACC, JobPolicy())
+        controller.initial_plan(engine)
+        controller.last_step = last_step
+        step = 0
+        while controller.restarts == 0 and step <= min(last_step, 400):
+            _steps(controller, engine, [step])
+            step += 1
+        return controller, step - 1
+
+    unbounded, k = run(10**6)
+    admitted = _decisions(unbounded)[-1]
+    assert unbounded.restarts == 1 and admitted["steps_left"] == 10**6 - k
+    payback = admitted["verdict"]["payback_steps"]
+    short, _ = run(k + math.ceil(payback) - 1)  # at step k, fewer than p steps are left
+    assert short.restarts == 0 and short.deferred is not None
+    enough, at = run(k + math.ceil(payback))
+    assert enough.restarts == 1 and at == k
 
 
 def test_an_approved_restart_proposal_restarts(monkeypatch):

@@ -67,6 +67,21 @@ def test_payback_admits_exactly_when_cost_over_saving_is_within_gamma_h():
     assert not under.admit and "> gamma 0.5 × H 5.99" in under.reason
 
 
+def test_a_move_that_repays_only_after_the_run_ends_is_refused():
+    # pays back in 3 steps, within gamma × H = 5; with 3 steps left it repays exactly in time
+    on_time = decide(admission="payback", horizon_steps=10.0, steps_left=3, **ARGS)
+    assert on_time.admit and on_time.reason.startswith("pays back in 3.00 steps")
+    late = decide(admission="payback", horizon_steps=10.0, steps_left=2, **ARGS)
+    assert not late.admit
+    assert late.reason == "the run ends first: pays back in 3.00 steps, 2 left"
+    # Feasibility-only moves and the DynaRL-style policy do not weigh the end.
+    assert decide(admission="always_faster", horizon_steps=1.0, steps_left=0, **ARGS).admit
+    urgent = decide(
+        admission="payback", horizon_steps=1.0, steps_left=0, **{**ARGS, "urgent": True}
+    )
+    assert urgent.admit
+
+
 def test_every_other_admission_branch():
     dynarl = decide(admission="always_faster", horizon_steps=1.0, **ARGS)
     assert dynarl.admit and dynarl.reason == "faster by 2.000 s/step"
