@@ -71,12 +71,12 @@ def decide(
         return verdict(False, f"not faster: saves {saving:.3f} s/step")
     if admission == "always_faster":
         return verdict(True, f"faster by {saving:.3f} s/step")
-    limit = gamma * horizon_steps
-    if payback <= limit and payback > steps_left:
+    if payback > steps_left:
         return verdict(
             False,
             f"the run ends first: pays back in {payback:.2f} steps, {steps_left:.0f} left",
         )
+    limit = gamma * horizon_steps
     if payback <= limit:
         return verdict(
             True, f"pays back in {payback:.2f} steps <= gamma {gamma} × H {horizon_steps:.2f}"

@@ -604,6 +604,8 @@ class Controller:
             steps_left=self._steps_left(step),
         )
         if not verdict.admit:
+            if verdict.reason.startswith("the run ends first"):
+                self.deferred = None  # fewer steps are left at every later step: drop it
             return
         self.deferred = None
         workload = self._workload(self._gen_len)
@@ -625,6 +627,8 @@ class Controller:
             try:
                 dag = self._compile(engine, candidate, workload)
             except TransitionRefusedError as exc:
+                # Its verdict priced a live move; a restart would cost far more, so it is not
+                # taken on that verdict: the next trigger replans and weighs every route afresh.
                 self.emit(self._decision(trigger, candidate, None, f"infeasible now: {exc}"))
                 return
             self._apply(candidate, workload, dag, engine)
@@ -700,6 +704,7 @@ class Controller:
             pending is not None
             and _same_plan(pending.plan, candidate)
             and pending.units_at == _unit_ids(engine)
+            and pending.route == route
         ):
             # The same change asked for again: the person keeps the proposal they are reading.
             self.emit(

@@ -134,11 +134,14 @@ def workspace(ctx: SlotContext, unit: Unit) -> Workspace:
 def build_workspaces(ctx: SlotContext, *, units: list[Unit]) -> dict[str, float]:
     """Build this slot's workspaces of ``units`` that it has not built yet, in the order given
     (the same on every slot, so that a unit's members meet in its collectives), before the step
-    needs them; returns the seconds each new one took, by unit id."""
+    needs them; returns the seconds each new one took, by unit id, timed from when all its
+    members had arrived (not counting the wait for members still building earlier units)."""
     cache = ctx.state.setdefault("ppo_workspaces", {})
     took = {}
     for unit in units:
         if ctx.rank in unit.slots and _key(unit) not in cache:
+            if len(unit.slots) > 1:
+                dist.barrier(group=checkpoint._group(ctx, unit.slots))
             started = time.perf_counter()
             workspace(ctx, unit)
             took[unit.unit_id] = time.perf_counter() - started

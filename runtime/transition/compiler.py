@@ -190,7 +190,7 @@ def _diff(current, target, cluster, workload, efficiency, tag, derived_from, rou
         new_units = [u for u in now.units if u not in kept]
         if new_units:  # units kept in place keep what they have built
             dag.rebuilds[ms.name] = rebuild.get(ms.stage, 0.0)
-            dag.rebuild_slots[ms.name] = tuple(sorted(s for u in new_units for s in u))
+            dag.rebuild_units[ms.name] = tuple(new_units)
     _add_resource_edges(dag)
     # What admission uses: the executor's policy played out on predicted times (slots run one
     # primitive at a time, so this is at least the critical path).

@@ -168,9 +168,10 @@ class TransitionDag:
         self.rebuilds: dict[str, float] = {}
         """Derived model-stages with new units (a new layout, or new placements): the seconds
         building one of their units takes (they move no state, so they are not nodes)."""
-        self.rebuild_slots: dict[str, tuple[int, ...]] = {}
-        """For each model-stage in ``rebuilds``, the slots its new units occupy. Every slot
-        builds its new units at once with the others, one unit after another."""
+        self.rebuild_units: dict[str, tuple[tuple[int, ...], ...]] = {}
+        """For each model-stage in ``rebuilds``, its new units' slots. Engines build them in
+        model-stage name order (the order of their unit ids), every slot at once, each unit as
+        soon as all its slots are free (its members build it together)."""
         for a, b in edges:
             self.add_edge(a, b, "data")
 
@@ -285,15 +286,16 @@ class TransitionDag:
         return moving + self.rebuild_makespan()
 
     def rebuild_makespan(self, seconds: dict[str, float] | None = None) -> float:
-        """How long rebuilding the new derived units takes: slots build in parallel, each its
-        own units in turn, so the slot with the most to build sets it. ``seconds`` overrides
-        ``rebuilds`` (an engine's true per-unit times)."""
+        """How long building the new derived units takes, played in the engines' order: a unit
+        starts once every one of its slots is done with the units before it. ``seconds``
+        overrides ``rebuilds`` (an engine's true per-unit times)."""
         seconds = self.rebuilds if seconds is None else seconds
-        per_slot: dict[int, float] = {}
-        for name, slots in self.rebuild_slots.items():
-            for slot in slots:
-                per_slot[slot] = per_slot.get(slot, 0.0) + seconds.get(name, 0.0)
-        return max(per_slot.values(), default=0.0)
+        free: dict[int, float] = {}
+        for name in sorted(self.rebuild_units):
+            for unit in self.rebuild_units[name]:  # one model-stage's units share no slot
+                done = max(free.get(s, 0.0) for s in unit) + seconds.get(name, 0.0)
+                free.update(dict.fromkeys(unit, done))
+        return max(free.values(), default=0.0)
 
     # --- memory ---------------------------------------------------------------------------------
 
@@ -370,7 +372,7 @@ class TransitionDag:
                 "worst_case": worst,
             },
             "rebuilds": dict(self.rebuilds),
-            "rebuild_slots": {ms: list(slots) for ms, slots in self.rebuild_slots.items()},
+            "rebuild_units": {ms: [list(u) for u in us] for ms, us in self.rebuild_units.items()},
             "rebuild_s": self.rebuild_makespan(),
             "target": {
                 ms: [{"id": u.unit_id, "slots": list(u.slots)} for u in units]

@@ -192,7 +192,7 @@
       `transition cost ${num(v.cost_s)} s, saving ${num(v.saving_s)} s/step, payback ` +
       `${num(v.payback_steps)} steps against a horizon of ${num(v.horizon_steps)} steps (gamma ${v.gamma}).` +
       (p.route === "restart"
-        ? " Approving restarts the job: no live transition reaches this plan, so the state is saved and loaded onto it."
+        ? " Approving restarts the job: its state is saved and loaded onto this plan (a checkpoint/restart, not a live transition; the cost above is the restart's)."
         : "") +
       (p.decidedBy ? ` ${p.decision} by ${p.decidedBy}: waiting for the controller.` : "");
     $("proposal-body").appendChild(text);

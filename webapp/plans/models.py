@@ -87,7 +87,8 @@ class ProposalRoute(models.TextChoices):
     LIVE = "live"
     """A transition DAG moves the running job's state."""
     RESTART = "restart"
-    """No live transition reaches the plan: approving saves the state and restarts onto it."""
+    """Approving saves the state and restarts the job onto the plan (no live transition reaches
+    it, or the job's policy adapts by restarting)."""
 
 
 class Proposal(models.Model):

@@ -74,6 +74,9 @@ def test_a_move_that_repays_only_after_the_run_ends_is_refused():
     late = decide(admission="payback", horizon_steps=10.0, steps_left=2, **ARGS)
     assert not late.admit
     assert late.reason == "the run ends first: pays back in 3.00 steps, 2 left"
+    # Beyond gamma × H as well: still the end, which no later step can change, is the reason.
+    neither = decide(admission="payback", horizon_steps=1.0, steps_left=2, **ARGS)
+    assert neither.reason == "the run ends first: pays back in 3.00 steps, 2 left"
     # Feasibility-only moves and the DynaRL-style policy do not weigh the end.
     assert decide(admission="always_faster", horizon_steps=1.0, steps_left=0, **ARGS).admit
     urgent = decide(

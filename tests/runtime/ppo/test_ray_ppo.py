@@ -128,7 +128,7 @@ def test_transitions_between_steps_keep_the_trajectory_and_the_state(runtime):
         report = engine.step(plan, job.workload(), step)
         moved_stats = report.extra["stats"]
         # A step after a transition builds the derived units it changed, and no others.
-        if step == 2:  # actor@generation went from tp 2 to dp 2; inference stayed
+        if step == 2:  # actor@generation went from dp 2 to tp 2; inference stayed
             assert set(report.rebuild_seconds) == {"generation"}
         if step in (1, 5):
             assert report.rebuild_seconds == {}

@@ -319,10 +319,10 @@ def test_rebuilds_count_only_new_derived_units_and_slots_build_side_by_side():
     )
     dag = diff(current, target, cluster, WORKLOAD)
     assert dag.rebuilds == {"actor@generation": 10.0, "actor@inference": 3.0, "ref@inference": 3.0}
-    assert dag.rebuild_slots == {
-        "actor@generation": (4, 5),
-        "actor@inference": (4, 5),
-        "ref@inference": (1,),
+    assert dag.rebuild_units == {
+        "actor@generation": ((4, 5),),
+        "actor@inference": ((4, 5),),
+        "ref@inference": ((1,),),
     }
     # Slots 4 and 5 build a generation unit and then an inference one; slot 1 builds one
     # inference unit meanwhile: 13 s, where building model-stage after model-stage took 16.
@@ -334,6 +334,22 @@ def test_rebuilds_count_only_new_derived_units_and_slots_build_side_by_side():
     # Nothing derived changes: nothing is rebuilt.
     same = diff(current, current, cluster, WORKLOAD)
     assert same.rebuilds == {} and same.rebuild_makespan() == 0.0
+
+
+def test_a_unit_waits_for_every_one_of_its_slots_to_be_done_building():
+    """The engines' order: actor@generation on slot 0, then actor@inference on slots 0-1, then
+    ref@inference on slot 1. The tp-2 inference unit waits for slot 0's generation unit, and slot
+    1's own unit comes after it: g + 2i, not the g + i of adding each slot's units alone."""
+    dag = _only(
+        "actor@training", (Layout(dp=1, tp=1, pp=1), ((0,),)), (Layout(dp=1, tp=1, pp=1), ((0,),))
+    )
+    dag.rebuilds = {"actor@generation": 10.0, "actor@inference": 3.0, "ref@inference": 3.0}
+    dag.rebuild_units = {
+        "ref@inference": ((1,),),
+        "actor@generation": ((0,),),
+        "actor@inference": ((0, 1),),
+    }
+    assert dag.rebuild_makespan() == 16.0
 
 
 # --- bad input -------------------------------------------------------------------------------------
