@@ -32,6 +32,7 @@ from runtime.planner.plan import Plan
 from runtime.planner.shapes import LayoutShape
 from runtime.planner.workload import PpoWorkload
 from runtime.transition import cost as transition_cost
+from runtime.transition.compiler import DEFAULT_REBUILD_S
 from runtime.transition.dag import TransitionDag
 from runtime.transition.simulate import simulate
 from runtime.transition.units import Units, bytes_on, units_of
@@ -40,7 +41,7 @@ COMMUNICATION = ("tp_allreduce", "pp_p2p", "dp_allreduce", "weight_sync", "trans
 STALL_S = 60.0
 """Simulated seconds a job that cannot run on its pool waits before trying again."""
 REBUILD_TRUTH = 1.25
-"""True rebuild time of a derived model-stage over the compiler's estimate."""
+"""True time to build a derived unit over the compiler's default (which the engine learns)."""
 EMU_OVERHEAD = 1.6
 """True primitive time over the ideal one (the EMU benchmark measures 1.25–2× on real slots)."""
 
@@ -100,6 +101,14 @@ class SimulatedEngine:
         self._lost: set[int] = set()
         self._pool = trace.gpus_at(0.0)
         self._failures_seen = 0.0
+        self._rebuild = dict(DEFAULT_REBUILD_S)
+        """Seconds one new unit of each derived stage takes to build, as this engine has
+        measured its rebuilds (the compiler's GPU defaults until it has seen one)."""
+
+    @property
+    def rebuild_s(self) -> tuple[tuple[str, float], ...]:
+        """What the transition compiler should charge for building a new unit of each stage."""
+        return tuple(sorted(self._rebuild.items()))
 
     # --- the interface --------------------------------------------------------------------------
 
@@ -190,12 +199,18 @@ class SimulatedEngine:
             return predicted * EMU_OVERHEAD * math.exp(self.rng.gauss(0, self.truth.noise))
 
         result = simulate(dag, durations=true_seconds)
-        rebuild = dag.rebuild_makespan(
-            {
-                name: seconds * REBUILD_TRUTH * math.exp(self.rng.gauss(0, self.truth.noise))
-                for name, seconds in dag.rebuilds.items()
-            }
-        )
+        defaults = dict(DEFAULT_REBUILD_S)
+        took = {
+            name: defaults[name.partition("@")[2]]
+            * REBUILD_TRUTH
+            * math.exp(self.rng.gauss(0, self.truth.noise))
+            for name in dag.rebuilds
+        }
+        rebuild = dag.rebuild_makespan(took)
+        for name, seconds in took.items():  # learned as the Ray engine learns from its timings
+            stage = name.partition("@")[2]
+            if stage in self._rebuild:
+                self._rebuild[stage] = 0.5 * self._rebuild[stage] + 0.5 * seconds
         result = dataclasses.replace(result, makespan_s=result.makespan_s + rebuild)
         lost = self.trace.failures_between(self.clock, self.clock + result.makespan_s)
         self._advance(result.makespan_s)

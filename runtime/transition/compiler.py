@@ -59,6 +59,10 @@ class TransitionRefusedError(ValueError):
         """No order of the primitives fits the slots' memory (another route might)."""
 
 
+DEFAULT_REBUILD_S: tuple[tuple[str, float], ...] = (("generation", 20.0), ("inference", 2.0))
+"""Per derived stage, seconds to build one new unit on a GPU before any was measured."""
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Cluster:
     """The slots a transition runs on: their accelerator, count and usable bytes."""
@@ -69,7 +73,7 @@ class Cluster:
     """Per slot; default: the device's memory less the planner's 10% headroom."""
     lost_slots: frozenset[int] = frozenset()
     """Slots revoked or failed: what they held is gone and no target may use them."""
-    rebuild_s: tuple[tuple[str, float], ...] = (("generation", 20.0), ("inference", 2.0))
+    rebuild_s: tuple[tuple[str, float], ...] = DEFAULT_REBUILD_S
     """Seconds to build one new unit of a derived model-stage of each stage (a generation
     engine's start-up and graph capture, an inference unit's set-up)."""
 
