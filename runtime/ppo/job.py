@@ -368,8 +368,12 @@ class PpoRuntime:
             key=lambda u: u.unit_id,
         )
         stage_of = {u.unit_id: u.model_stage.partition("@")[2] for u in derived}
+        weights = self.initial_weights()
+        frozen = {f"{role}@inference": str(weights[role]) for role in ("ref", "reward")}
         self._rebuild_s: dict[str, float] = {}
-        for took in engine.pool.run(slot_work.build_workspaces, on=live, units=derived):
+        for took in engine.pool.run(
+            slot_work.build_workspaces, on=live, units=derived, frozen=frozen
+        ):
             for unit_id, seconds in took.items():
                 stage = stage_of[unit_id]
                 self._rebuild_s[stage] = max(self._rebuild_s.get(stage, 0.0), seconds)
@@ -441,12 +445,6 @@ class PpoRuntime:
         t0 = time.perf_counter()
         sync_bytes += self._sync(engine, units["actor@training"], units["actor@inference"])
         sync_bytes += self._sync(engine, units["critic@training"], units["critic@inference"])
-        weights = self.initial_weights()
-        for role in ("ref", "reward"):
-            for unit in units[f"{role}@inference"]:
-                engine.pool.run(
-                    slot_work.load_frozen, on=unit.slots, unit=unit, path=str(weights[role])
-                )
         scored = self._infer(engine, units, rollout, modes={s.stage: s.mode for s in plan.stages})
         sequences, mask = rollout["sequences"], rollout["response_mask"].float()
         if self.reward is None:

@@ -131,12 +131,16 @@ def workspace(ctx: SlotContext, unit: Unit) -> Workspace:
     return ws
 
 
-def build_workspaces(ctx: SlotContext, *, units: list[Unit]) -> dict[str, float]:
+def build_workspaces(
+    ctx: SlotContext, *, units: list[Unit], frozen: dict[str, str] | None = None
+) -> dict[str, float]:
     """Build this slot's workspaces of ``units`` that it has not built yet, in the order given
     (the same on every slot, so that a unit's members meet in its collectives), before the step
-    needs them; returns the seconds each new one took, by unit id, timed from when all its
+    needs them, reading the weights of frozen model-stages (``frozen``: model-stage → weights
+    file) into theirs. Returns the seconds each new one took, by unit id, timed from when all its
     members had arrived (not counting the wait for members still building earlier units)."""
     cache = ctx.state.setdefault("ppo_workspaces", {})
+    frozen = frozen or {}
     took = {}
     for unit in units:
         if ctx.rank in unit.slots and _key(unit) not in cache:
@@ -144,6 +148,8 @@ def build_workspaces(ctx: SlotContext, *, units: list[Unit]) -> dict[str, float]
                 dist.barrier(group=checkpoint._group(ctx, unit.slots))
             started = time.perf_counter()
             workspace(ctx, unit)
+            if unit.model_stage in frozen:
+                load_frozen(ctx, unit=unit, path=frozen[unit.model_stage])
             took[unit.unit_id] = time.perf_counter() - started
     return took
 
