@@ -394,31 +394,28 @@ class PpoRuntime:
                     out += [tuple(unit.slots[p * tp + t] for p in range(pp)) for t in range(tp)]
         return out
 
-    def _sync(self, engine: UnitEngine, sources: tuple[Unit, ...], targets: tuple[Unit, ...]):
-        """The training units' parameters into the workspaces of ``targets``."""
-        source_of: dict[int, Unit] = {}
-        held = {}
-        for unit in sources:
-            for position, slot in enumerate(unit.slots):
-                source_of[slot] = unit
-                held[slot] = [s for s in unit.layout.shards(position) if "::" not in s.key]
-        received = 0
-        for target in targets:
-            wanted = {
-                slot: target.layout.shards(position) for position, slot in enumerate(target.slots)
-            }
-            copies = plan_copies(held, wanted)
-            slots = sorted({c.src_slot for c in copies} | {c.dst_slot for c in copies})
-            received += sum(
-                engine.pool.run(
-                    slot_work.sync_weights,
-                    on=slots,
-                    copies=copies,
-                    sources=source_of,
-                    target=target,
-                )
-            )
-        return received
+    def _sync(self, engine: UnitEngine, *pairs: tuple[tuple[Unit, ...], tuple[Unit, ...]]) -> int:
+        """Each pair's training units' parameters into the workspaces of its target units: every
+        target at once, in one call on the slots involved."""
+        syncs = []
+        for sources, targets in pairs:
+            source_of: dict[int, Unit] = {}
+            held = {}
+            for unit in sources:
+                for position, slot in enumerate(unit.slots):
+                    source_of[slot] = unit
+                    held[slot] = [s for s in unit.layout.shards(position) if "::" not in s.key]
+            for target in targets:
+                wanted = {
+                    slot: target.layout.shards(position)
+                    for position, slot in enumerate(target.slots)
+                }
+                copies = plan_copies(held, wanted)
+                syncs.append(slot_work.TargetSync(copies=copies, sources=source_of, target=target))
+        slots = sorted({s for sync in syncs for c in sync.copies for s in (c.src_slot, c.dst_slot)})
+        if not slots:
+            return 0
+        return sum(engine.pool.run(slot_work.sync_weights, on=slots, syncs=syncs))
 
     def step(self, engine: UnitEngine, plan: Plan, workload: PpoWorkload, step: int) -> StepReport:
         """One PPO step on ``plan``. ``step`` is the caller's count; the data, the sampling and
@@ -436,15 +433,18 @@ class PpoRuntime:
         t0 = time.perf_counter()
         prompts = self.tasks.sample(c.batch_size, seed=_step_seed(c.seed, step, 0))
         params = c.sampling(_step_seed(c.seed, step, 1))
-        sync_bytes = self._sync(engine, units["actor@training"], units["actor@generation"])
+        sync_bytes = self._sync(engine, (units["actor@training"], units["actor@generation"]))
         rollout = self._generate(engine, units["actor@generation"], prompts, params)
         stage_s["generation"] = time.perf_counter() - t0
         self._measured["actor@generation"] = stage_s["generation"]
 
         # 2. inference
         t0 = time.perf_counter()
-        sync_bytes += self._sync(engine, units["actor@training"], units["actor@inference"])
-        sync_bytes += self._sync(engine, units["critic@training"], units["critic@inference"])
+        sync_bytes += self._sync(
+            engine,
+            (units["actor@training"], units["actor@inference"]),
+            (units["critic@training"], units["critic@inference"]),
+        )
         scored = self._infer(engine, units, rollout, modes={s.stage: s.mode for s in plan.stages})
         sequences, mask = rollout["sequences"], rollout["response_mask"].float()
         if self.reward is None:

@@ -370,46 +370,61 @@ def _slice_of(t: torch.Tensor, spec: ShardSpec, copy: Copy) -> torch.Tensor:
     return slot_ops._narrow(t, spec, copy.dim, copy.start, copy.stop)
 
 
+@dataclasses.dataclass(frozen=True)
+class TargetSync:
+    """One target unit's weight sync: the reshard planner's copies into ``target`` from the
+    training units ``sources`` (the unit each source slot holds)."""
+
+    copies: list[Copy]
+    sources: dict[int, Unit]
+    target: Unit
+
+
 @torch.no_grad()
-def sync_weights(
-    ctx: SlotContext, *, copies: list[Copy], sources: dict[int, Unit], target: Unit
-) -> int:
-    """Fill this slot's part of ``target``'s workspace from the training units ``sources`` (the
-    unit each source slot holds): the copies of ``reshard.plan_copies``, local ones in place, the
-    rest packed per peer and exchanged point to point. Returns the bytes this slot received."""
-    mine_src = sources.get(ctx.rank)
-    src_state = _stored(ctx, mine_src) if mine_src is not None else {}
-    src_specs = (
-        {s.key: s for s in mine_src.layout.shards(mine_src.position_of(ctx.rank))}
-        if mine_src is not None
-        else {}
-    )
-    ws = workspace(ctx, target) if ctx.rank in target.slots else None
-    outgoing: dict[int, list[Copy]] = defaultdict(list)
-    incoming: dict[int, list[Copy]] = defaultdict(list)
-    for c in copies:
-        if c.src_slot == ctx.rank and c.dst_slot == ctx.rank:
-            dst = _slice_of(ws.locals[c.key], ws.shards[c.key], c)
-            dst.copy_(_slice_of(src_state[c.key], src_specs[c.key], c))
-        elif c.src_slot == ctx.rank:
-            outgoing[c.dst_slot].append(c)
-        elif c.dst_slot == ctx.rank:
-            incoming[c.src_slot].append(c)
-    requests, received = [], {}
-    for src, group in sorted(incoming.items()):
-        sizes = [_slice_of(ws.locals[c.key], ws.shards[c.key], c).numel() for c in group]
-        received[src] = (torch.empty(sum(sizes)), sizes)
-        requests.append(dist.irecv(received[src][0], src=src))
-    for dst, group in sorted(outgoing.items()):
-        packed = torch.cat(
-            [_slice_of(src_state[c.key], src_specs[c.key], c).reshape(-1).float() for c in group]
+def sync_weights(ctx: SlotContext, *, syncs: list[TargetSync]) -> int:
+    """Fill this slot's part of every target's workspace: local copies in place, the rest packed
+    per peer and exchanged point to point, all targets' messages posted before any is waited on
+    (each target's under its own tag, so that two between the same pair never cross). Returns the
+    bytes this slot received."""
+    requests, received, keep = [], [], []
+    for tag, sync in enumerate(syncs):
+        mine_src = sync.sources.get(ctx.rank)
+        src_state = _stored(ctx, mine_src) if mine_src is not None else {}
+        src_specs = (
+            {s.key: s for s in mine_src.layout.shards(mine_src.position_of(ctx.rank))}
+            if mine_src is not None
+            else {}
         )
-        requests.append(dist.isend(packed, dst=dst))
+        ws = workspace(ctx, sync.target) if ctx.rank in sync.target.slots else None
+        outgoing: dict[int, list[Copy]] = defaultdict(list)
+        incoming: dict[int, list[Copy]] = defaultdict(list)
+        for c in sync.copies:
+            if c.src_slot == ctx.rank and c.dst_slot == ctx.rank:
+                dst = _slice_of(ws.locals[c.key], ws.shards[c.key], c)
+                dst.copy_(_slice_of(src_state[c.key], src_specs[c.key], c))
+            elif c.src_slot == ctx.rank:
+                outgoing[c.dst_slot].append(c)
+            elif c.dst_slot == ctx.rank:
+                incoming[c.src_slot].append(c)
+        for src, group in sorted(incoming.items()):
+            sizes = [_slice_of(ws.locals[c.key], ws.shards[c.key], c).numel() for c in group]
+            buffer = torch.empty(sum(sizes))
+            received.append((ws, group, buffer, sizes))
+            requests.append(dist.irecv(buffer, src=src, tag=tag))
+        for dst, group in sorted(outgoing.items()):
+            packed = torch.cat(
+                [
+                    _slice_of(src_state[c.key], src_specs[c.key], c).reshape(-1).float()
+                    for c in group
+                ]
+            )
+            keep.append(packed)  # alive until its send completes
+            requests.append(dist.isend(packed, dst=dst, tag=tag))
     for request in requests:
         request.wait()
     nbytes = 0
-    for src, (buffer, sizes) in received.items():
-        for c, piece in zip(incoming[src], buffer.split(sizes), strict=True):
+    for ws, group, buffer, sizes in received:
+        for c, piece in zip(group, buffer.split(sizes), strict=True):
             dst = _slice_of(ws.locals[c.key], ws.shards[c.key], c)
             dst.copy_(piece.view(dst.shape))
         nbytes += buffer.numel() * buffer.element_size()
