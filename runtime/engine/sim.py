@@ -200,17 +200,15 @@ class SimulatedEngine:
 
         result = simulate(dag, durations=true_seconds)
         defaults = dict(DEFAULT_REBUILD_S)
+        stage_of = {name: name.partition("@")[2] for name in dag.rebuilds}
         took = {
-            name: defaults[name.partition("@")[2]]
-            * REBUILD_TRUTH
-            * math.exp(self.rng.gauss(0, self.truth.noise))
-            for name in dag.rebuilds
+            name: defaults[stage] * REBUILD_TRUTH * math.exp(self.rng.gauss(0, self.truth.noise))
+            for name, stage in stage_of.items()
         }
         rebuild = dag.rebuild_makespan(took)
         for name, seconds in took.items():  # learned as the Ray engine learns from its timings
-            stage = name.partition("@")[2]
-            if stage in self._rebuild:
-                self._rebuild[stage] = 0.5 * self._rebuild[stage] + 0.5 * seconds
+            stage = stage_of[name]
+            self._rebuild[stage] = 0.5 * self._rebuild[stage] + 0.5 * seconds
         result = dataclasses.replace(result, makespan_s=result.makespan_s + rebuild)
         lost = self.trace.failures_between(self.clock, self.clock + result.makespan_s)
         self._advance(result.makespan_s)

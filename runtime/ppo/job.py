@@ -347,9 +347,9 @@ class PpoRuntime:
 
     def _prepare(
         self, engine: UnitEngine, units: dict[str, tuple[Unit, ...]], workload: PpoWorkload
-    ) -> None:
+    ) -> dict[str, float]:
         """Create, collectively over the pool, the groups and meshes these units need, and build
-        the derived units' workspaces."""
+        the derived units' workspaces; returns, per stage, the longest a new unit took."""
         every = [u for group in units.values() for u in group]
         dp_groups = self._dp_groups(units)
         key = (tuple(sorted(u.unit_id + str(u.slots) for u in every)), tuple(sorted(dp_groups)))
@@ -363,20 +363,23 @@ class PpoRuntime:
         engine.pool.run(slot_work.keep_workspaces, on=live, units=every)
         # New derived units (a transition's, or the first step's) are built now, every slot at
         # once, rather than one after another when each stage first syncs weights into them.
-        derived = sorted(
-            (u for ms in workload.model_stages() if not persists(ms) for u in units[ms.name]),
-            key=lambda u: u.unit_id,
-        )
-        stage_of = {u.unit_id: u.model_stage.partition("@")[2] for u in derived}
+        stage_of = {
+            u.unit_id: ms.stage
+            for ms in workload.model_stages()
+            if not persists(ms)
+            for u in units[ms.name]
+        }
+        derived = sorted((u for u in every if u.unit_id in stage_of), key=lambda u: u.unit_id)
         weights = self.initial_weights()
         frozen = {f"{role}@inference": str(weights[role]) for role in ("ref", "reward")}
-        self._rebuild_s: dict[str, float] = {}
+        rebuild_s: dict[str, float] = {}
         for took in engine.pool.run(
             slot_work.build_workspaces, on=live, units=derived, frozen=frozen
         ):
             for unit_id, seconds in took.items():
                 stage = stage_of[unit_id]
-                self._rebuild_s[stage] = max(self._rebuild_s.get(stage, 0.0), seconds)
+                rebuild_s[stage] = max(rebuild_s.get(stage, 0.0), seconds)
+        return rebuild_s
 
     @staticmethod
     def _dp_groups(units) -> list[tuple[int, ...]]:
@@ -425,7 +428,7 @@ class PpoRuntime:
         c = self.config
         started = time.perf_counter()
         units = self.units_for(engine, plan, workload)
-        self._prepare(engine, units, workload)
+        rebuild_s = self._prepare(engine, units, workload)
         stage_s: dict[str, float] = {}
         self._measured: dict[str, float] = {}
 
@@ -509,7 +512,7 @@ class PpoRuntime:
             stage_seconds=stage_s,
             peak_memory=peak / default_catalog().accelerator("cpu-slot").memory_bytes,
             op_times=op_times,
-            rebuild_seconds=dict(self._rebuild_s),
+            rebuild_seconds=rebuild_s,
             extra={"stats": stats.to_json(), "sync_bytes": sync_bytes, "ppo_step": step},
         )
 
