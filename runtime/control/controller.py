@@ -92,6 +92,36 @@ class Deferred:
     trigger: Trigger
     signals: tuple[str, ...]
     route: str
+    ahead: bool = False
+    """Priced with its new units on idle slots built during one more step (``Staged``)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Staged:
+    """An admitted transition whose new derived units on idle slots are being built while the
+    job takes one more step on the running plan; it runs after that step."""
+
+    plan: Plan
+    trigger: Trigger
+    ahead: frozenset[tuple[str, tuple[int, ...]]]
+
+
+def staged_cost(dag, current_s: float, candidate_s: float) -> float:
+    """What a transition costs when its ``ahead`` units are built during one more step on the
+    running plan (``current_s``): the moves and the other builds, whatever of the ahead builds
+    outlasts that step, and that step's forgone saving."""
+    moving = dag.predicted_s - dag.rebuild_makespan()
+    was, dag.built_ahead = dag.built_ahead, dag.ahead
+    try:
+        rest = dag.rebuild_makespan()
+    finally:
+        dag.built_ahead = was
+    return (
+        moving
+        + rest
+        + max(0.0, dag.ahead_makespan() - current_s)
+        + max(0.0, current_s - candidate_s)
+    )
 
 
 def place(candidate: Plan, alive: list[int], num_slots: int) -> Plan:
@@ -143,6 +173,8 @@ class Controller:
         """A candidate refused as too slow to repay, reconsidered while its signal stays calm."""
         self.last_step: int | None = None
         """The run's last step (``run_job`` sets it); a move must repay before then."""
+        self.staged: Staged | None = None
+        """An admitted transition building its units ahead; it runs after the next step."""
 
     # --- events ---------------------------------------------------------------------------------
 
@@ -258,6 +290,8 @@ class Controller:
             triggers.append(Trigger(kind="failure", step=report.step, detail=report.failure))
             self.monitor.observe(report.step, {}, pool=engine.pool_size())
         self._expire_pending(engine)
+        if self.staged is not None:
+            self._run_staged(report, triggers, engine)
         if not triggers:
             if self.deferred is not None and report.ok:
                 self._reconsider(report.step, engine)
@@ -362,6 +396,7 @@ class Controller:
         workload = self._workload(gen_len)
         self.monitor.replanned()
         self.deferred = None
+        self.staged = None
         broken = trigger.kind == "failure" or self._off_pool(engine)
         if self.policy.admission == "never" and not broken:
             self.emit(self._decision(trigger, None, None, "the policy never adapts"))
@@ -406,11 +441,17 @@ class Controller:
                         )
                     )
                     (candidate, dag), candidate_s = found, self._price(found[0], workload)
+        urgent = trigger.urgent
+        ahead = False
         if route == "restart":
             cost = self._restart_estimate(candidate, workload)
         else:
             cost = math.inf if dag is None else dag.predicted_s
-        urgent = trigger.urgent
+            if dag is not None and dag.ahead and not (urgent or broken):
+                # Build the new units on idle slots during one more step, when that is cheaper.
+                staged = staged_cost(dag, current_s, candidate_s)
+                ahead = staged < cost and hasattr(engine, "build_ahead")
+                cost = min(cost, staged) if ahead else cost
         outlook = Outlook(signals=(trigger.signal,))
         if not broken and trigger.kind in ("drift", "pool") and candidate_s < current_s:
             outlook = self._outlook(candidate, trigger)
@@ -445,6 +486,7 @@ class Controller:
                 trigger=trigger,
                 signals=outlook.signals,
                 route=route,
+                ahead=ahead,
             )
         if not verdict.admit:
             salvaged = self._off_pool(engine) and self._salvage(trigger, workload, engine)
@@ -457,8 +499,51 @@ class Controller:
             return
         if route == "restart":
             self._restart(candidate, workload, engine, because=verdict.reason)
+        elif ahead:
+            self._stage(candidate, workload, dag, trigger, engine, step=trigger.step)
         else:
             self._apply(candidate, workload, dag, engine)
+
+    def _stage(
+        self, candidate: Plan, workload: PpoWorkload, dag, trigger, engine, *, step: int
+    ) -> None:
+        """Start building ``dag.ahead`` on the engine and run the transition after the step
+        that follows ``step``."""
+        units: dict[str, list[tuple[int, ...]]] = {}
+        for name, slots in sorted(dag.ahead):
+            units.setdefault(name, []).append(slots)
+        engine.build_ahead(candidate, workload, {n: tuple(us) for n, us in units.items()})
+        self.staged = Staged(plan=candidate, trigger=trigger, ahead=dag.ahead)
+        self.emit(
+            {
+                "event": "control.building_ahead",
+                "units": len(dag.ahead),
+                "predicted_s": dag.ahead_makespan(),
+                "step": step,
+                "simulated": bool(getattr(engine, "simulated", False)),
+            }
+        )
+
+    def _run_staged(self, report: StepReport, triggers: list[Trigger], engine: Engine) -> None:
+        """After the step that built units ahead: run the staged transition, unless the step
+        failed or something urgent came up (then the replan that follows decides afresh)."""
+        assert self.staged is not None
+        staged, self.staged = self.staged, None
+        if not report.ok or any(t.urgent for t in triggers) or self._off_pool(engine):
+            self.emit(
+                self._decision(
+                    staged.trigger, staged.plan, None, "staged transition dropped: replanning"
+                )
+            )
+            return
+        workload = self._workload(self._gen_len)
+        try:
+            dag = self._compile(engine, staged.plan, workload)
+        except TransitionRefusedError as exc:
+            self.emit(self._decision(staged.trigger, staged.plan, None, f"infeasible now: {exc}"))
+            return
+        dag.built_ahead = dag.ahead & staged.ahead
+        self._apply(staged.plan, workload, dag, engine)
 
     def _outlook(self, candidate: Plan, trigger: Trigger) -> Outlook:
         """The horizon a non-urgent move's saving lasts for: which signals it rests on.
@@ -631,7 +716,10 @@ class Controller:
                 # taken on that verdict: the next trigger replans and weighs every route afresh.
                 self.emit(self._decision(trigger, candidate, None, f"infeasible now: {exc}"))
                 return
-            self._apply(candidate, workload, dag, engine)
+            if deferred.ahead and dag.ahead:
+                self._stage(candidate, workload, dag, trigger, engine, step=step)
+            else:
+                self._apply(candidate, workload, dag, engine)
 
     def _restart_estimate(self, candidate: Plan, workload: PpoWorkload) -> float:
         state = sum(

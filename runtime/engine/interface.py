@@ -76,7 +76,16 @@ class Engine(Protocol):
 
     def step(self, plan: Plan, workload: PpoWorkload, step: int) -> StepReport: ...
 
-    def transition(self, dag: TransitionDag) -> TransitionOutcome: ...
+    def transition(self, dag: TransitionDag) -> TransitionOutcome:
+        """Run ``dag``; its ``built_ahead`` units were started by ``build_ahead``, and the
+        transition waits only for whatever of them is still building."""
+
+    def build_ahead(
+        self, plan: Plan, workload: PpoWorkload, units: dict[str, tuple[tuple[int, ...], ...]]
+    ) -> None:
+        """Start building, without waiting, ``plan``'s derived units ``units`` (model-stage →
+        each unit's slots), all on slots the running plan does not use: the job's next step
+        runs on the others meanwhile."""
 
     def restart(self, plan: Plan, workload: PpoWorkload) -> float:
         """Checkpoint/restart onto ``plan``; returns its seconds."""

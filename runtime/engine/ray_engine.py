@@ -204,6 +204,16 @@ class RayEngine:
             failure=failure,
         )
 
+    def build_ahead(
+        self, plan: Plan, workload: PpoWorkload, units: dict[str, tuple[tuple[int, ...], ...]]
+    ) -> None:
+        """The job starts the builds on their slots and returns; its next step runs on the
+        others, and the first step that uses these slots waits for them. An engine without a job
+        has no derived units to build."""
+        if self.job is not None:
+            started = self.job.build_ahead(self.engine, plan, workload, units)
+            self._event({"event": "engine.building_ahead", "units": started})
+
     def restart(self, plan: Plan, workload: PpoWorkload) -> float:
         """Checkpoint/restart onto ``plan``. Each persistent model-stage is saved with DCP from
         one intact unit, everything is released, and the new plan's units load it (DCP reshards).

@@ -104,6 +104,8 @@ class SimulatedEngine:
         self._rebuild = dict(DEFAULT_REBUILD_S)
         """Seconds one new unit of each derived stage takes to build, as this engine has
         measured its rebuilds (the compiler's GPU defaults until it has seen one)."""
+        self._ahead: dict[tuple[str, tuple[int, ...]], float] = {}
+        """Units being built ahead of a transition: when each is ready (simulated seconds)."""
 
     @property
     def rebuild_s(self) -> tuple[tuple[str, float], ...]:
@@ -199,16 +201,16 @@ class SimulatedEngine:
             return predicted * EMU_OVERHEAD * math.exp(self.rng.gauss(0, self.truth.noise))
 
         result = simulate(dag, durations=true_seconds)
-        defaults = dict(DEFAULT_REBUILD_S)
-        stage_of = {name: name.partition("@")[2] for name in dag.rebuilds}
-        took = {
-            name: defaults[stage] * REBUILD_TRUTH * math.exp(self.rng.gauss(0, self.truth.noise))
-            for name, stage in stage_of.items()
-        }
+        took = {name: self._build_s(name) for name in dag.rebuilds}
         rebuild = dag.rebuild_makespan(took)
-        for name, seconds in took.items():  # learned as the Ray engine learns from its timings
-            stage = stage_of[name]
-            self._rebuild[stage] = 0.5 * self._rebuild[stage] + 0.5 * seconds
+        for name in {n for n, _ in dag.built_ahead}:
+            took.pop(name, None)  # a model-stage built ahead was learned from when it was built
+        for key in dag.built_ahead:  # waited for where still building
+            ready = self._ahead.get(key, self.clock + self._build_s(key[0]))
+            rebuild = max(rebuild, ready - self.clock)
+        self._ahead.clear()
+        for name, seconds in took.items():
+            self._learn_build(name, seconds)
         result = dataclasses.replace(result, makespan_s=result.makespan_s + rebuild)
         lost = self.trace.failures_between(self.clock, self.clock + result.makespan_s)
         self._advance(result.makespan_s)
@@ -230,6 +232,30 @@ class SimulatedEngine:
             simulated=True,
             rebuild_s=rebuild,
         )
+
+    def build_ahead(
+        self, plan: Plan, workload: PpoWorkload, units: dict[str, tuple[tuple[int, ...], ...]]
+    ) -> None:
+        """Start the builds now, in the engines' order; the clock does not wait for them."""
+        free: dict[int, float] = {}
+        for name in sorted(units):
+            seconds = self._build_s(name)
+            self._learn_build(name, seconds)
+            for slots in units[name]:
+                ready = max(free.get(s, self.clock) for s in slots) + seconds
+                free.update(dict.fromkeys(slots, ready))
+                self._ahead[(name, tuple(slots))] = ready
+
+    def _build_s(self, model_stage: str) -> float:
+        """The true seconds one unit of ``model_stage`` takes to build now."""
+        stage = model_stage.partition("@")[2]
+        noise = math.exp(self.rng.gauss(0, self.truth.noise))
+        return dict(DEFAULT_REBUILD_S)[stage] * REBUILD_TRUTH * noise
+
+    def _learn_build(self, model_stage: str, seconds: float) -> None:
+        """As the Ray engine learns from its timings."""
+        stage = model_stage.partition("@")[2]
+        self._rebuild[stage] = 0.5 * self._rebuild[stage] + 0.5 * seconds
 
     def restart(self, plan: Plan, workload: PpoWorkload) -> float:
         """Save every persistent unit, restart the processes, load onto ``plan``."""

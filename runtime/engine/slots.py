@@ -44,6 +44,11 @@ class SlotContext:
     state: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
+CONTROL = "control"
+"""The concurrency group of a slot's small calls (liveness, memory, its node): they answer on
+their own thread while ``execute`` runs a long call, such as a unit built ahead of a transition."""
+
+
 class SlotWorker:
     """The body of a slot actor (wrapped with ``ray.remote`` by ``SlotPool``)."""
 
@@ -53,6 +58,7 @@ class SlotWorker:
         if torch.cuda.is_available():
             self.ctx.device = torch.device("cuda", 0)  # Ray sets CUDA_VISIBLE_DEVICES per actor.
 
+    @ray.method(concurrency_group=CONTROL)
     def node(self) -> dict[str, str]:
         """Where this slot runs: its Ray node and that node's address."""
         context = ray.get_runtime_context()
@@ -92,6 +98,7 @@ class SlotWorker:
         """Run ``fn(ctx, **kwargs)`` on this slot."""
         return fn(self.ctx, **kwargs)
 
+    @ray.method(concurrency_group=CONTROL)
     def memory(self) -> dict[str, int]:
         """Current and peak memory of this slot, in bytes."""
         if self.ctx.device.type == "cuda":
@@ -155,7 +162,7 @@ class SlotPool:
             raise ValueError(f"num_slots: must be at least 1, got {num_slots}")
         started = time.perf_counter()
         resources = {"num_gpus": 1, "num_cpus": 1} if use_gpus else {"num_cpus": 1}
-        remote_cls = ray.remote(**resources)(SlotWorker)
+        remote_cls = ray.remote(**resources, concurrency_groups={CONTROL: 1})(SlotWorker)
         placements: list[dict] = [{} for _ in range(num_slots)]
         if spread:
             from ray.util.placement_group import placement_group
@@ -242,6 +249,18 @@ class SlotPool:
         A collective inside ``fn`` needs every member of its group among them. Calls on disjoint
         slot sets may run concurrently from several threads; each slot runs one call at a time.
         """
+        return self.start(fn, per_rank_kwargs, on=on, **common).wait()
+
+    def start(
+        self,
+        fn: Callable[..., Any],
+        per_rank_kwargs: Sequence[dict[str, Any]] | None = None,
+        *,
+        on: Sequence[int] | None = None,
+        **common: Any,
+    ) -> Pending:
+        """``run`` without waiting: the slots start ``fn`` now; ``wait()`` on the result gives
+        what ``run`` would have. Later calls on those slots queue behind it."""
         slots = list(range(len(self._actors))) if on is None else list(on)
         for slot in slots:
             if not 0 <= slot < len(self._actors):
@@ -249,12 +268,11 @@ class SlotPool:
         per_rank = per_rank_kwargs or [{} for _ in slots]
         if len(per_rank) != len(slots):
             raise ValueError(f"per_rank_kwargs: expected {len(slots)} entries, got {len(per_rank)}")
-        return self._get_all(
-            [
-                self._actors[slot].execute.remote(fn, {**common, **kw})
-                for slot, kw in zip(slots, per_rank, strict=True)
-            ]
-        )
+        refs = [
+            self._actors[slot].execute.remote(fn, {**common, **kw})
+            for slot, kw in zip(slots, per_rank, strict=True)
+        ]
+        return Pending(pool=self, refs=refs, slots=tuple(slots))
 
     def memory(self) -> list[dict[str, int]]:
         return self._get_all([a.memory.remote() for a in self._actors])
@@ -264,7 +282,7 @@ class SlotPool:
         return self._get_all([a.node.remote() for a in self._actors])
 
     def alive(self, *, timeout_s: float = 10.0) -> list[bool]:
-        """Which slots answer; call it while no long call is running on them."""
+        """Which slots answer (on their control thread: a long call running does not delay it)."""
         refs = [a.memory.remote() for a in self._actors]
         out = []
         for ref in refs:
@@ -311,3 +329,17 @@ class SlotPool:
             raise SlotError(f"a slot did not answer within {self.call_timeout_s:.0f} s") from exc
         except ray.exceptions.RayError as exc:
             raise SlotError(f"a slot failed: {exc}") from exc
+
+
+@dataclasses.dataclass(frozen=True)
+class Pending:
+    """Calls started on some slots (``SlotPool.start``)."""
+
+    pool: SlotPool
+    refs: list[Any]
+    slots: tuple[int, ...]
+
+    def wait(self) -> list[Any]:
+        """The calls' results, in the order of ``slots``; a failed or silent slot raises
+        ``SlotError`` (the pool's call timeout counts from now)."""
+        return self.pool._get_all(self.refs)

@@ -36,6 +36,7 @@ from runtime.emu.layout import ShardError, assemble
 from runtime.emu.primitives import Unit
 from runtime.emu.reshard import plan_copies
 from runtime.engine.interface import StepReport
+from runtime.engine.slots import Pending
 from runtime.planner import cost, default_catalog
 from runtime.planner.catalog import ModelConfig
 from runtime.planner.plan import Plan
@@ -181,6 +182,15 @@ class Checkpoint:
     state: Path
 
 
+@dataclasses.dataclass(frozen=True)
+class _Ahead:
+    """Builds started on idle slots (``PpoRuntime.build_ahead``)."""
+
+    pending: Pending
+    stage_of: dict[str, str]
+    """Unit id → its stage."""
+
+
 @dataclasses.dataclass
 class JobState:
     """What the driver keeps between steps, and what a checkpoint saves beside the units."""
@@ -218,6 +228,8 @@ class PpoRuntime:
         self._weights: dict[str, Path] = {}
         self._workload: PpoWorkload | None = None
         self._grouped: set[tuple] = set()
+        self._ahead: _Ahead | None = None
+        """Derived units being built on idle slots ahead of a transition (``build_ahead``)."""
         if config.init_from:
             self._check_initial(config.init_from)
 
@@ -345,15 +357,69 @@ class PpoRuntime:
             )
         return out
 
+    def build_ahead(
+        self,
+        engine: UnitEngine,
+        plan: Plan,
+        workload: PpoWorkload,
+        units: Mapping[str, tuple[tuple[int, ...], ...]],
+    ) -> int:
+        """Start building ``plan``'s derived units ``units`` (model-stage → each unit's slots,
+        on slots the running plan does not use) and return at once: the next step runs on the
+        other slots meanwhile, and the first step that uses these slots waits for the builds.
+        Returns how many units started."""
+        wanted = {(name, tuple(slots)) for name, group in units.items() for slots in group}
+        planned = self.units_for(engine, plan, workload)
+        ahead = sorted(
+            (u for group in planned.values() for u in group if (u.model_stage, u.slots) in wanted),
+            key=lambda u: u.unit_id,
+        )
+        if not ahead:
+            return 0
+        self._finish_ahead()  # one batch at a time
+        # Groups are made collectively over the pool (every process, in the same order), so
+        # they are made now, before the builds start; the builds then involve their slots only.
+        engine.pool.run(checkpoint.ensure_unit_groups, units=ahead)
+        slots = sorted({s for u in ahead for s in u.slots})
+        pending = engine.pool.start(
+            slot_work.build_workspaces, on=slots, units=ahead, frozen=self._frozen_weights()
+        )
+        stage_of = {u.unit_id: u.model_stage.partition("@")[2] for u in ahead}
+        self._ahead = _Ahead(pending=pending, stage_of=stage_of)
+        return len(ahead)
+
+    def _finish_ahead(self) -> dict[str, float]:
+        """Wait for the units building ahead; per stage, the longest one took."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return {}
+        out: dict[str, float] = {}
+        for took in ahead.pending.wait():
+            for unit_id, seconds in took.items():
+                stage = ahead.stage_of[unit_id]
+                out[stage] = max(out.get(stage, 0.0), seconds)
+        return out
+
+    def _frozen_weights(self) -> dict[str, str]:
+        weights = self.initial_weights()
+        return {f"{role}@inference": str(weights[role]) for role in ("ref", "reward")}
+
     def _prepare(
         self, engine: UnitEngine, units: dict[str, tuple[Unit, ...]], workload: PpoWorkload
     ) -> dict[str, float]:
         """Create, collectively over the pool, the groups and meshes these units need, and build
         the derived units' workspaces; returns, per stage, the longest a new unit took."""
         every = [u for group in units.values() for u in group]
+        rebuild_s: dict[str, float] = {}
+        if self._ahead is not None and {s for u in every for s in u.slots} & set(
+            self._ahead.pending.slots
+        ):
+            rebuild_s = self._finish_ahead()  # this step needs them
         dp_groups = self._dp_groups(units)
         key = (tuple(sorted(u.unit_id + str(u.slots) for u in every)), tuple(sorted(dp_groups)))
-        live = sorted(set(range(engine.pool.num_slots)) - engine.lost_slots)
+        building = set(self._ahead.pending.slots) if self._ahead is not None else set()
+        # Slots still building ahead hold nothing this step uses: leave them to it.
+        live = sorted(set(range(engine.pool.num_slots)) - engine.lost_slots - building)
         if key not in self._grouped:
             # Creating a group is collective over the whole pool, in the same order on every
             # process, members or not: a lost slot's replacement process takes part too.
@@ -370,11 +436,8 @@ class PpoRuntime:
             for u in units[ms.name]
         }
         derived = sorted((u for u in every if u.unit_id in stage_of), key=lambda u: u.unit_id)
-        weights = self.initial_weights()
-        frozen = {f"{role}@inference": str(weights[role]) for role in ("ref", "reward")}
-        rebuild_s: dict[str, float] = {}
         for took in engine.pool.run(
-            slot_work.build_workspaces, on=live, units=derived, frozen=frozen
+            slot_work.build_workspaces, on=live, units=derived, frozen=self._frozen_weights()
         ):
             for unit_id, seconds in took.items():
                 stage = stage_of[unit_id]
@@ -687,10 +750,12 @@ class PpoRuntime:
     def regrouped(self) -> None:
         """The slots' group was re-formed: every group and workspace must be made again."""
         self._grouped.clear()
+        self._ahead = None  # those processes are gone
 
     def lost_state(self) -> None:
         """A step failed part-way: the units are gone; a restart resumes from a checkpoint."""
         self._grouped.clear()
+        self._ahead = None
 
     # --- checkpoints ----------------------------------------------------------------------------
 

@@ -181,6 +181,13 @@ def _diff(current, target, cluster, workload, efficiency, tag, derived_from, rou
     _check_final(dag, final)
     before = current if isinstance(current, Plan) else derived_from
     rebuild = dict(cluster.rebuild_s)
+    # Slots the running plan uses (its units of every model-stage, and the held ones): a new
+    # derived unit on none of them can be built while the job still steps on the others. Without
+    # the plan the units came from, where its derived units run is unknown: nothing is ahead.
+    busy = {s for units in held.values() for u in units for s in u.slots}
+    if before is not None:
+        busy.update(s for ms in before.model_stages for u in ms.units for s in u)
+    ahead = set()
     for ms in workload.model_stages():
         if ms.name in final:
             continue
@@ -195,6 +202,9 @@ def _diff(current, target, cluster, workload, efficiency, tag, derived_from, rou
         if new_units:  # units kept in place keep what they have built
             dag.rebuilds[ms.name] = rebuild.get(ms.stage, 0.0)
             dag.rebuild_units[ms.name] = tuple(new_units)
+            if before is not None:
+                ahead.update((ms.name, u) for u in new_units if not busy.intersection(u))
+    dag.ahead = frozenset(ahead)
     _add_resource_edges(dag)
     # What admission uses: the executor's policy played out on predicted times (slots run one
     # primitive at a time, so this is at least the critical path).

@@ -172,6 +172,12 @@ class TransitionDag:
         """For each model-stage in ``rebuilds``, its new units' slots. Engines build them in
         model-stage name order (the order of their unit ids), every slot at once, each unit as
         soon as all its slots are free (its members build it together)."""
+        self.ahead: frozenset[tuple[str, tuple[int, ...]]] = frozenset()
+        """(model-stage, slots) of the new derived units on slots the running plan leaves idle
+        (a granted slot, say): an engine can build them while the job still steps."""
+        self.built_ahead: frozenset[tuple[str, tuple[int, ...]]] = frozenset()
+        """Those of ``ahead`` that were built before the transition runs: ``predicted_s`` and
+        ``rebuild_makespan`` no longer charge them."""
         for a, b in edges:
             self.add_edge(a, b, "data")
 
@@ -288,13 +294,28 @@ class TransitionDag:
     def rebuild_makespan(self, seconds: dict[str, float] | None = None) -> float:
         """How long building the new derived units takes, played in the engines' order: a unit
         starts once every one of its slots is done with the units before it. ``seconds``
-        overrides ``rebuilds`` (an engine's true per-unit times)."""
-        seconds = self.rebuilds if seconds is None else seconds
+        overrides ``rebuilds`` (an engine's true per-unit times). Units in ``built_ahead`` are
+        not charged."""
+        return self._build_makespan(
+            [(n, u) for n in sorted(self.rebuild_units) for u in self.rebuild_units[n]],
+            self.rebuilds if seconds is None else seconds,
+            skip=self.built_ahead,
+        )
+
+    def ahead_makespan(self, seconds: dict[str, float] | None = None) -> float:
+        """How long building the ``ahead`` units takes, in the same order, on their own."""
+        return self._build_makespan(
+            sorted(self.ahead), self.rebuilds if seconds is None else seconds, skip=frozenset()
+        )
+
+    @staticmethod
+    def _build_makespan(units, seconds: dict[str, float], *, skip) -> float:
         free: dict[int, float] = {}
-        for name in sorted(self.rebuild_units):
-            for unit in self.rebuild_units[name]:  # one model-stage's units share no slot
-                done = max(free.get(s, 0.0) for s in unit) + seconds.get(name, 0.0)
-                free.update(dict.fromkeys(unit, done))
+        for name, unit in units:  # one model-stage's units share no slot
+            if (name, unit) in skip:
+                continue
+            done = max(free.get(s, 0.0) for s in unit) + seconds.get(name, 0.0)
+            free.update(dict.fromkeys(unit, done))
         return max(free.values(), default=0.0)
 
     # --- memory ---------------------------------------------------------------------------------
@@ -374,6 +395,8 @@ class TransitionDag:
             "rebuilds": dict(self.rebuilds),
             "rebuild_units": {ms: [list(u) for u in us] for ms, us in self.rebuild_units.items()},
             "rebuild_s": self.rebuild_makespan(),
+            "ahead": [{"model_stage": n, "slots": list(u)} for n, u in sorted(self.ahead)],
+            "built_ahead": len(self.built_ahead),
             "target": {
                 ms: [{"id": u.unit_id, "slots": list(u.slots)} for u in units]
                 for ms, units in self.target.items()

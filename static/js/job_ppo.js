@@ -389,6 +389,12 @@
         drawTransitions(); drawMaps(); drawCalibration();
         break;
       }
+      case "control.building_ahead":
+        label(d.simulated);
+        log("building ahead", `after step ${d.step}`, `${d.units} new units on idle slots`,
+          "built while the next step runs on the current plan; the transition follows that step",
+          `predicted ${num(d.predicted_s)} s`);
+        break;
       case "control.transition_started":
         S.live = { nodes: {}, step: S.lastStep ? S.lastStep.step : null, dag: d.dag,
           predicted_s: d.predicted_s };

@@ -206,6 +206,8 @@ def test_an_unreachable_best_plan_gives_way_to_the_fastest_reachable_one(monkeyp
     reasons = [e["reason"] for e in controller.events if e["event"] == "control.decision"]
     assert reasons[0] == "unreachable, trying the next best: target: refused by the test"
     assert reasons[1] == "faster by " + reasons[1].removeprefix("faster by ")
+    if controller.staged is not None:  # its units on the new slots build during step 1
+        _steps(controller, engine, range(1, 2))
     assert controller.transitions == 1 and controller.plan.num_slots == 32
     assert len(tried) >= 2 and controller.plan not in refused and controller.plan in tried
     # the fastest of the reachable options, priced at the step's workload
@@ -262,7 +264,8 @@ def test_a_saving_that_survives_the_swing_repays_over_the_pools_horizon(monkeypa
         assert outlook["signals"] == ["gen_len", "pool"] and verdict["horizon_steps"] == 106.0
         # The seed's rule alone would have refused it: it pays back beyond 0.5 x 4.9375 steps.
         assert 0.5 * 4.9375 < verdict["payback_steps"] <= 0.5 * 106
-        assert decision["admit"] and controller.transitions == 1
+        # admitted: made at once, or after one more step building its new units ahead
+        assert decision["admit"] and controller.transitions + (controller.staged is not None) == 1
     else:
         assert outlook["signals"] == ["gen_len"] and verdict["horizon_steps"] == 4.9375
         assert not decision["admit"] and controller.transitions == 0
@@ -372,3 +375,55 @@ def test_an_approved_restart_proposal_restarts(monkeypatch):
     assert event["route"] == "restart"
     assert controller.command("approve", proposal.proposal_id, engine) == "restarted"
     assert controller.restarts == 1 and controller.plan == proposal.plan
+
+
+# --- building ahead ---------------------------------------------------------------------------------
+
+
+def _growing(pool) -> tuple[SimulatedEngine, Controller]:
+    trace = Trace(
+        name="g", steps=20, accelerator=ACC.name, gpus=16, gen_len=((0, 1024.0),), pool=pool
+    )
+    engine = SimulatedEngine(trace, ACC, truth=TrueModel.draw(3, noise=0.0), seed=1)
+    return engine, Controller(WORKLOAD, ACC, JobPolicy())
+
+
+def test_new_units_on_granted_slots_are_built_ahead_during_one_more_step():
+    """16 more slots arrive: the new plan's units there are built while the job takes one more
+    step on its 16 slots, and the transition after that step waits only for what is left."""
+    engine, controller = _growing(((60.0, 32),))
+    summary = run_job(engine, controller, 20)
+    kinds = _kinds(controller)
+    ahead = kinds.index("control.building_ahead")
+    # the step that ran meanwhile, on the old slots, then the transition
+    assert kinds[ahead + 1 : ahead + 4] == [
+        "step",
+        "control.transition_started",
+        "control.transition",
+    ]
+    events = controller.events
+    transition = events[ahead + 3]
+    assert transition["ok"] and transition["dag"]["built_ahead"] == events[ahead]["units"] > 0
+    # Building them took longer than the step (generation then four inference units per slot):
+    # the transition waited for the rest only.
+    step_s = events[ahead + 1]["seconds"]
+    assert 0 < transition["rebuild_s"] < events[ahead]["predicted_s"] * 1.25 - step_s + 1e-6
+    assert summary.transitions == 1
+    assert summary.seconds == pytest.approx(
+        summary.step_seconds + summary.transition_seconds + summary.restart_seconds
+    )
+
+
+def test_a_staged_transition_is_dropped_when_its_slots_go_during_the_step():
+    engine, controller = _growing(((60.0, 32),))
+    run_job(engine, controller, 20)
+    staged_at = next(e["step"] for e in controller.events if e["event"] == "control.building_ahead")
+    took = [e["seconds"] for e in controller.events if e["event"] == "step"]
+    during = sum(took[: staged_at + 1]) + took[staged_at + 1] / 2  # mid-way through the next
+    engine, controller = _growing(((60.0, 32), (during, 16)))
+    run_job(engine, controller, 20)
+    reasons = [e["reason"] for e in controller.events if e["event"] == "control.decision"]
+    assert "staged transition dropped: replanning" in reasons
+    # no step ever ran on a slot that had gone
+    assert all(e["ok"] for e in controller.events if e["event"] == "step")
+    assert max(s for ms in controller.plan.model_stages for s in ms.slots) < 16

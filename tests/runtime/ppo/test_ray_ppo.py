@@ -93,7 +93,7 @@ def _state(engine):
 
 
 def test_transitions_between_steps_keep_the_trajectory_and_the_state(runtime):
-    workload_slots = {0: (START, 4), 2: (TP_TO_DP, 4), 3: (PIPELINE, 4), 4: (SCALED, 6)}
+    workload_slots = {0: (START, 4), 2: (TP_TO_DP, 4), 3: (PIPELINE, 4), 5: (SCALED, 6)}
     steps = 6
 
     fixed_engine, fixed_job = runtime()
@@ -129,13 +129,35 @@ def test_transitions_between_steps_keep_the_trajectory_and_the_state(runtime):
                 assert all(torch.equal(before[k], after[k]) for k in before), step
                 moved.append(len(dag.nodes))
             plan = target
+        if step == 4:
+            # The scaled plan's new units on slots the running plan leaves idle are built now,
+            # while this step runs on slots 0-3; the step after the transition waits for them.
+            scaled = _plan(job, SCALED, 6)
+            ahead = diff(
+                engine.units(),
+                scaled,
+                Cluster(accelerator=CPU, num_slots=6),
+                job.workload(),
+                derived_from=plan,
+            ).ahead
+            idle = set(range(6)) - {s for ms in plan.model_stages for s in ms.slots}
+            assert ahead and all(set(slots) <= idle for _, slots in ahead)
+            units = {}
+            for name, slots in sorted(ahead):
+                units.setdefault(name, []).append(slots)
+            engine.build_ahead(scaled, job.workload(), units)
         report = engine.step(plan, job.workload(), step)
         moved_stats = report.extra["stats"]
         # A step after a transition builds the derived units it changed, and no others.
         if step == 2:  # actor@generation went from dp 2 to tp 2; inference stayed
             assert set(report.rebuild_seconds) == {"generation"}
-        if step in (1, 5):
+        if step in (1, 4):
+            # Step 4 neither built nor waited for the units building on the idle slots.
             assert report.rebuild_seconds == {}
+        if step == 4:
+            assert job._ahead is not None
+        if step == 5:  # the units built ahead are reported with those built now
+            assert job._ahead is None and "inference" in report.rebuild_seconds
         reference = fixed[step]
         assert moved_stats["mean_response_length"] == reference["mean_response_length"], step
         for key in ("mean_reward", "kl", "policy_loss", "value_loss", "entropy"):

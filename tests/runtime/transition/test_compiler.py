@@ -336,6 +336,50 @@ def test_rebuilds_count_only_new_derived_units_and_slots_build_side_by_side():
     assert same.rebuilds == {} and same.rebuild_makespan() == 0.0
 
 
+def test_new_units_on_slots_the_running_plan_leaves_idle_can_be_built_ahead():
+    """The running plan uses slots 0, 2 and 3. New derived units on slots it leaves idle (1, 4,
+    5) can be built while it still steps; one on slot 2 cannot. What was built ahead is no
+    longer charged to the transition."""
+    base = {n: (Layout(dp=1, tp=1, pp=1), ((0,),)) for n in NAMES}
+    current = _plan(
+        {**base, "actor@generation": (Layout(dp=1, tp=2, pp=1), ((2, 3),))}, num_slots=6
+    )
+    target = _plan(
+        {
+            **base,
+            "actor@generation": (Layout(dp=2, tp=2, pp=1), ((2, 3), (4, 5))),
+            "actor@inference": (Layout(dp=1, tp=2, pp=1), ((4, 5),)),
+            "ref@inference": (Layout(dp=2, tp=1, pp=1), ((1,), (2,))),
+        },
+        num_slots=6,
+    )
+    cluster = Cluster(
+        accelerator=ACC,
+        num_slots=6,
+        capacity_bytes=(1e15,) * 6,
+        rebuild_s=(("generation", 10.0), ("inference", 3.0)),
+    )
+    dag = diff(current, target, cluster, WORKLOAD)
+    assert dag.ahead == {
+        ("actor@generation", (4, 5)),
+        ("actor@inference", (4, 5)),
+        ("ref@inference", (1,)),
+    }
+    assert dag.ahead_makespan() == 13.0  # slots 4-5: generation, then inference
+    moving = dag.predicted_makespan_s
+    assert dag.rebuild_makespan() == 13.0 and dag.predicted_s == moving + 13.0
+    dag.built_ahead = dag.ahead
+    # Left to build during the transition: ref@inference on slot 2, which the plan still uses.
+    assert dag.rebuild_makespan() == 3.0 and dag.predicted_s == moving + 3.0
+    data = dag.to_json()
+    assert data["built_ahead"] == 3 and data["rebuild_s"] == 3.0
+    assert {"model_stage": "ref@inference", "slots": [1]} in data["ahead"]
+    # Compiled from the held units alone, where the derived units run is unknown: none is ahead.
+    held = units_of(current, WORKLOAD)
+    assert diff(held, target, cluster, WORKLOAD).ahead == frozenset()
+    assert diff(held, target, cluster, WORKLOAD, derived_from=current).ahead == dag.ahead
+
+
 def test_a_unit_waits_for_every_one_of_its_slots_to_be_done_building():
     """The engines' order: actor@generation on slot 0, then actor@inference on slots 0-1, then
     ref@inference on slot 1. The tp-2 inference unit waits for slot 0's generation unit, and slot
