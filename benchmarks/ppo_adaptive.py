@@ -105,6 +105,7 @@ def run(policy: str, args, pool: SlotPool) -> dict:
             "other": wall - accounted,
         },
         "transitions": summary.transitions,
+        "built_ahead": sum(e["event"] == "control.building_ahead" for e in events),
         "restarts": summary.restarts,
         "decisions": [
             {"trigger": e["trigger"]["kind"], "reason": e.get("reason", "")}
@@ -213,7 +214,7 @@ def main() -> int:
         "trans s",
         "restart s",
         "other s",
-        "transitions",
+        "transitions (built ahead)",
         "reward(last5)",
         "length first5->last5",
     ]
@@ -223,7 +224,7 @@ def main() -> int:
             f"{r['steps_per_hour']:.0f}",
             f"{r['mean_step_s']:.3f}",
             *(f"{r['time_s'][k]:.1f}" for k in (*STAGES, "transitions", "restarts", "other")),
-            r["transitions"],
+            f"{r['transitions']} ({r['built_ahead']})",
             f"{r['final_reward']:.3f}",
             f"{r['first_length']:.1f}->{r['final_length']:.1f}",
         ]
