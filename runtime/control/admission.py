@@ -7,7 +7,9 @@ with ``saving`` the predicted seconds per step the candidate saves and ``cost`` 
 seconds of the transition, admit when ``cost / saving <= gamma × H``, ``H`` being the triggering
 signal's drift horizon in steps: the move must repay itself well before the world drifts again.
 It must also repay before the run ends: a move that needs more steps than are left only costs.
-Urgent triggers (slots revoked or lost, a memory violation) check feasibility only.
+Urgent triggers (slots revoked or lost, a failed step) check feasibility only; so does a move away
+from a plan that is predicted not to fit within the lookahead (``overflows``): staying would cost
+an out-of-memory step, which loses the job's state back to its last checkpoint.
 """
 
 from __future__ import annotations
@@ -44,9 +46,11 @@ def decide(
     urgent: bool,
     infeasible: str = "",
     steps_left: float = math.inf,
+    overflows: str = "",
 ) -> Verdict:
     """One admission decision with its reason; exact arithmetic, no side effects.
-    ``steps_left``: steps the run has after this one (unknown: no end)."""
+    ``steps_left``: steps the run has after this one (unknown: no end). ``overflows``: why the
+    running plan is predicted not to fit (empty: it fits)."""
     saving = current_s - candidate_s
     payback = cost_s / saving if saving > 0 else math.inf
 
@@ -67,6 +71,8 @@ def decide(
         return verdict(True, "urgent: feasibility only")
     if admission == "never":
         return verdict(False, "the policy never adapts")
+    if overflows:
+        return verdict(True, f"the running plan will not fit ({overflows}): feasibility only")
     if saving <= 0:
         return verdict(False, f"not faster: saves {saving:.3f} s/step")
     if admission == "always_faster":

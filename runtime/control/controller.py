@@ -442,12 +442,20 @@ class Controller:
                     )
                     (candidate, dag), candidate_s = found, self._price(found[0], workload)
         urgent = trigger.urgent
+        # A predicted violation: the running plan will not fit the length the trend reaches
+        # within the lookahead. Staying would cost an out-of-memory step, and with it the state
+        # since the last checkpoint; any feasible move is cheaper.
+        overflows = (
+            trigger.detail
+            if trigger.kind == "memory" and not broken and not self._fits(self.plan, gen_len)
+            else ""
+        )
         ahead = False
         if route == "restart":
             cost = self._restart_estimate(candidate, workload)
         else:
             cost = math.inf if dag is None else dag.predicted_s
-            if dag is not None and dag.ahead and not (urgent or broken):
+            if dag is not None and dag.ahead and not (urgent or broken or overflows):
                 # Build the new units on idle slots during one more step, when that is cheaper.
                 staged = staged_cost(dag, current_s, candidate_s)
                 ahead = staged < cost and hasattr(engine, "build_ahead")
@@ -465,6 +473,7 @@ class Controller:
             urgent=urgent,
             infeasible=infeasible,
             steps_left=self._steps_left(trigger.step),
+            overflows=overflows,
         )
         if no_live_route:
             verdict = dataclasses.replace(

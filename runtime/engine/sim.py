@@ -35,11 +35,13 @@ from runtime.transition import cost as transition_cost
 from runtime.transition.compiler import DEFAULT_REBUILD_S
 from runtime.transition.dag import TransitionDag
 from runtime.transition.simulate import simulate
-from runtime.transition.units import Units, bytes_on, units_of
+from runtime.transition.units import Units, bytes_on, persists, units_of
 
 COMMUNICATION = ("tp_allreduce", "pp_p2p", "dp_allreduce", "weight_sync", "transition")
 STALL_S = 60.0
 """Simulated seconds a job that cannot run on its pool waits before trying again."""
+CHECKPOINT_EVERY = 20
+"""Steps between the simulated job's committed checkpoints."""
 REBUILD_TRUTH = 1.25
 """True time to build a derived unit over the compiler's default (which the engine learns)."""
 EMU_OVERHEAD = 1.6
@@ -87,7 +89,15 @@ class SimulatedEngine:
     kind = "simulated"
     simulated = True
 
-    def __init__(self, trace: Trace, accelerator: Accelerator, *, truth: TrueModel, seed: int = 0):
+    def __init__(
+        self,
+        trace: Trace,
+        accelerator: Accelerator,
+        *,
+        truth: TrueModel,
+        seed: int = 0,
+        checkpoint_every: int = CHECKPOINT_EVERY,
+    ):
         if accelerator.name != trace.accelerator:
             raise ValueError(
                 f"accelerator: the trace is for {trace.accelerator}, not {accelerator.name}"
@@ -104,6 +114,13 @@ class SimulatedEngine:
         self._rebuild = dict(DEFAULT_REBUILD_S)
         """Seconds one new unit of each derived stage takes to build, as this engine has
         measured its rebuilds (the compiler's GPU defaults until it has seen one)."""
+        if checkpoint_every < 1:
+            raise ValueError(f"checkpoint_every: must be at least 1, got {checkpoint_every}")
+        self.checkpoint_every = checkpoint_every
+        self._since_checkpoint: list[float] = []
+        """Seconds of each step done since the job last committed a checkpoint."""
+        self._redo_s = 0.0
+        """Work lost with the state (steps since the checkpoint): a restart does it again."""
         self._ahead: dict[tuple[str, tuple[int, ...]], float] = {}
         """Units being built ahead of a transition: when each is ready (simulated seconds)."""
 
@@ -146,6 +163,20 @@ class SimulatedEngine:
                 failure=f"slot {gone[0]} is gone (simulated)",
                 simulated=True,
             )
+        missing = sorted(
+            ms.name
+            for ms in workload.model_stages()
+            if persists(ms) and not self._units.get(ms.name)
+        )
+        if missing:  # the state was lost (an out-of-memory step) and nothing has restored it
+            return StepReport(
+                step=step,
+                ok=False,
+                seconds=0.0,
+                gen_len=float(self.trace.gen_len_at(step)),
+                failure=f"{missing[0]}: no units hold its state (simulated)",
+                simulated=True,
+            )
         gen_len = self.trace.gen_len_at(step) * math.exp(self.rng.gauss(0, 0.02))
         now = workload.with_gen_len(max(1, round(gen_len)))
         eff = self.truth.efficiency_at(self.clock)
@@ -177,9 +208,20 @@ class SimulatedEngine:
         }
         seconds = sum(stage_seconds.values())
         ok, failure = True, ""
-        if peak > 1.0:  # out of memory part-way: the step's work is lost
+        if peak > 1.0:
+            # Out of memory part-way: one rank fails inside the step's collectives, the others
+            # time out and the group is torn down, as the Ray engine does on any failed step.
+            # Every unit is mid-update: the job goes back to its last checkpoint, and the steps
+            # since then are done again after the restart.
             ok, failure = False, f"out of memory: {peak:.0%} of a device (simulated)"
             seconds *= 0.5
+            self._units = {}
+            self._redo_s = sum(self._since_checkpoint)
+            self._since_checkpoint.clear()
+        else:
+            self._since_checkpoint.append(seconds)
+            if len(self._since_checkpoint) >= self.checkpoint_every:
+                self._since_checkpoint.clear()  # committed
         self._advance(seconds)
         return StepReport(
             step=step,
@@ -258,12 +300,19 @@ class SimulatedEngine:
         self._rebuild[stage] = 0.5 * self._rebuild[stage] + 0.5 * seconds
 
     def restart(self, plan: Plan, workload: PpoWorkload) -> float:
-        """Save every persistent unit, restart the processes, load onto ``plan``."""
+        """Save every persistent unit, restart the processes, load onto ``plan``; after a lost
+        state, load the last checkpoint and do the steps since it again."""
         state = sum(
             sum(bytes_on(u).values()) for us in units_of(plan, workload).values() for u in us
         )
         nodes = max(1, math.ceil(plan.num_slots / self.acc.gpus_per_node))
-        seconds = self.truth.restart_fixed_s + 2 * state / (self.truth.storage_bytes_per_s * nodes)
+        passes = 2 if self._units else 1  # nothing left to save: only the load
+        seconds = self.truth.restart_fixed_s + passes * state / (
+            self.truth.storage_bytes_per_s * nodes
+        )
+        seconds += self._redo_s
+        self._redo_s = 0.0
+        self._since_checkpoint.clear()  # the restart commits one
         self._advance(seconds)
         self._units = units_of(plan, workload)
         self._lost.clear()

@@ -105,6 +105,21 @@ def test_every_other_admission_branch():
     assert not urgent_but_infeasible.admit
 
 
+def test_a_plan_predicted_not_to_fit_is_left_on_feasibility_alone():
+    """Staying on a plan that will not fit costs an out-of-memory step and the state since the
+    last checkpoint: a slower candidate, or one that repays late, is admitted all the same."""
+    slower = {**ARGS, "candidate_s": 10.5}
+    left = decide(admission="payback", horizon_steps=1.0, overflows="actor needs 90 GiB", **slower)
+    assert left.admit
+    assert left.reason == "the running plan will not fit (actor needs 90 GiB): feasibility only"
+    assert decide(admission="always_faster", horizon_steps=1.0, overflows="x", **slower).admit
+    # A policy that never adapts waits for the failure; an infeasible move is still refused.
+    assert not decide(admission="never", horizon_steps=1.0, overflows="x", **slower).admit
+    assert not decide(
+        admission="payback", horizon_steps=1.0, overflows="x", infeasible="y", **slower
+    ).admit
+
+
 @pytest.mark.parametrize(
     ("data", "message"),
     [

@@ -97,3 +97,41 @@ def test_the_simulated_step_is_labelled_and_calibratable():
     assert report.op_times and all(ideal > 0 and real > 0 for _, ideal, real in report.op_times)
     assert abs(report.gen_len - 64) / 64 < 0.1
     assert engine.now() == pytest.approx(report.seconds)
+
+
+def _simulated(gen_len, *, checkpoint_every=3) -> SimulatedEngine:
+    trace = Trace(name="oom", steps=10, accelerator=ACC.name, gpus=SLOTS, gen_len=gen_len)
+    engine = SimulatedEngine(
+        trace, ACC, truth=TrueModel.draw(1), seed=1, checkpoint_every=checkpoint_every
+    )
+    engine.start(FIRST, WORKLOAD)
+    return engine
+
+
+def test_an_out_of_memory_step_loses_the_state_back_to_the_last_checkpoint():
+    """As on the Ray engine, where a step that fails part-way leaves every unit mid-update: the
+    simulated job's state is gone, no step runs until a restart, and the restart loads the last
+    checkpoint (every 3 steps here) and does the steps since it again."""
+    engine = _simulated(((0, 64.0), (4, 64.0), (5, 10_000.0)))
+    took = [engine.step(FIRST, WORKLOAD, s) for s in range(5)]
+    assert all(r.ok for r in took)
+    failed = engine.step(FIRST, WORKLOAD, 5)
+    assert not failed.ok and failed.failure.startswith("out of memory")
+    assert engine.units() == {}
+    again = engine.step(FIRST, WORKLOAD, 6)
+    assert not again.ok and again.failure.endswith("no units hold its state (simulated)")
+    # What a restart of an intact job costs: the fixed part, saving and loading the state.
+    intact = _simulated(((0, 64.0),))
+    saved_and_loaded = intact.restart(FIRST, WORKLOAD) - intact.truth.restart_fixed_s
+    seconds = engine.restart(FIRST, WORKLOAD)
+    # Here nothing is left to save; steps 3 and 4 came after the checkpoint of step 2.
+    redo = took[3].seconds + took[4].seconds
+    expected = engine.truth.restart_fixed_s + saved_and_loaded / 2 + redo
+    assert seconds == pytest.approx(expected)
+    assert _shape(engine.units()) == _expected(FIRST)
+    assert engine.step(FIRST, WORKLOAD, 7).ok is False  # still 10,000 tokens: it cannot fit
+
+
+def test_checkpoint_every_is_checked():
+    with pytest.raises(ValueError, match="checkpoint_every: must be at least 1"):
+        _simulated(((0, 64.0),), checkpoint_every=0)
