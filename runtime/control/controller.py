@@ -111,14 +111,9 @@ def staged_cost(dag, current_s: float, candidate_s: float) -> float:
     running plan (``current_s``): the moves and the other builds, whatever of the ahead builds
     outlasts that step, and that step's forgone saving."""
     moving = dag.predicted_s - dag.rebuild_makespan()
-    was, dag.built_ahead = dag.built_ahead, dag.ahead
-    try:
-        rest = dag.rebuild_makespan()
-    finally:
-        dag.built_ahead = was
     return (
         moving
-        + rest
+        + dag.rebuild_makespan(skip=dag.ahead)
         + max(0.0, dag.ahead_makespan() - current_s)
         + max(0.0, current_s - candidate_s)
     )
@@ -344,27 +339,43 @@ class Controller:
         return price_plan(plan_, workload, self.acc, efficiency=self.calibrator.efficiency())
 
     def _memory_ahead(self, step: int) -> list[Trigger]:
-        """A violation predicted within the lookahead, from the generated length's trend; once
-        fired, it waits a lookahead before firing again for the same plan."""
-        ahead = self.monitor.trend("gen_len", self.policy.lookahead_steps, window=16)
-        if ahead is None or ahead <= self._gen_len or self.plan is None:
+        """A violation predicted from the generated length's trend: at the next step (every
+        step while it is so), or within the lookahead (then it waits a lookahead before firing
+        again for the same plan)."""
+        if self.plan is None:
             return []
+        imminent = self._violation(step, 1)
+        if imminent is not None:
+            return [imminent]
         if self._memory_quiet_until > step:
             return []
+        ahead = self._violation(step, self.policy.lookahead_steps)
+        if ahead is None:
+            return []
+        self._memory_quiet_until = step + max(1, self.policy.lookahead_steps)
+        return [ahead]
+
+    def _violation(self, step: int, steps_ahead: int) -> Trigger | None:
+        """A memory trigger if the running plan does not fit the length the trend reaches
+        ``steps_ahead`` steps on."""
+        ahead = self._forecast(steps_ahead)
+        if ahead is None or ahead <= self._gen_len:
+            return None
         for ms, need in self._needs(self.plan, ahead):
             if need * self.memory_factor > memory_budget(self.acc.memory_bytes):
-                self._memory_quiet_until = step + max(1, self.policy.lookahead_steps)
-                return [
-                    Trigger(
-                        kind="memory",
-                        signal="gen_len",
-                        value=ahead,
-                        reference=self._gen_len,
-                        step=step,
-                        detail=f"{ms.name} needs {need / 2**30:.1f} GiB at gen_len {ahead:.0f}",
-                    )
-                ]
-        return []
+                return Trigger(
+                    kind="memory",
+                    signal="gen_len",
+                    value=ahead,
+                    reference=self._gen_len,
+                    step=step,
+                    detail=f"{ms.name} needs {need / 2**30:.1f} GiB at gen_len {ahead:.0f}",
+                )
+        return None
+
+    def _forecast(self, steps_ahead: int) -> float | None:
+        """The generated length ``steps_ahead`` steps on, by the trend of the last 16."""
+        return self.monitor.trend("gen_len", steps_ahead, window=16)
 
     def _needs(self, plan_: Plan, gen_len: float):
         """Each model-stage and the bytes its fullest slot needs at ``gen_len``, by the
@@ -374,9 +385,10 @@ class Controller:
             shape = LayoutShape.of_layout(ms, workload, self.acc, plan_.model_stage(ms.name).layout)
             yield ms, float(total_bytes(memory_breakdown(shape, num_slots=plan_.num_slots))[0])
 
-    def _fits(self, plan_: Plan, gen_len: float) -> bool:
-        """Whether ``plan_`` fits its slots' budget at ``gen_len``, by the measured factor."""
-        budget = memory_budget(self.acc.memory_bytes)
+    def _fits(self, plan_: Plan, gen_len: float, *, headroom: bool = True) -> bool:
+        """Whether ``plan_`` fits its slots' budget at ``gen_len``, by the measured factor;
+        ``headroom`` False: whether it fits the devices at all (else a step runs out)."""
+        budget = memory_budget(self.acc.memory_bytes) if headroom else self.acc.memory_bytes
         return all(need * self.memory_factor <= budget for _, need in self._needs(plan_, gen_len))
 
     def _envelope(self) -> float:
@@ -442,14 +454,22 @@ class Controller:
                     )
                     (candidate, dag), candidate_s = found, self._price(found[0], workload)
         urgent = trigger.urgent
-        # A predicted violation: the running plan will not fit the length the trend reaches
-        # within the lookahead. Staying would cost an out-of-memory step, and with it the state
-        # since the last checkpoint; any feasible move is cheaper.
-        overflows = (
-            trigger.detail
-            if trigger.kind == "memory" and not broken and not self._fits(self.plan, gen_len)
-            else ""
+        # A violation ahead: at the length the trend reaches within the lookahead, the running
+        # plan will not fit. Staying risks an out-of-memory step, and with it the state since the
+        # last checkpoint, so a feasible move is made on feasibility alone: a live one when the
+        # plan outgrows its planning budget (the headroom is for noise, not for growth), a
+        # restart only when it outgrows the devices themselves.
+        nearest = self._forecast(self.policy.lookahead_steps) if trigger.kind == "memory" else None
+        outgrown = (
+            not broken
+            and nearest is not None
+            and nearest > self._gen_len
+            and (
+                not self._fits(self.plan, nearest, headroom=False)
+                or (route == "live" and not self._fits(self.plan, nearest))
+            )
         )
+        overflows = trigger.detail if outgrown else ""
         ahead = False
         if route == "restart":
             cost = self._restart_estimate(candidate, workload)
@@ -458,8 +478,8 @@ class Controller:
             if dag is not None and dag.ahead and not (urgent or broken or overflows):
                 # Build the new units on idle slots during one more step, when that is cheaper.
                 staged = staged_cost(dag, current_s, candidate_s)
-                ahead = staged < cost and hasattr(engine, "build_ahead")
-                cost = min(cost, staged) if ahead else cost
+                ahead = staged < cost
+                cost = min(cost, staged)
         outlook = Outlook(signals=(trigger.signal,))
         if not broken and trigger.kind in ("drift", "pool") and candidate_s < current_s:
             outlook = self._outlook(candidate, trigger)

@@ -127,13 +127,18 @@ class Monitor:
                 self.reference[name] = history[-1][1]
 
     def trend(self, signal: str, ahead: int, window: int = 8) -> float | None:
-        """The signal ``ahead`` steps on, extrapolated linearly over the last ``window`` steps."""
+        """The signal ``ahead`` steps on: the least-squares line through the last ``window``
+        steps, extended. A line through all of them, not through the first and last only, so
+        that a swinging signal forecasts its level rather than its latest swing."""
         points = self.history[signal][-window:]
         if len(points) < 2:
             return points[-1][1] if points else None
-        (s0, v0), (s1, v1) = points[0], points[-1]
-        slope = (v1 - v0) / (s1 - s0) if s1 != s0 else 0.0
-        return v1 + slope * ahead
+        n = len(points)
+        mean_s = sum(s for s, _ in points) / n
+        mean_v = sum(v for _, v in points) / n
+        spread = sum((s - mean_s) ** 2 for s, _ in points)
+        slope = sum((s - mean_s) * (v - mean_v) for s, v in points) / spread if spread > 0 else 0.0
+        return mean_v + slope * (points[-1][0] + ahead - mean_s)
 
     def horizon_of(self, signal: str) -> float:
         """H: the EMA of steps between the signal's crossings (1 before any interval)."""

@@ -33,7 +33,7 @@ from runtime.planner.plan import Plan
 from runtime.planner.workload import PpoWorkload
 from runtime.transition.dag import TransitionDag
 from runtime.transition.executor import Executor
-from runtime.transition.units import Units, units_of
+from runtime.transition.units import Units, persists, units_of
 
 
 def state_seed(model_stage: str) -> int:
@@ -175,6 +175,12 @@ class RayEngine:
         )
         if gone:
             return self._failed(step, f"slots {gone} are not in the pool")
+        held = {u.model_stage for u in self.engine.units.values()}
+        missing = sorted(
+            ms.name for ms in workload.model_stages() if persists(ms) and ms.name not in held
+        )
+        if missing:  # a failed step took the state; only a restart brings it back
+            return self._failed(step, f"{missing[0]}: no units hold its state")
         started = time.monotonic()
         try:
             report = self.job.step(self.engine, plan, workload, step)

@@ -168,11 +168,12 @@ class SimulatedEngine:
             for ms in workload.model_stages()
             if persists(ms) and not self._units.get(ms.name)
         )
-        if missing:  # the state was lost (an out-of-memory step) and nothing has restored it
+        if missing:  # the state was lost (an out-of-memory step) and nothing has restored it:
+            self._advance(STALL_S)  # the job waits for a plan it can restart on
             return StepReport(
                 step=step,
                 ok=False,
-                seconds=0.0,
+                seconds=STALL_S,
                 gen_len=float(self.trace.gen_len_at(step)),
                 failure=f"{missing[0]}: no units hold its state (simulated)",
                 simulated=True,
@@ -306,7 +307,12 @@ class SimulatedEngine:
             sum(bytes_on(u).values()) for us in units_of(plan, workload).values() for u in us
         )
         nodes = max(1, math.ceil(plan.num_slots / self.acc.gpus_per_node))
-        passes = 2 if self._units else 1  # nothing left to save: only the load
+        intact = self._intact()
+        if all(intact.get(name) for name in units_of(plan, workload)):
+            passes = 2  # saved from the intact units, then loaded
+        else:  # some state has no intact copy: the job's last checkpoint is loaded, and the
+            passes = 1  # steps since it are done again
+            self._redo_s += sum(self._since_checkpoint)
         seconds = self.truth.restart_fixed_s + passes * state / (
             self.truth.storage_bytes_per_s * nodes
         )

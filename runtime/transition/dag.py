@@ -291,15 +291,20 @@ class TransitionDag:
             moving = self.critical_path()[0]
         return moving + self.rebuild_makespan()
 
-    def rebuild_makespan(self, seconds: dict[str, float] | None = None) -> float:
+    def rebuild_makespan(
+        self,
+        seconds: dict[str, float] | None = None,
+        *,
+        skip: frozenset[tuple[str, tuple[int, ...]]] | None = None,
+    ) -> float:
         """How long building the new derived units takes, played in the engines' order: a unit
         starts once every one of its slots is done with the units before it. ``seconds``
-        overrides ``rebuilds`` (an engine's true per-unit times). Units in ``built_ahead`` are
-        not charged."""
+        overrides ``rebuilds`` (an engine's true per-unit times). Units in ``skip`` (by default
+        ``built_ahead``) are not charged."""
         return self._build_makespan(
             [(n, u) for n in sorted(self.rebuild_units) for u in self.rebuild_units[n]],
             self.rebuilds if seconds is None else seconds,
-            skip=self.built_ahead,
+            skip=self.built_ahead if skip is None else skip,
         )
 
     def ahead_makespan(self, seconds: dict[str, float] | None = None) -> float:

@@ -53,6 +53,12 @@ def test_the_trend_extrapolates_the_last_window_linearly():
         monitor.observe(step, {"gen_len": float(value)}, pool=8)
     assert monitor.trend("gen_len", 10) == 130 + 10 * 10
     assert Monitor(JobPolicy()).trend("gen_len", 5) is None
+    # A swing between 100 and 200 forecasts about its level, below the peaks it has seen (the
+    # line through the first and last points alone would say 200 + 100/7).
+    swinging = Monitor(JobPolicy())
+    for step in range(8):
+        swinging.observe(step, {"gen_len": 100.0 if step % 2 == 0 else 200.0}, pool=8)
+    assert swinging.trend("gen_len", 1, window=8) == pytest.approx(150 + 50 * 4.5 / 10.5)
 
 
 ARGS = {"current_s": 10.0, "candidate_s": 8.0, "cost_s": 6.0, "gamma": 0.5, "urgent": False}

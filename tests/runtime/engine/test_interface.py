@@ -9,7 +9,7 @@ import pytest
 
 from runtime.engine.ray_cluster import ray_connection
 from runtime.engine.ray_engine import RayEngine
-from runtime.engine.sim import SimulatedEngine, TrueModel
+from runtime.engine.sim import STALL_S, SimulatedEngine, TrueModel
 from runtime.engine.slots import SlotPool
 from runtime.engine.traces import Trace
 from runtime.planner import default_catalog
@@ -120,6 +120,7 @@ def test_an_out_of_memory_step_loses_the_state_back_to_the_last_checkpoint():
     assert engine.units() == {}
     again = engine.step(FIRST, WORKLOAD, 6)
     assert not again.ok and again.failure.endswith("no units hold its state (simulated)")
+    assert again.seconds == STALL_S  # the job waits: no step is free
     # What a restart of an intact job costs: the fixed part, saving and loading the state.
     intact = _simulated(((0, 64.0),))
     saved_and_loaded = intact.restart(FIRST, WORKLOAD) - intact.truth.restart_fixed_s

@@ -178,3 +178,23 @@ def test_a_revoked_then_granted_slot_takes_part_in_the_next_transition(pool, tmp
     engine.stop()
     assert report.ok and report.extra["ppo_step"] == 2
     assert 3 in used
+
+
+def test_a_step_without_the_state_fails_until_a_restart_brings_it_back(pool, tmp_path):
+    """After a step failed part-way the units are gone: a step is a failed report naming the
+    model-stage (not an error from deep inside the job), and a restart resumes from the
+    checkpoint."""
+    engine, job = _engine(pool, tmp_path)
+    workload = job.workload()
+    plan = plan_by_hand(workload, {"actor@training": (2, 1, 1)}, num_slots=SLOTS)
+    engine.start(plan, workload)
+    for step in range(2):
+        assert engine.step(plan, workload, step).ok  # a checkpoint is committed at step 2
+    engine._release_all()  # what a failed step leaves
+    job.lost_state()
+    report = engine.step(plan, workload, 2)
+    assert not report.ok and report.failure == "actor@training: no units hold its state"
+    engine.restart(plan, workload)
+    report = engine.step(plan, workload, 3)
+    engine.stop()
+    assert report.ok and report.extra["ppo_step"] == 2

@@ -368,6 +368,7 @@ def test_new_units_on_slots_the_running_plan_leaves_idle_can_be_built_ahead():
     assert dag.ahead_makespan() == 13.0  # slots 4-5: generation, then inference
     moving = dag.predicted_makespan_s
     assert dag.rebuild_makespan() == 13.0 and dag.predicted_s == moving + 13.0
+    assert dag.rebuild_makespan(skip=dag.ahead) == 3.0  # what building them ahead would leave
     dag.built_ahead = dag.ahead
     # Left to build during the transition: ref@inference on slot 2, which the plan still uses.
     assert dag.rebuild_makespan() == 3.0 and dag.predicted_s == moving + 3.0
