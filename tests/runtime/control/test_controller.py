@@ -427,3 +427,37 @@ def test_a_staged_transition_is_dropped_when_its_slots_go_during_the_step():
     # no step ever ran on a slot that had gone
     assert all(e["ok"] for e in controller.events if e["event"] == "step")
     assert max(s for ms in controller.plan.model_stages for s in ms.slots) < 16
+
+
+# --- memory --------------------------------------------------------------------------------------
+
+
+def _growing_length(admission: str) -> tuple[Controller, object]:
+    trace = Trace(
+        name="grow",
+        steps=60,
+        accelerator=ACC.name,
+        gpus=16,
+        gen_len=((0, 1024.0), (60, 4000.0)),
+        pool=(),
+    )
+    engine = SimulatedEngine(trace, ACC, truth=TrueModel.draw(3, noise=0.0), seed=1)
+    controller = Controller(WORKLOAD, ACC, JobPolicy(admission=admission))
+    return controller, run_job(engine, controller, 60)
+
+
+def test_a_plan_forecast_to_outgrow_memory_is_left_before_a_step_fails():
+    """The length grows from 1024 to 4000 tokens. An out-of-memory step loses the job's state
+    back to its checkpoint, so the controller leaves a plan the trend says will not fit before
+    it fails, on feasibility alone; a job that never adapts runs out and restarts instead."""
+    controller, summary = _growing_length("payback")
+    moves = [
+        e["reason"] for e in controller.events if e["event"] == "control.decision" and e["admit"]
+    ]
+    assert moves and all(r.startswith("the running plan will not fit (") for r in moves)
+    assert summary.failed_steps == 0 and summary.transitions > 0
+    never, stayed = _growing_length("never")
+    failures = [e for e in never.events if e["event"] == "step" and not e["ok"]]
+    assert failures and all(e["failure"].startswith("out of memory") for e in failures)
+    assert stayed.restarts == len(failures)  # each time from the checkpoint
+    assert summary.seconds < stayed.seconds
