@@ -133,6 +133,22 @@ def test_an_out_of_memory_step_loses_the_state_back_to_the_last_checkpoint():
     assert engine.step(FIRST, WORKLOAD, 7).ok is False  # still 10,000 tokens: it cannot fit
 
 
+def test_a_restart_without_an_intact_copy_redoes_the_steps_since_the_checkpoint():
+    """Slots 2 and 3 are lost, as a revocation leaves them: both of the critic's units go with
+    them, so its state comes from the checkpoint of step 2, and steps 3 and 4 are done again."""
+    engine = _simulated(((0, 64.0),))
+    took = [engine.step(FIRST, WORKLOAD, s) for s in range(5)]
+    kept = _simulated(((0, 64.0),))
+    for step in range(5):
+        kept.step(FIRST, WORKLOAD, step)
+    with_copies = kept.restart(FIRST, WORKLOAD)  # every unit intact: saved, then loaded
+    engine._lost.update({2, 3})  # as the trace's revocation would leave them
+    seconds = engine.restart(FIRST, WORKLOAD)
+    load_only = (with_copies - engine.truth.restart_fixed_s) / 2
+    expected = engine.truth.restart_fixed_s + load_only + took[3].seconds + took[4].seconds
+    assert seconds == pytest.approx(expected)
+
+
 def test_checkpoint_every_is_checked():
     with pytest.raises(ValueError, match="checkpoint_every: must be at least 1"):
         _simulated(((0, 64.0),), checkpoint_every=0)
