@@ -102,7 +102,14 @@ def simulate(
         return 2
     if events_file:
         Path(events_file).write_text("\n".join(json.dumps(e) for e in controller.events) + "\n")
-    result = {"simulated": True, "trace": trace.name, "policy": policy, **summary.to_json()}
+    built_ahead = sum(e["event"] == "control.building_ahead" for e in controller.events)
+    result = {
+        "simulated": True,
+        "trace": trace.name,
+        "policy": policy,
+        **summary.to_json(),
+        "built_ahead": built_ahead,
+    }
     if as_json:
         typer.echo(json.dumps(result, indent=2))
         return 0
@@ -115,7 +122,8 @@ def simulate(
     typer.echo(f"  run time           {summary.seconds / 3600:.2f} h")
     typer.echo(
         f"  transitions        {summary.transitions}, {summary.transition_seconds:.1f} s "
-        f"({summary.transition_seconds / summary.seconds:.3%} of the run)"
+        f"({summary.transition_seconds / summary.seconds:.3%} of the run; "
+        f"{built_ahead} with new units built ahead on idle slots)"
     )
     typer.echo(f"  restarts           {summary.restarts}, {summary.restart_seconds:.1f} s")
     return 0
