@@ -105,7 +105,9 @@ def run(policy: str, args, pool: SlotPool) -> dict:
             "other": wall - accounted,
         },
         "transitions": summary.transitions,
-        "built_ahead": sum(e["event"] == "control.building_ahead" for e in events),
+        "built_ahead": sum(
+            e["event"] == "control.transition" and e["dag"]["built_ahead"] > 0 for e in events
+        ),
         "restarts": summary.restarts,
         "decisions": [
             {"trigger": e["trigger"]["kind"], "reason": e.get("reason", "")}

@@ -204,7 +204,7 @@ def experiment_scale(quick: bool) -> dict:
     wall = time.perf_counter() - started
     steps_ev = [e for e in controller.events if e["event"] == "step"]
     transitions = [e for e in controller.events if e["event"] == "control.transition"]
-    ahead = [e for e in controller.events if e["event"] == "control.building_ahead"]
+    ahead = [t for t in transitions if t["dag"]["built_ahead"] > 0]
     _figure_scale(steps_ev, transitions, controller, trace)
     return {
         "trace": trace.name,

@@ -102,7 +102,10 @@ def simulate(
         return 2
     if events_file:
         Path(events_file).write_text("\n".join(json.dumps(e) for e in controller.events) + "\n")
-    built_ahead = sum(e["event"] == "control.building_ahead" for e in controller.events)
+    built_ahead = sum(
+        e["event"] == "control.transition" and e["dag"]["built_ahead"] > 0
+        for e in controller.events
+    )
     result = {
         "simulated": True,
         "trace": trace.name,

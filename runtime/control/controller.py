@@ -339,21 +339,19 @@ class Controller:
         return price_plan(plan_, workload, self.acc, efficiency=self.calibrator.efficiency())
 
     def _memory_ahead(self, step: int) -> list[Trigger]:
-        """A violation predicted from the generated length's trend: at the next step (every
-        step while it is so), or within the lookahead (then it waits a lookahead before firing
-        again for the same plan)."""
-        if self.plan is None:
+        """A violation predicted from the generated length's trend, at the next step or within
+        the lookahead (never beyond the run's end; a lookahead of 0 turns it off); once fired,
+        it waits a lookahead before firing again for the same plan."""
+        horizon = self._memory_horizon(step)
+        if self.plan is None or horizon < 1 or self._memory_quiet_until > step:
             return []
-        imminent = self._violation(step, 1)
-        if imminent is not None:
-            return [imminent]
-        if self._memory_quiet_until > step:
+        found = self._violation(step, 1) or self._violation(step, horizon)
+        if found is None:
             return []
-        ahead = self._violation(step, self.policy.lookahead_steps)
-        if ahead is None:
-            return []
+        # Once fired for this plan, quiet for a lookahead (a move resets it): a refused move is
+        # not asked again every step, which would reset every drift reference each time.
         self._memory_quiet_until = step + max(1, self.policy.lookahead_steps)
-        return [ahead]
+        return [found]
 
     def _violation(self, step: int, steps_ahead: int) -> Trigger | None:
         """A memory trigger if the running plan does not fit the length the trend reaches
@@ -372,6 +370,11 @@ class Controller:
                     detail=f"{ms.name} needs {need / 2**30:.1f} GiB at gen_len {ahead:.0f}",
                 )
         return None
+
+    def _memory_horizon(self, step: int) -> int:
+        """Steps a memory forecast looks ahead: the lookahead, or the steps the run has left."""
+        left = self._steps_left(step)
+        return int(min(self.policy.lookahead_steps, left))
 
     def _forecast(self, steps_ahead: int) -> float | None:
         """The generated length ``steps_ahead`` steps on, by the trend of the last 16."""
@@ -404,7 +407,13 @@ class Controller:
 
     def replan(self, trigger: Trigger, engine: Engine) -> None:
         assert self.plan is not None
-        gen_len = max(self._gen_len, trigger.value) if trigger.kind == "memory" else self._gen_len
+        # A memory move plans for the length the trend reaches within the lookahead (or what
+        # is left of the run), whichever trigger brought it: the one admission weighs.
+        ahead = self._memory_horizon(trigger.step) if trigger.kind == "memory" else 0
+        nearest = self._forecast(ahead) if ahead > 0 else None
+        gen_len = self._gen_len
+        if trigger.kind == "memory":
+            gen_len = max(gen_len, trigger.value, nearest or 0.0)
         workload = self._workload(gen_len)
         self.monitor.replanned()
         self.deferred = None
@@ -459,7 +468,6 @@ class Controller:
         # last checkpoint, so a feasible move is made on feasibility alone: a live one when the
         # plan outgrows its planning budget (the headroom is for noise, not for growth), a
         # restart only when it outgrows the devices themselves.
-        nearest = self._forecast(self.policy.lookahead_steps) if trigger.kind == "memory" else None
         outgrown = (
             not broken
             and nearest is not None
@@ -502,7 +510,14 @@ class Controller:
             )
         self.emit(
             self._decision(
-                trigger, candidate, verdict, verdict.reason, dag=dag, outlook=outlook, route=route
+                trigger,
+                candidate,
+                verdict,
+                verdict.reason,
+                dag=dag,
+                outlook=outlook,
+                route=route,
+                ahead=ahead,
             )
         )
         if not verdict.admit and verdict.reason.startswith("pays back"):
@@ -758,6 +773,7 @@ class Controller:
         return RESTART_ESTIMATE_S + 2 * state / (STORAGE_ESTIMATE_BYTES_PER_S * nodes)
 
     def _apply(self, candidate: Plan, workload: PpoWorkload, dag, engine: Engine) -> None:
+        self.staged = None  # whatever was staged was compiled against the units this replaces
         # The compiled DAG before it runs, so that a page can draw its edges and critical path
         # while the engine reports the nodes one by one.
         self.emit(
@@ -793,6 +809,8 @@ class Controller:
         self.replan(Trigger(kind="failure", detail=outcome.failure), engine)
 
     def _restart(self, candidate: Plan, workload: PpoWorkload, engine: Engine, *, because: str):
+        self.staged = None
+        self._memory_quiet_until = -1  # a new plan: its own forecasts
         seconds = engine.restart(candidate, workload)
         self.restarts += 1
         self.restart_s += seconds
@@ -892,9 +910,20 @@ class Controller:
             self.pending = None
 
     def _decision(
-        self, trigger, candidate, verdict, reason, dag=None, outlook=None, route=None, step=None
+        self,
+        trigger,
+        candidate,
+        verdict,
+        reason,
+        dag=None,
+        outlook=None,
+        route=None,
+        step=None,
+        ahead=False,
     ) -> Event:
-        """``step``: when the decision is taken, if not at its trigger (a deferred one)."""
+        """``step``: when the decision is taken, if not at its trigger (a deferred one);
+        ``ahead``: the verdict priced building the new units ahead (its cost is then not the
+        DAG's ``predicted_s``)."""
         step = trigger.step if step is None else step
         return {
             "event": "control.decision",
@@ -909,6 +938,7 @@ class Controller:
             "predicted_transition_s": None if dag is None else dag.predicted_s,
             "outlook": None if outlook is None else outlook.to_json(),
             "route": route,
+            "built_ahead": ahead,
             "steps_left": None if self.last_step is None else self._steps_left(step),
         }
 

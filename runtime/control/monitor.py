@@ -36,10 +36,11 @@ class Trigger:
 
     @property
     def urgent(self) -> bool:
-        """Urgent triggers waive profitability (feasibility only): a failure or slots taken
-        away. More slots are not urgent; nor is a predicted memory violation: a forecast from a
-        trend can be a false alarm (an oscillating length turns back), so its candidate must pay
-        like any other, and a violation that does come is a failure, handled urgently."""
+        """Urgent triggers waive profitability (feasibility only) and take the urgent path: a
+        failure or slots taken away. More slots are not urgent; nor is a predicted memory
+        violation, which is a forecast and may be a false alarm: admission decides how far to
+        trust it (a move away from a plan forecast to outgrow memory is admitted on feasibility
+        when it is live, or when the plan would outgrow the devices themselves)."""
         if self.kind == "pool":
             return self.value < self.reference
         return self.kind in ("failure",)

@@ -116,7 +116,8 @@ class RayEngine:
         # A dead process answers at once; a live one between steps within moments, even when
         # the machine is busy: the patience is for the latter.
         pool = self.engine.pool
-        dead = [i for i, ok in enumerate(pool.alive(timeout_s=30)) if not ok]
+        busy = self.job.building_ahead() if self.job is not None else frozenset()
+        dead = [i for i, ok in enumerate(pool.alive(timeout_s=30, busy=busy)) if not ok]
         if not dead:
             return
         started = time.monotonic()
@@ -200,6 +201,9 @@ class RayEngine:
         return StepReport(step=step, ok=False, seconds=seconds, gen_len=0.0, failure=why)
 
     def transition(self, dag: TransitionDag) -> TransitionOutcome:
+        if self.job is not None:
+            # The executor makes groups on every slot: the builds started ahead end first.
+            self.job.finish_ahead()
         result = Executor(dag, self.engine, on_event=self._event).run()
         failure = "" if result.ok else f"nodes {result.failed} failed"
         return TransitionOutcome(
@@ -216,9 +220,16 @@ class RayEngine:
         """The job starts the builds on their slots and returns; its next step runs on the
         others, and the first step that uses these slots waits for them. An engine without a job
         has no derived units to build."""
-        if self.job is not None:
+        if self.job is None:
+            return
+        try:
             started = self.job.build_ahead(self.engine, plan, workload, units)
-            self._event({"event": "engine.building_ahead", "units": started})
+        except SlotError as exc:
+            # Nothing is lost: the transition builds what was not built ahead. A dead slot is
+            # found by the probe before the next step.
+            self._event({"event": "engine.building_ahead_failed", "error": str(exc)})
+            return
+        self._event({"event": "engine.building_ahead", "units": started})
 
     def restart(self, plan: Plan, workload: PpoWorkload) -> float:
         """Checkpoint/restart onto ``plan``. Each persistent model-stage is saved with DCP from

@@ -119,8 +119,8 @@ class SimulatedEngine:
         self.checkpoint_every = checkpoint_every
         self._since_checkpoint: list[float] = []
         """Seconds of each step done since the job last committed a checkpoint."""
-        self._redo_s = 0.0
-        """Work lost with the state (steps since the checkpoint): a restart does it again."""
+        self._redo: list[float] = []
+        """Steps lost with the state (those since the checkpoint): a restart does them again."""
         self._ahead: dict[tuple[str, tuple[int, ...]], float] = {}
         """Units being built ahead of a transition: when each is ready (simulated seconds)."""
 
@@ -217,8 +217,8 @@ class SimulatedEngine:
             ok, failure = False, f"out of memory: {peak:.0%} of a device (simulated)"
             seconds *= 0.5
             self._units = {}
-            self._redo_s = sum(self._since_checkpoint)
-            self._since_checkpoint.clear()
+            self._redo = self._redo + self._since_checkpoint
+            self._since_checkpoint = []
         else:
             self._since_checkpoint.append(seconds)
             if len(self._since_checkpoint) >= self.checkpoint_every:
@@ -308,17 +308,20 @@ class SimulatedEngine:
         )
         nodes = max(1, math.ceil(plan.num_slots / self.acc.gpus_per_node))
         intact = self._intact()
+        redo = 0.0
         if all(intact.get(name) for name in units_of(plan, workload)):
-            passes = 2  # saved from the intact units, then loaded
+            passes = 2  # saved from the intact units, then loaded (the job's own checkpoints
+            # go on as before: this save is not one of them)
         else:  # some state has no intact copy: the job's last checkpoint is loaded, and the
-            passes = 1  # steps since it are done again
-            self._redo_s += sum(self._since_checkpoint)
+            passes = 1  # steps since it are done again, after which they are still steps
+            # since that checkpoint
+            self._since_checkpoint = self._redo + self._since_checkpoint
+            self._redo = []
+            redo = sum(self._since_checkpoint)
         seconds = self.truth.restart_fixed_s + passes * state / (
             self.truth.storage_bytes_per_s * nodes
         )
-        seconds += self._redo_s
-        self._redo_s = 0.0
-        self._since_checkpoint.clear()  # the restart commits one
+        seconds += redo
         self._advance(seconds)
         self._units = units_of(plan, workload)
         self._lost.clear()

@@ -44,11 +44,6 @@ class SlotContext:
     state: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
-CONTROL = "control"
-"""The concurrency group of a slot's small calls (liveness, memory, its node): they answer on
-their own thread while ``execute`` runs a long call, such as a unit built ahead of a transition."""
-
-
 class SlotWorker:
     """The body of a slot actor (wrapped with ``ray.remote`` by ``SlotPool``)."""
 
@@ -58,7 +53,6 @@ class SlotWorker:
         if torch.cuda.is_available():
             self.ctx.device = torch.device("cuda", 0)  # Ray sets CUDA_VISIBLE_DEVICES per actor.
 
-    @ray.method(concurrency_group=CONTROL)
     def node(self) -> dict[str, str]:
         """Where this slot runs: its Ray node and that node's address."""
         context = ray.get_runtime_context()
@@ -98,7 +92,6 @@ class SlotWorker:
         """Run ``fn(ctx, **kwargs)`` on this slot."""
         return fn(self.ctx, **kwargs)
 
-    @ray.method(concurrency_group=CONTROL)
     def memory(self) -> dict[str, int]:
         """Current and peak memory of this slot, in bytes."""
         if self.ctx.device.type == "cuda":
@@ -162,7 +155,8 @@ class SlotPool:
             raise ValueError(f"num_slots: must be at least 1, got {num_slots}")
         started = time.perf_counter()
         resources = {"num_gpus": 1, "num_cpus": 1} if use_gpus else {"num_cpus": 1}
-        remote_cls = ray.remote(**resources, concurrency_groups={CONTROL: 1})(SlotWorker)
+        # One thread per actor, the process's main one: vLLM and torch.distributed expect it.
+        remote_cls = ray.remote(**resources)(SlotWorker)
         placements: list[dict] = [{} for _ in range(num_slots)]
         if spread:
             from ray.util.placement_group import placement_group
@@ -281,13 +275,18 @@ class SlotPool:
         """Each slot's Ray node id and address."""
         return self._get_all([a.node.remote() for a in self._actors])
 
-    def alive(self, *, timeout_s: float = 10.0) -> list[bool]:
-        """Which slots answer (on their control thread: a long call running does not delay it)."""
-        refs = [a.memory.remote() for a in self._actors]
+    def alive(self, *, timeout_s: float = 10.0, busy: frozenset[int] = frozenset()) -> list[bool]:
+        """Which slots answer; call it while no long call is running on them, except on the
+        ``busy`` slots, which are taken to be alive (a long call on one of them reports its
+        slot's death itself, through ``Pending.wait``)."""
+        refs = {i: a.memory.remote() for i, a in enumerate(self._actors) if i not in busy}
         out = []
-        for ref in refs:
+        for i in range(len(self._actors)):
+            if i not in refs:
+                out.append(True)
+                continue
             try:
-                ray.get(ref, timeout=timeout_s)
+                ray.get(refs[i], timeout=timeout_s)
                 out.append(True)
             except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
                 out.append(False)
@@ -343,3 +342,11 @@ class Pending:
         """The calls' results, in the order of ``slots``; a failed or silent slot raises
         ``SlotError`` (the pool's call timeout counts from now)."""
         return self.pool._get_all(self.refs)
+
+    def running(self) -> frozenset[int]:
+        """The slots whose call has not ended (ended includes failed, a dead slot's too)."""
+        done, _ = ray.wait(list(self.refs), num_returns=len(self.refs), timeout=0)
+        ended = {id(r) for r in done}
+        return frozenset(
+            s for s, r in zip(self.slots, self.refs, strict=True) if id(r) not in ended
+        )

@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import logging
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -36,7 +37,7 @@ from runtime.emu.layout import ShardError, assemble
 from runtime.emu.primitives import Unit
 from runtime.emu.reshard import plan_copies
 from runtime.engine.interface import StepReport
-from runtime.engine.slots import Pending
+from runtime.engine.slots import Pending, SlotError
 from runtime.planner import cost, default_catalog
 from runtime.planner.catalog import ModelConfig
 from runtime.planner.plan import Plan
@@ -54,6 +55,8 @@ from runtime.ppo.weights import CheckpointError, read_state_dict
 from runtime.transition.units import persists, unit_layout
 
 REWARDS = ("length", "correct", "partial", "model")
+
+logger = logging.getLogger(__name__)
 
 
 class PpoConfigError(ValueError):
@@ -230,6 +233,10 @@ class PpoRuntime:
         self._grouped: set[tuple] = set()
         self._ahead: _Ahead | None = None
         """Derived units being built on idle slots ahead of a transition (``build_ahead``)."""
+        self._built_ahead: dict[str, float] = {}
+        """Per stage, the longest unit built ahead since the last step reported its builds."""
+        self.last_ahead: dict[str, float] = {}
+        """Unit id → seconds, of the last batch built ahead that finished."""
         if config.init_from:
             self._check_initial(config.init_from)
 
@@ -376,7 +383,7 @@ class PpoRuntime:
         )
         if not ahead:
             return 0
-        self._finish_ahead()  # one batch at a time
+        self.finish_ahead()  # one batch at a time
         # Groups are made collectively over the pool (every process, in the same order), so
         # they are made now, before the builds start; the builds then involve their slots only.
         engine.pool.run(checkpoint.ensure_unit_groups, units=ahead)
@@ -388,17 +395,28 @@ class PpoRuntime:
         self._ahead = _Ahead(pending=pending, stage_of=stage_of)
         return len(ahead)
 
-    def _finish_ahead(self) -> dict[str, float]:
-        """Wait for the units building ahead; per stage, the longest one took."""
+    def finish_ahead(self) -> None:
+        """Wait for the units building ahead (their times are reported with the next step's
+        builds). A batch that failed is dropped: the step that needs its units builds them
+        (and meets the failure itself if a slot is gone)."""
         ahead, self._ahead = self._ahead, None
         if ahead is None:
-            return {}
-        out: dict[str, float] = {}
-        for took in ahead.pending.wait():
+            return
+        try:
+            results = ahead.pending.wait()
+        except SlotError as exc:
+            logger.warning("units built ahead are dropped: %s", exc)
+            return
+        self.last_ahead = {}
+        for took in results:
             for unit_id, seconds in took.items():
+                self.last_ahead[unit_id] = seconds
                 stage = ahead.stage_of[unit_id]
-                out[stage] = max(out.get(stage, 0.0), seconds)
-        return out
+                self._built_ahead[stage] = max(self._built_ahead.get(stage, 0.0), seconds)
+
+    def building_ahead(self) -> frozenset[int]:
+        """Slots still running a build started ahead (finished or failed ones are not)."""
+        return self._ahead.pending.running() if self._ahead is not None else frozenset()
 
     def _frozen_weights(self) -> dict[str, str]:
         weights = self.initial_weights()
@@ -410,13 +428,14 @@ class PpoRuntime:
         """Create, collectively over the pool, the groups and meshes these units need, and build
         the derived units' workspaces; returns, per stage, the longest a new unit took."""
         every = [u for group in units.values() for u in group]
-        rebuild_s: dict[str, float] = {}
-        if self._ahead is not None and {s for u in every for s in u.slots} & set(
-            self._ahead.pending.slots
-        ):
-            rebuild_s = self._finish_ahead()  # this step needs them
         dp_groups = self._dp_groups(units)
         key = (tuple(sorted(u.unit_id + str(u.slots) for u in every)), tuple(sorted(dp_groups)))
+        if self._ahead is not None and (
+            key not in self._grouped  # groups are made on every slot: let the builds end first
+            or {s for u in every for s in u.slots} & set(self._ahead.pending.slots)  # needed
+        ):
+            self.finish_ahead()
+        rebuild_s, self._built_ahead = self._built_ahead, {}
         building = set(self._ahead.pending.slots) if self._ahead is not None else set()
         # Slots still building ahead hold nothing this step uses: leave them to it.
         live = sorted(set(range(engine.pool.num_slots)) - engine.lost_slots - building)
@@ -750,7 +769,7 @@ class PpoRuntime:
     def regrouped(self) -> None:
         """The slots' group was re-formed: every group and workspace must be made again."""
         self._grouped.clear()
-        self._ahead = None  # those processes are gone
+        self._ahead = None  # their groups, and maybe their processes, are gone
 
     def lost_state(self) -> None:
         """A step failed part-way: the units are gone; a restart resumes from a checkpoint."""
@@ -766,6 +785,7 @@ class PpoRuntime:
     def save_checkpoint(self, engine: UnitEngine) -> Path:
         """Save one replica of each training model-stage with DCP and the driver's state, then
         mark the checkpoint committed (a checkpoint without the mark is never resumed from)."""
+        self.finish_ahead()  # the groups below are made on every slot
         step = self.state.next_step
         root = self.checkpoint_root / f"step-{step:06d}"
         held: dict[str, Unit] = {}

@@ -131,6 +131,8 @@ def test_an_out_of_memory_step_loses_the_state_back_to_the_last_checkpoint():
     assert seconds == pytest.approx(expected)
     assert _shape(engine.units()) == _expected(FIRST)
     assert engine.step(FIRST, WORKLOAD, 7).ok is False  # still 10,000 tokens: it cannot fit
+    # The restart committed no checkpoint: steps 3 and 4 are lost, and done, once more.
+    assert engine.restart(FIRST, WORKLOAD) == pytest.approx(expected)
 
 
 def test_a_restart_without_an_intact_copy_redoes_the_steps_since_the_checkpoint():

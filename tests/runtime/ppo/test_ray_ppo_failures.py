@@ -198,3 +198,21 @@ def test_a_step_without_the_state_fails_until_a_restart_brings_it_back(pool, tmp
     report = engine.step(plan, workload, 3)
     engine.stop()
     assert report.ok and report.extra["ppo_step"] == 2
+
+
+def test_a_slot_busy_with_a_long_call_is_not_taken_for_dead(pool):
+    """Units built ahead run as a long call on their slots while the job probes the pool: those
+    slots are skipped (their call reports a death itself), the others are asked as ever."""
+    import time
+
+    def sleep(ctx, *, seconds):
+        time.sleep(seconds)
+        return ctx.rank
+
+    pending = pool.start(sleep, on=[3], seconds=2.0)
+    assert pending.running() == {3}
+    started = time.monotonic()
+    assert pool.alive(timeout_s=1.0, busy=pending.running()) == [True] * SLOTS
+    assert time.monotonic() - started < 1.0  # slot 3 was not asked
+    assert pool.run(sleep, on=[0], seconds=0.0) == [0]  # other slots answer meanwhile
+    assert pending.wait() == [3] and pending.running() == frozenset()
