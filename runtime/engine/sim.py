@@ -154,30 +154,15 @@ class SimulatedEngine:
             {s for ms in plan.model_stages for s in ms.slots if s >= self._pool or s in self._lost}
         )
         if gone:  # the job cannot run here: it waits a minute for the pool to change
-            self._advance(STALL_S)
-            return StepReport(
-                step=step,
-                ok=False,
-                seconds=STALL_S,
-                gen_len=float(self.trace.gen_len_at(step)),
-                failure=f"slot {gone[0]} is gone (simulated)",
-                simulated=True,
-            )
+            return self._stalled(step, f"slot {gone[0]} is gone (simulated)")
         missing = sorted(
             ms.name
             for ms in workload.model_stages()
             if persists(ms) and not self._units.get(ms.name)
         )
         if missing:  # the state was lost (an out-of-memory step) and nothing has restored it:
-            self._advance(STALL_S)  # the job waits for a plan it can restart on
-            return StepReport(
-                step=step,
-                ok=False,
-                seconds=STALL_S,
-                gen_len=float(self.trace.gen_len_at(step)),
-                failure=f"{missing[0]}: no units hold its state (simulated)",
-                simulated=True,
-            )
+            # the job waits for a plan it can restart on
+            return self._stalled(step, f"{missing[0]}: no units hold its state (simulated)")
         gen_len = self.trace.gen_len_at(step) * math.exp(self.rng.gauss(0, 0.02))
         now = workload.with_gen_len(max(1, round(gen_len)))
         eff = self.truth.efficiency_at(self.clock)
@@ -232,6 +217,18 @@ class SimulatedEngine:
             stage_seconds=stage_seconds,
             op_times=tuple(op_times),
             peak_memory=peak,
+            failure=failure,
+            simulated=True,
+        )
+
+    def _stalled(self, step: int, failure: str) -> StepReport:
+        """A step the job cannot run: it waits ``STALL_S`` for the world to change."""
+        self._advance(STALL_S)
+        return StepReport(
+            step=step,
+            ok=False,
+            seconds=STALL_S,
+            gen_len=float(self.trace.gen_len_at(step)),
             failure=failure,
             simulated=True,
         )

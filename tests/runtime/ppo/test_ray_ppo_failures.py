@@ -3,6 +3,7 @@ replica survived (no step lost), and the job resumes from its last committed che
 none did; checkpoints resume to the same step, data order and random state."""
 
 import dataclasses
+import os
 
 import pytest
 
@@ -200,19 +201,24 @@ def test_a_step_without_the_state_fails_until_a_restart_brings_it_back(pool, tmp
     assert report.ok and report.extra["ppo_step"] == 2
 
 
-def test_a_slot_busy_with_a_long_call_is_not_taken_for_dead(pool):
+def test_a_slot_busy_with_a_long_call_is_not_taken_for_dead(pool, tmp_path):
     """Units built ahead run as a long call on their slots while the job probes the pool: those
-    slots are skipped (their call reports a death itself), the others are asked as ever."""
+    slots are skipped (their call reports a death itself), the others are asked as ever. The
+    long call here waits for a file the test writes, so it cannot end on its own."""
     import time
 
-    def sleep(ctx, *, seconds):
-        time.sleep(seconds)
+    go = tmp_path / "go"
+
+    def wait_for(ctx, *, path):
+        while not os.path.exists(path):
+            time.sleep(0.01)
         return ctx.rank
 
-    pending = pool.start(sleep, on=[3], seconds=2.0)
+    pending = pool.start(wait_for, on=[3], path=str(go))
     assert pending.running() == {3}
-    started = time.monotonic()
-    assert pool.alive(timeout_s=1.0, busy=pending.running()) == [True] * SLOTS
-    assert time.monotonic() - started < 1.0  # slot 3 was not asked
-    assert pool.run(sleep, on=[0], seconds=0.0) == [0]  # other slots answer meanwhile
+    # Asked, slot 3 cannot answer while its call runs; skipped, it counts as alive.
+    assert pool.alive(timeout_s=0.5) == [slot != 3 for slot in range(SLOTS)]
+    assert pool.alive(timeout_s=0.5, busy=pending.running()) == [True] * SLOTS
+    assert pool.run(wait_for, on=[0], path=str(tmp_path)) == [0]  # others answer meanwhile
+    go.write_text("")
     assert pending.wait() == [3] and pending.running() == frozenset()

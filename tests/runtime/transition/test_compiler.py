@@ -294,10 +294,10 @@ def test_dag_json_has_what_the_pages_draw():
     assert all(n["state"] == "pending" for n in data["nodes"])
 
 
-def test_rebuilds_count_only_new_derived_units_and_slots_build_side_by_side():
-    """Generation grows from one tp-2 unit to two (the first stays where it is) and actor@inference
-    moves to tp 2 on the same slots as the new generation unit; ref@inference moves off slot 0.
-    Only new units are built; each slot builds its own in turn, all slots at once."""
+def _growing_generation(*, ref_units):
+    """Every model-stage on slot 0 but generation (tp 2 on slots 2-3); the target adds a
+    generation unit on slots 4-5, moves actor@inference there at tp 2, and puts ref@inference on
+    ``ref_units``. Room is unlimited; building a generation unit takes 10 s, an inference one 3."""
     base = {n: (Layout(dp=1, tp=1, pp=1), ((0,),)) for n in NAMES}
     current = _plan(
         {**base, "actor@generation": (Layout(dp=1, tp=2, pp=1), ((2, 3),))}, num_slots=6
@@ -307,7 +307,7 @@ def test_rebuilds_count_only_new_derived_units_and_slots_build_side_by_side():
             **base,
             "actor@generation": (Layout(dp=2, tp=2, pp=1), ((2, 3), (4, 5))),
             "actor@inference": (Layout(dp=1, tp=2, pp=1), ((4, 5),)),
-            "ref@inference": (Layout(dp=1, tp=1, pp=1), ((1,),)),
+            "ref@inference": (Layout(dp=len(ref_units), tp=1, pp=1), ref_units),
         },
         num_slots=6,
     )
@@ -317,6 +317,14 @@ def test_rebuilds_count_only_new_derived_units_and_slots_build_side_by_side():
         capacity_bytes=(1e15,) * 6,
         rebuild_s=(("generation", 10.0), ("inference", 3.0)),
     )
+    return current, target, cluster
+
+
+def test_rebuilds_count_only_new_derived_units_and_slots_build_side_by_side():
+    """Generation grows from one tp-2 unit to two (the first stays where it is) and actor@inference
+    moves to tp 2 on the same slots as the new generation unit; ref@inference moves off slot 0.
+    Only new units are built; each slot builds its own in turn, all slots at once."""
+    current, target, cluster = _growing_generation(ref_units=((1,),))
     dag = diff(current, target, cluster, WORKLOAD)
     assert dag.rebuilds == {"actor@generation": 10.0, "actor@inference": 3.0, "ref@inference": 3.0}
     assert dag.rebuild_units == {
@@ -340,25 +348,7 @@ def test_new_units_on_slots_the_running_plan_leaves_idle_can_be_built_ahead():
     """The running plan uses slots 0, 2 and 3. New derived units on slots it leaves idle (1, 4,
     5) can be built while it still steps; one on slot 2 cannot. What was built ahead is no
     longer charged to the transition."""
-    base = {n: (Layout(dp=1, tp=1, pp=1), ((0,),)) for n in NAMES}
-    current = _plan(
-        {**base, "actor@generation": (Layout(dp=1, tp=2, pp=1), ((2, 3),))}, num_slots=6
-    )
-    target = _plan(
-        {
-            **base,
-            "actor@generation": (Layout(dp=2, tp=2, pp=1), ((2, 3), (4, 5))),
-            "actor@inference": (Layout(dp=1, tp=2, pp=1), ((4, 5),)),
-            "ref@inference": (Layout(dp=2, tp=1, pp=1), ((1,), (2,))),
-        },
-        num_slots=6,
-    )
-    cluster = Cluster(
-        accelerator=ACC,
-        num_slots=6,
-        capacity_bytes=(1e15,) * 6,
-        rebuild_s=(("generation", 10.0), ("inference", 3.0)),
-    )
+    current, target, cluster = _growing_generation(ref_units=((1,), (2,)))
     dag = diff(current, target, cluster, WORKLOAD)
     assert dag.ahead == {
         ("actor@generation", (4, 5)),
