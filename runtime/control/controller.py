@@ -409,8 +409,8 @@ class Controller:
         assert self.plan is not None
         # A memory move plans for the length the trend reaches within the lookahead (or what
         # is left of the run), whichever trigger brought it: the one admission weighs.
-        ahead = self._memory_horizon(trigger.step) if trigger.kind == "memory" else 0
-        nearest = self._forecast(ahead) if ahead > 0 else None
+        horizon = self._memory_horizon(trigger.step) if trigger.kind == "memory" else 0
+        nearest = self._forecast(horizon) if horizon > 0 else None
         gen_len = self._gen_len
         if trigger.kind == "memory":
             gen_len = max(gen_len, trigger.value, nearest or 0.0)
