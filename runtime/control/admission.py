@@ -90,3 +90,10 @@ def decide(
     return verdict(
         False, f"pays back in {payback:.2f} steps > gamma {gamma} × H {horizon_steps:.2f}"
     )
+
+
+def amortized_step_s(step_s: float, move_s: float, lasts_steps: float) -> float:
+    """Seconds per step of moving to a plan that runs a step in ``step_s``, costs ``move_s`` to
+    move to and lasts ``lasts_steps`` steps before memory forces the next move: its step time
+    plus its move's cost spread over those steps (at least one)."""
+    return step_s + move_s / max(1.0, lasts_steps)

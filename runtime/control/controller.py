@@ -14,7 +14,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from runtime.control.admission import Verdict, decide
+from runtime.control.admission import Verdict, amortized_step_s, decide
 from runtime.control.monitor import POOL, Monitor, Trigger
 from runtime.control.policy import JobPolicy
 from runtime.engine.interface import Engine, StepReport
@@ -25,6 +25,7 @@ from runtime.planner.memory import memory_breakdown, memory_budget, total_bytes
 from runtime.planner.plan import Plan
 from runtime.planner.search import price_plan
 from runtime.planner.shapes import LayoutShape
+from runtime.planner.space import only_layouts
 from runtime.planner.workload import PpoWorkload
 from runtime.transition import Cluster, TransitionRefusedError, diff
 from runtime.transition.units import bytes_on, units_of
@@ -202,8 +203,8 @@ class Controller:
     def _workload(self, gen_len: float) -> PpoWorkload:
         return self.workload.with_gen_len(max(1, round(gen_len)))
 
-    def _candidate(self, engine: Engine, workload: PpoWorkload) -> Plan:
-        return self._plans(engine, workload)[0]
+    def _candidate(self, engine: Engine, workload: PpoWorkload, *, fits_at: float = 0.0) -> Plan:
+        return self._plans(engine, workload, fits_at=fits_at)[0]
 
     def _plans(
         self,
@@ -212,19 +213,24 @@ class Controller:
         *,
         keep: Plan | None = None,
         alternatives: int = 0,
+        fits_at: float = 0.0,
     ) -> list[Plan]:
         """The planner's best plan on the live slots, then up to ``alternatives`` next-best ones
         (each changing some model-stage's layout); with ``keep``, only that plan's (tp, pp) per
-        model-stage are allowed (data parallelism alone is replanned)."""
+        model-stage are allowed (data parallelism alone is replanned). Fastest at ``workload``,
+        and fitting in memory up to the generated length ``fits_at`` as well."""
         alive = self._alive(engine)
         excluded = frozenset()
         if self.policy.fixed_layouts and self.fixed:
-            excluded = _only(self.fixed)
+            excluded = only_layouts(self.fixed)
         if keep is not None:
-            excluded |= _only({ms.name: (ms.layout.tp, ms.layout.pp) for ms in keep.model_stages})
+            excluded |= only_layouts(
+                {ms.name: (ms.layout.tp, ms.layout.pp) for ms in keep.model_stages}
+            )
         efficiency = self.calibrator.efficiency()
         # Plan against the memory the device really gives, as measured so far.
         acc = dataclasses.replace(self.acc, memory_bytes=self.acc.memory_bytes / self.memory_factor)
+        fit = self._workload(fits_at) if fits_at > workload.gen_len else None
         try:
             result = plan(
                 workload,
@@ -233,13 +239,19 @@ class Controller:
                 efficiency=efficiency,
                 num_alternatives=alternatives,
                 excluded=excluded,
+                fits_at=fit,
             )
         except PlanningError:
             if not excluded or keep is not None:
                 raise
             self.emit({"event": "control.relaxed", "reason": "the fixed layouts no longer fit"})
             result = plan(
-                workload, acc, len(alive), efficiency=efficiency, num_alternatives=alternatives
+                workload,
+                acc,
+                len(alive),
+                efficiency=efficiency,
+                num_alternatives=alternatives,
+                fits_at=fit,
             )
         return [
             place(dataclasses.replace(p, accelerator=self.acc.name), alive, engine.pool_size())
@@ -394,6 +406,69 @@ class Controller:
         budget = memory_budget(self.acc.memory_bytes) if headroom else self.acc.memory_bytes
         return all(need * self.memory_factor <= budget for _, need in self._needs(plan_, gen_len))
 
+    def _runway(self, step: int) -> int:
+        """Steps a new plan is to last: until the generated length is next expected to drift
+        past its threshold or the slot pool to change (the shorter effective horizon: a replan
+        looks again then anyway), at least twice the lookahead and at most what the run has
+        left; 0 with forecasting off."""
+        if self.policy.lookahead_steps == 0:
+            return 0
+        drift = min(self._horizon((signal,), step) for signal in ("gen_len", POOL))
+        return int(min(self._steps_left(step), max(2 * self.policy.lookahead_steps, drift)))
+
+    def _lasts(self, plan_: Plan, runway: int) -> int:
+        """Steps, up to ``runway``, before a memory trigger would fire for ``plan_``: until the
+        trend comes within the lookahead of outgrowing what it fits."""
+        if not self._fits(plan_, self._forecast(runway) or 0.0):
+            low, high = 0, runway  # fits at low (or nowhere), not at high: bisect
+            while high - low > 1:
+                middle = (low + high) // 2
+                low, high = (
+                    (middle, high)
+                    if self._fits(plan_, self._forecast(middle) or 0.0)
+                    else (low, middle)
+                )
+            return max(0, low - self.policy.lookahead_steps)
+        return runway
+
+    def _amortized(
+        self, engine: Engine, workload: PpoWorkload, trigger: Trigger, floor: float
+    ) -> Plan | None:
+        """The plan to move to, among the fastest ones that fit the length the trend reaches
+        further and further ahead (up to the runway): the one with the least step time plus its
+        move's cost spread over the steps it lasts before memory forces the next move. A plan
+        that must move again in ten steps carries a tenth of its move's cost in each step; a
+        plan for a longer length, its slower steps. The ``longest`` policy takes the one for the
+        whole runway. None if no move to any of them compiles."""
+        assert self.plan is not None
+        runway = self._runway(trigger.step)
+        ahead = sorted({min(runway, self.policy.lookahead_steps << i) for i in range(1, 16)})
+        if self.policy.memory_runway == "longest":
+            ahead = [runway]
+        best: tuple[float, Plan] | None = None
+        seen: list[Plan] = []
+        for steps in ahead:
+            length = max(floor, self._forecast(steps) or 0.0)
+            try:
+                option = self._candidate(engine, workload, fits_at=length)
+            except PlanningError:
+                break  # nor will any longer length
+            if any(_same_plan(option, p) for p in seen):
+                continue
+            seen.append(option)
+            cost = 0.0
+            if not _same_plan(option, self.plan):
+                try:
+                    cost = self._compile(engine, option, workload).predicted_s
+                except TransitionRefusedError:
+                    continue
+            rate = amortized_step_s(
+                self._price(option, workload), cost, self._lasts(option, runway)
+            )
+            if best is None or rate < best[0]:
+                best = (rate, option)
+        return None if best is None else best[1]
+
     def _envelope(self) -> float:
         """The longest generated length of the last ``OUTLOOK_WINDOW`` steps: a plan chosen
         when the length is low must still fit when it comes back up."""
@@ -422,9 +497,9 @@ class Controller:
         if self.policy.admission == "never" and not broken:
             self.emit(self._decision(trigger, None, None, "the policy never adapts"))
             return
+        envelope = self._envelope()
         try:
             candidate = self._candidate(engine, workload)
-            envelope = self._envelope()
             if not trigger.urgent and not broken and not self._fits(candidate, envelope):
                 # Best at this length but too big for lengths the job has just seen: plan for
                 # the longest of them instead (the swing is likely to come back).
@@ -432,6 +507,13 @@ class Controller:
         except PlanningError as exc:
             self.emit(self._decision(trigger, None, None, f"no feasible plan: {exc}"))
             return
+        if (
+            not (trigger.urgent or broken)
+            and self.policy.admission == "payback"
+            and self.policy.memory_runway != "shortest"
+        ):
+            floor = max(gen_len, envelope)
+            candidate = self._amortized(engine, workload, trigger, floor) or candidate
         if (
             not broken
             and candidate.layouts() == self.plan.layouts()
@@ -941,17 +1023,6 @@ class Controller:
             "built_ahead": ahead,
             "steps_left": None if self.last_step is None else self._steps_left(step),
         }
-
-
-def _only(layouts: dict[str, tuple[int, int]]) -> frozenset[tuple[str, int, int]]:
-    """The planner's exclusions that leave each named model-stage only its given (tp, pp)."""
-    return frozenset(
-        (name, tp, pp)
-        for name, (keep_tp, keep_pp) in layouts.items()
-        for tp in (1, 2, 4, 8, 16, 32, 64)
-        for pp in (1, 2, 4, 8, 16, 32, 64)
-        if (tp, pp) != (keep_tp, keep_pp)
-    )
 
 
 def _same_plan(a: Plan, b: Plan) -> bool:

@@ -14,6 +14,7 @@ fraction, and achieved efficiency (predicted over measured step time)."""
 DEFAULT_THRESHOLD = 0.30
 APPROVAL_MODES = ("auto", "manual", "manual_above")
 ADMISSIONS = ("payback", "always_faster", "never", "restart")
+RUNWAYS = ("shortest", "amortized", "longest")
 """``payback`` is Nereus's rule; ``always_faster`` admits whatever is predicted faster (DynaRL-style);
 ``never`` keeps the plan unless forced; ``restart`` admits by payback but moves by checkpoint/restart."""
 
@@ -36,6 +37,12 @@ class JobPolicy:
     admission: str = "payback"
     lookahead_steps: int = 5
     """How far ahead a memory violation is predicted from the signals' trend."""
+    memory_runway: str = "shortest"
+    """How long a new plan must keep fitting in memory as the generated length grows (payback
+    admission): ``shortest`` as far as the lookahead forecasts (the fastest steps, the most
+    moves); ``longest`` until the length is next expected to drift or the pool to change (the
+    fewest moves); ``amortized`` whichever of the plans for those and the lengths between has
+    the least predicted step time plus its move's cost spread over the steps it lasts."""
     fixed_layouts: bool = False
     """Keep every model-stage's (tp, pp); replan only data parallelism."""
 
@@ -63,6 +70,11 @@ class JobPolicy:
         if self.admission not in ADMISSIONS:
             raise PolicyError(
                 f"policy.admission: expected one of {', '.join(ADMISSIONS)}, got {self.admission!r}"
+            )
+        if self.memory_runway not in RUNWAYS:
+            raise PolicyError(
+                f"policy.memory_runway: expected one of {', '.join(RUNWAYS)}, "
+                f"got {self.memory_runway!r}"
             )
         if (
             isinstance(self.lookahead_steps, bool)

@@ -99,6 +99,7 @@ def _column(
     num_slots: int,
     efficiency: Mapping[str, float],
     excluded: frozenset[tuple[str, int, int]],
+    fits_at: PpoWorkload | None = None,
 ) -> _Column:
     exact = np.full(num_slots + 1, np.inf)
     exact_choice = np.full(num_slots + 1, -1, dtype=np.int64)
@@ -112,6 +113,8 @@ def _column(
         dp = np.arange(1, max_dp + 1, dtype=float)
         shape = LayoutShape(ms=ms, workload=workload, accelerator=acc, tp=tp, pp=pp, dp=dp)
         total, _ = cost.predict(shape, num_slots=num_slots, efficiency=efficiency)
+        if fits_at is not None:
+            shape = dataclasses.replace(shape, workload=fits_at)
         fits = memory.total_bytes(memory.memory_breakdown(shape, num_slots=num_slots)) <= budget
         slots = (dp * tp * pp).astype(np.int64)
         for i in np.nonzero(fits & (total < exact[slots]))[0]:
@@ -248,8 +251,18 @@ def plan(
     efficiency: Mapping[str, float] | None = None,
     num_alternatives: int = 3,
     excluded: frozenset[tuple[str, int, int]] = frozenset(),
+    fits_at: PpoWorkload | None = None,
 ) -> PlanResult:
-    """Plan every model-stage of a PPO step on ``num_slots`` slots; deterministic for its inputs."""
+    """Plan every model-stage of a PPO step on ``num_slots`` slots; deterministic for its inputs.
+
+    Speed is priced at ``workload``; memory is checked at ``fits_at`` when given (the same job
+    at a longer generated length that the plan must also fit: the controller plans for the
+    length a plan must last to, but picks the fastest at the length it runs now)."""
+    if fits_at is not None and fits_at.gen_len < workload.gen_len:
+        raise ValueError(
+            f"fits_at.gen_len: must be at least the workload's {workload.gen_len}, "
+            f"got {fits_at.gen_len}"
+        )
     if isinstance(num_slots, np.integer):
         num_slots = int(num_slots)
     if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
@@ -257,17 +270,17 @@ def plan(
     started = time.perf_counter()
     eff = _efficiencies(efficiency)
     columns = {
-        ms.name: _column(ms, workload, accelerator, num_slots, eff, excluded)
+        ms.name: _column(ms, workload, accelerator, num_slots, eff, excluded, fits_at)
         for ms in workload.model_stages()
     }
     for column in columns.values():
         if not np.isfinite(column.time[num_slots]):
-            raise _infeasible(column, workload, accelerator, num_slots, excluded)
+            raise _infeasible(column, fits_at or workload, accelerator, num_slots, excluded)
     best = _assemble(columns, workload, accelerator, num_slots, eff)
     alternatives = _alternatives(
-        best, workload, accelerator, num_slots, eff, excluded, num_alternatives
+        best, workload, accelerator, num_slots, eff, excluded, num_alternatives, fits_at
     )
-    rejected = _rejections(best, columns, workload, accelerator, num_slots, eff, excluded)
+    rejected = _rejections(best, columns, workload, accelerator, num_slots, eff, excluded, fits_at)
     return PlanResult(
         best=best,
         alternatives=alternatives,
@@ -299,7 +312,9 @@ def _assemble(columns, workload, accelerator, num_slots, eff) -> Plan:
     )
 
 
-def _alternatives(best, workload, accelerator, num_slots, eff, excluded, count) -> tuple[Plan, ...]:
+def _alternatives(
+    best, workload, accelerator, num_slots, eff, excluded, count, fits_at=None
+) -> tuple[Plan, ...]:
     """The best plans that change one model-stage's (tp, pp): re-solve with that layout excluded."""
     if count <= 0:
         return ()
@@ -307,7 +322,7 @@ def _alternatives(best, workload, accelerator, num_slots, eff, excluded, count) 
     for ms in best.model_stages:
         ban = excluded | {(ms.name, ms.layout.tp, ms.layout.pp)}
         columns = {
-            m.name: _column(m, workload, accelerator, num_slots, eff, ban)
+            m.name: _column(m, workload, accelerator, num_slots, eff, ban, fits_at)
             for m in workload.model_stages()
         }
         if any(not np.isfinite(c.time[num_slots]) for c in columns.values()):
@@ -323,7 +338,7 @@ def _alternatives(best, workload, accelerator, num_slots, eff, excluded, count) 
 
 
 def _rejections(
-    best, columns, workload, accelerator, num_slots, eff, excluded
+    best, columns, workload, accelerator, num_slots, eff, excluded, fits_at=None
 ) -> tuple[Rejection, ...]:
     """Every (tp, pp) of every model-stage's grid that the best plan does not use, with its reason."""
     out: list[Rejection] = []
@@ -351,7 +366,8 @@ def _rejections(
             shape = LayoutShape(
                 ms=ms, workload=workload, accelerator=accelerator, tp=tp, pp=pp, dp=dp
             )
-            need = memory.total_bytes(memory.memory_breakdown(shape, num_slots=num_slots))
+            held = shape if fits_at is None else dataclasses.replace(shape, workload=fits_at)
+            need = memory.total_bytes(memory.memory_breakdown(held, num_slots=num_slots))
             within = dp * tp * pp <= limit
             if not np.any(need <= budget):
                 reason = (

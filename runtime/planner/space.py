@@ -88,3 +88,14 @@ def check_layout(
         raise ValueError(
             f"dp: (dp,tp,pp)=({dp},{tp},{pp}) needs {dp * tp * pp} slots, the pool has {num_slots}"
         )
+
+
+def only_layouts(layouts: dict[str, tuple[int, int]]) -> frozenset[tuple[str, int, int]]:
+    """The planner's exclusions that leave each named model-stage only its given (tp, pp)."""
+    return frozenset(
+        (name, tp, pp)
+        for name, (keep_tp, keep_pp) in layouts.items()
+        for tp in (1, 2, 4, 8, 16, 32, 64)
+        for pp in (1, 2, 4, 8, 16, 32, 64)
+        if (tp, pp) != (keep_tp, keep_pp)
+    )

@@ -462,3 +462,29 @@ def test_a_plan_forecast_to_outgrow_memory_is_left_before_a_step_fails():
     assert failures and all(e["failure"].startswith("out of memory") for e in failures)
     assert stayed.restarts == len(failures)  # each time from the checkpoint
     assert summary.seconds < stayed.seconds
+
+
+def _runway(memory_runway: str):
+    """200 steps on 64 slots while the length grows from 1024 to 8000 tokens."""
+    trace = Trace(
+        name="grow",
+        steps=200,
+        accelerator=ACC.name,
+        gpus=64,
+        gen_len=((0, 1024.0), (200, 8000.0)),
+        pool=(),
+    )
+    engine = SimulatedEngine(trace, ACC, truth=TrueModel.draw(3, noise=0.0), seed=1)
+    controller = Controller(WORKLOAD, ACC, JobPolicy(memory_runway=memory_runway))
+    return run_job(engine, controller, trace.steps)
+
+
+def test_a_new_plan_is_made_to_last_as_long_as_its_move_pays_for():
+    """Each time the growing length outgrows the plan, the next plan can be made to fit a
+    little further (the fastest steps, a move every few steps) or up to the next drift (the
+    fewest moves, slower steps). Spreading each move's cost over the steps its plan lasts
+    makes fewer moves than the first, with faster steps than the second."""
+    shortest, amortized, longest = map(_runway, ("shortest", "amortized", "longest"))
+    assert shortest.failed_steps == amortized.failed_steps == longest.failed_steps == 0
+    assert shortest.transitions > amortized.transitions > longest.transitions
+    assert shortest.step_seconds < amortized.step_seconds < longest.step_seconds

@@ -5,6 +5,7 @@ import math
 import pytest
 
 from runtime.control import DriftHorizon, JobPolicy, Monitor, PolicyError, Trigger, decide
+from runtime.control.admission import amortized_step_s
 
 
 def test_the_drift_horizon_is_an_ema_of_steps_between_crossings():
@@ -126,6 +127,17 @@ def test_a_plan_predicted_not_to_fit_is_left_on_feasibility_alone():
     ).admit
 
 
+def test_a_move_s_cost_is_spread_over_the_steps_its_plan_lasts():
+    # 10 s to move to a 50 s/step plan that lasts 5 steps: 52 s a step; 12 s to move to a
+    # 51 s/step plan that lasts 100: 51.12; the latter is cheaper, unless its steps are 53 s.
+    assert amortized_step_s(50.0, 10.0, 5) == 52.0
+    assert amortized_step_s(51.0, 12.0, 100) == pytest.approx(51.12)
+    assert amortized_step_s(53.0, 12.0, 100) > amortized_step_s(50.0, 10.0, 5)
+    # A plan that must move again at once carries its whole move; staying put costs nothing.
+    assert amortized_step_s(50.0, 10.0, 0) == 60.0
+    assert amortized_step_s(50.0, 0.0, 3) == 50.0
+
+
 @pytest.mark.parametrize(
     ("data", "message"),
     [
@@ -139,6 +151,10 @@ def test_a_plan_predicted_not_to_fit_is_left_on_feasibility_alone():
         ({"approval_timeout_s": -5}, r"policy.approval_timeout_s: must be a number >= 0"),
         ({"admission": "greedy"}, r"policy.admission: expected one of payback"),
         ({"lookahead_steps": 2.5}, r"policy.lookahead_steps"),
+        (
+            {"memory_runway": "forever"},
+            r"policy.memory_runway: expected one of shortest, amortized",
+        ),
         ({"colour": "red"}, r"policy.colour: unknown field"),
         ([], r"policy: must be an object"),
     ],

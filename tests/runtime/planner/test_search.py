@@ -14,8 +14,10 @@ from hypothesis import strategies as st
 
 from runtime.planner import PlanningError, PpoWorkload, default_catalog, min_max_allocation, plan
 from runtime.planner.catalog import Accelerator, ModelConfig
+from runtime.planner.memory import memory_breakdown, memory_budget, total_bytes
 from runtime.planner.plan import Plan, PlanError
 from runtime.planner.search import price_plan
+from runtime.planner.shapes import LayoutShape
 from tests.runtime.planner.oracle import exhaustive_step_seconds
 
 CATALOG = default_catalog()
@@ -163,6 +165,34 @@ def test_no_feasible_plan_says_what_binds_and_by_how_much():
     tiny = PpoWorkload.for_model(CATALOG.model("tiny-llama"))
     with pytest.raises(ValueError, match="gpus: must be a positive whole number of slots, got 0"):
         plan(tiny, CATALOG.accelerator("cpu-slot"), 0)
+
+
+def test_a_plan_is_fastest_at_one_length_and_fits_another():
+    """``fits_at``: memory is checked at the longer length, speed priced at the running one."""
+    acc = CATALOG.accelerator("h100-sxm")
+    now = PpoWorkload.for_model(CATALOG.model("llama-3.1-8b"), gen_len=1000)
+    later = now.with_gen_len(8000)
+    short = plan(now, acc, 32, num_alternatives=0).best
+    lasting = plan(now, acc, 32, num_alternatives=0, fits_at=later).best
+    for_later = plan(later, acc, 32, num_alternatives=0).best
+
+    def fits(p, workload) -> bool:
+        return all(
+            total_bytes(memory_breakdown(shape, num_slots=32))[0] <= memory_budget(acc.memory_bytes)
+            for shape in (
+                LayoutShape.of_layout(ms, workload, acc, p.model_stage(ms.name).layout)
+                for ms in workload.model_stages()
+            )
+        )
+
+    assert not fits(short, later) and fits(lasting, later) and fits(lasting, now)
+    # Fastest now among the plans that fit later: no slower now than the plan made for later,
+    # no faster than the plan made for now alone.
+    at_now = [price_plan(p, now, acc) for p in (short, lasting, for_later)]
+    assert at_now[0] < at_now[1] <= at_now[2]
+    assert lasting.predicted_step_s == pytest.approx(at_now[1])
+    with pytest.raises(ValueError, match=r"fits_at\.gen_len: must be at least the workload's 1000"):
+        plan(now, acc, 32, fits_at=now.with_gen_len(500))
 
 
 def test_more_slots_never_predict_a_slower_step():
