@@ -141,12 +141,16 @@ def test_the_submit_page_submits_a_simulated_job_with_its_policy(client, operato
     client.force_login(operator)
     page = client.get("/jobs/new/").content.decode()
     assert 'name="gpus"' in page and 'name="num_slots"' in page and "simulated" in page
-    response = client.post("/jobs/new/", {**SIM_FORM, "gamma": 0.25, "threshold": 0.5})
+    assert 'name="memory_runway"' in page
+    response = client.post(
+        "/jobs/new/", {**SIM_FORM, "gamma": 0.25, "threshold": 0.5, "memory_runway": "amortized"}
+    )
     job = Job.objects.get(name="sim")
     assert response.status_code == 302 and response["Location"] == f"/jobs/{job.pk}/"
     assert job.spec["kind"] == "ppo-sim" and job.spec["gpus"] == 16
     assert job.spec["policy"]["approval"] == "manual" and job.spec["policy"]["gamma"] == 0.25
     assert job.spec["policy"]["thresholds"]["gen_len"] == 0.5
+    assert job.spec["policy"]["memory_runway"] == "amortized"
 
 
 @pytest.mark.parametrize(
@@ -160,6 +164,7 @@ def test_the_submit_page_submits_a_simulated_job_with_its_policy(client, operato
         ({"threshold": -1}, "threshold"),
         ({"pace_s": 99}, "pace_s"),
         ({"approval": "sometimes"}, "approval"),
+        ({"memory_runway": "forever"}, "memory_runway"),
         ({"kind": "quantum"}, "kind"),
     ],
 )

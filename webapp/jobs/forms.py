@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from django import forms
 
-from runtime.control.policy import APPROVAL_MODES, SIGNALS
+from runtime.control.policy import APPROVAL_MODES, RUNWAYS, SIGNALS, JobPolicy
 from runtime.engine.traces import SHAPES
 from runtime.jobs.spec import PpoJobSpec, PpoSimJobSpec, SftJobSpec, spec_from_json
 from runtime.planner.catalog import default_catalog
@@ -44,6 +44,7 @@ _SPEC_FIELD = {
     "policy.gamma": "gamma",
     "policy.approval": "approval",
     "policy.approval_above_s": "approval_above_s",
+    "policy.memory_runway": "memory_runway",
     "minibatch_size": "batch_size",  # the form leaves minibatches at their default
     **{f"policy.thresholds.{signal}": "threshold" for signal in SIGNALS},
 }
@@ -160,6 +161,13 @@ class JobSubmitForm(forms.Form):
     threshold = forms.FloatField(
         required=False, label="Drift threshold", help_text="Relative drift that triggers (0.3)."
     )
+    memory_runway = forms.ChoiceField(
+        required=False,
+        choices=[(runway, runway) for runway in RUNWAYS],
+        initial=JobPolicy().memory_runway,
+        help_text="How long a new plan must keep fitting as answers grow: shortest (fastest "
+        "steps), amortized (by move cost), longest (fewest moves).",
+    )
 
     def __init__(self, *args, user, **kwargs):
         super().__init__(*args, **kwargs)
@@ -212,6 +220,8 @@ class JobSubmitForm(forms.Form):
             policy["gamma"] = data["gamma"]
         if data.get("threshold") is not None:
             policy["thresholds"] = {signal: data["threshold"] for signal in SIGNALS}
+        if data.get("memory_runway"):
+            policy["memory_runway"] = data["memory_runway"]
         if kind == "ppo":
             spec = {
                 "kind": "ppo",
