@@ -779,7 +779,7 @@ def _excluding_edge(dag: TransitionDag, slot: int, running: str | None, finished
     nodes = dag.nodes
     acquirers = [running] if running else []
     acquirers += sorted(
-        (n for n in finished if nodes[n].delta(slot) > 0), key=lambda n: -nodes[n].delta(slot)
+        (n for n in finished if nodes[n].delta(slot) > 0), key=lambda n: (-nodes[n].delta(slot), n)
     )
     count = {n: bin(mask).count("1") for n, mask in dag.ancestors().items()}
     for acquirer in acquirers:

@@ -341,7 +341,9 @@ class TransitionDag:
         relevant = self.touching(slot)
         reach = self.ancestors()
         index = self._reach[0]
-        anc = {n: {m for m in relevant if m != n and reach[n] >> index[m] & 1} for n in relevant}
+        # Lists in node order, not sets: which of several equally full states the search finds
+        # (and so which edge excludes it) must not depend on the interpreter's string hashing.
+        anc = {n: [m for m in relevant if m != n and reach[n] >> index[m] & 1] for n in relevant}
         delta = {n: self.nodes[n].delta(slot) for n in relevant}
         base = self.initial[slot]
         value, chosen = max_closure(delta, anc)
@@ -350,7 +352,7 @@ class TransitionDag:
             acquire = self.nodes[n].acquire.get(slot, 0)
             if acquire <= 0:
                 continue
-            forced = anc[n]
+            forced = set(anc[n])
             excluded = {m for m in relevant if n in anc[m]} | {n}
             free = [m for m in relevant if m not in forced and m not in excluded]
             value, chosen = max_closure(

@@ -4,7 +4,12 @@ Pure Python: the DAG is played out by ``simulate`` against its own memory model,
 executor may pick, and must end with exactly the target's units (layouts and slots)."""
 
 import itertools
+import json
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, event, given, settings
@@ -525,3 +530,55 @@ def test_a_full_device_reshapes_through_the_coarse_layout_when_the_grain_does_no
     with pytest.raises(TransitionRefusedError, match=r"slot \d+ would need") as refused:
         diff(current, target, squeezed, WORKLOAD)
     assert refused.value.memory
+
+
+# --- determinism ---------------------------------------------------------------------------------
+
+
+_REPLAY = """
+import json, sys
+from runtime.planner import PpoWorkload, default_catalog
+from runtime.planner.plan import Plan
+from runtime.transition import Cluster, diff
+from runtime.transition.units import units_of
+
+d = json.load(open(sys.argv[1]))
+catalog = default_catalog()
+workload = PpoWorkload.for_model(catalog.model("llama-3.1-8b"), gen_len=d["gen_len"])
+current = Plan.from_json(d["current"])
+cluster = Cluster(
+    accelerator=catalog.accelerator("h100-sxm"),
+    num_slots=d["num_slots"],
+    capacity_bytes=tuple(d["capacity_bytes"]),
+    lost_slots=frozenset(d["lost_slots"]),
+    rebuild_s=tuple(map(tuple, d["rebuild_s"])),
+)
+dag = diff(
+    units_of(current, workload), Plan.from_json(d["target"]), cluster, workload,
+    efficiency=d["efficiency"], tag="t", derived_from=current,
+)
+edges = sorted([a, b, kind] for (a, b), kind in dag.edges.items())
+print(json.dumps([edges, dag.predicted_s]))
+"""
+
+
+def test_the_same_transition_compiles_the_same_under_any_hash_seed():
+    """A transition a simulated run made (32 slots, DP and layouts changing for several
+    model-stages, slots near full, so the compiler adds resource edges): several equally full
+    states exist, and which one the search finds must not depend on string hashing, or the
+    same job would pick different orders, and times, from one run to the next."""
+    fixture = Path(__file__).parent / "data" / "tight_transition.json"
+    outputs = {
+        subprocess.run(
+            [sys.executable, "-c", _REPLAY, str(fixture)],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=120,
+            env={**os.environ, "PYTHONHASHSEED": seed},
+        ).stdout
+        for seed in ("1", "2", "3", "4")
+    }
+    assert len(outputs) == 1
+    edges, _ = json.loads(outputs.pop())
+    assert any(kind == "resource" for _, _, kind in edges)
