@@ -11,7 +11,7 @@ import dataclasses
 import itertools
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from runtime.control.admission import Verdict, amortized_step_s, decide
@@ -211,22 +211,20 @@ class Controller:
         engine: Engine,
         workload: PpoWorkload,
         *,
-        keep: Plan | None = None,
+        keep: Mapping[str, tuple[int, int]] | None = None,
         alternatives: int = 0,
         fits_at: float = 0.0,
     ) -> list[Plan]:
         """The planner's best plan on the live slots, then up to ``alternatives`` next-best ones
-        (each changing some model-stage's layout); with ``keep``, only that plan's (tp, pp) per
-        model-stage are allowed (data parallelism alone is replanned). Fastest at ``workload``,
+        (each changing some model-stage's layout); with ``keep``, the named model-stages keep
+        those (tp, pp) (their data parallelism alone is replanned). Fastest at ``workload``,
         and fitting in memory up to the generated length ``fits_at`` as well."""
         alive = self._alive(engine)
         excluded = frozenset()
         if self.policy.fixed_layouts and self.fixed:
             excluded = only_layouts(self.fixed)
         if keep is not None:
-            excluded |= only_layouts(
-                {ms.name: (ms.layout.tp, ms.layout.pp) for ms in keep.model_stages}
-            )
+            excluded |= only_layouts(keep)
         efficiency = self.calibrator.efficiency()
         # Plan against the memory the device really gives, as measured so far.
         acc = dataclasses.replace(self.acc, memory_bytes=self.acc.memory_bytes / self.memory_factor)
@@ -407,13 +405,13 @@ class Controller:
         return all(need * self.memory_factor <= budget for _, need in self._needs(plan_, gen_len))
 
     def _runway(self, step: int) -> int:
-        """Steps a new plan is to last: until the generated length is next expected to drift
-        past its threshold or the slot pool to change (the shorter effective horizon: a replan
-        looks again then anyway), at least twice the lookahead and at most what the run has
+        """Steps a new plan is expected to last: the longer of the generated length's and the
+        slot pool's effective drift horizons (a plan is replaced when one of them moves it, and
+        a replan often keeps it), at least twice the lookahead and at most what the run has
         left; 0 with forecasting off."""
         if self.policy.lookahead_steps == 0:
             return 0
-        drift = min(self._horizon((signal,), step) for signal in ("gen_len", POOL))
+        drift = self._horizon(("gen_len", POOL), step)
         return int(min(self._steps_left(step), max(2 * self.policy.lookahead_steps, drift)))
 
     def _lasts(self, plan_: Plan, runway: int) -> int:
@@ -431,43 +429,97 @@ class Controller:
             return max(0, low - self.policy.lookahead_steps)
         return runway
 
-    def _amortized(
-        self, engine: Engine, workload: PpoWorkload, trigger: Trigger, floor: float
-    ) -> Plan | None:
-        """The plan to move to, among the fastest ones that fit the length the trend reaches
-        further and further ahead (up to the runway): the one with the least step time plus its
-        move's cost spread over the steps it lasts before memory forces the next move. A plan
-        that must move again in ten steps carries a tenth of its move's cost in each step; a
-        plan for a longer length, its slower steps. The ``longest`` policy takes the one for the
-        whole runway. None if no move to any of them compiles."""
+    def _cheapest(
+        self,
+        engine: Engine,
+        workload: PpoWorkload,
+        trigger: Trigger,
+        candidate: Plan,
+        floor: float,
+    ) -> Plan:
+        """The plan to move to: of the planner's ``candidate`` and the other options, the one
+        with the least step time plus its move's cost spread over the steps it lasts (before
+        memory forces the next move, or the runway ends). The other options: for each length
+        the memory runway asks a plan to fit, the fastest plan that fits it, and the fastest
+        that changes only the model-stages whose layouts no longer fit it (so rebuilding no
+        engine it need not), which is the running plan itself when every layout still fits:
+        staying costs nothing, so a move that would not repay within the steps its plan lasts
+        is not asked for. A plan that must move again in ten steps carries a tenth of its
+        move's cost in each step; a plan for a longer length, its slower steps; a plan that
+        rebuilds the generation engines, their start-up. When no live move reaches the
+        planner's plan, that plan goes on to admission, which weighs the next-best plans a live
+        move can reach and a checkpoint/restart."""
         assert self.plan is not None
+        if self._move_cost(engine, candidate, workload) is None:
+            return candidate
         runway = self._runway(trigger.step)
-        ahead = sorted({min(runway, self.policy.lookahead_steps << i) for i in range(1, 16)})
-        if self.policy.memory_runway == "longest":
-            ahead = [runway]
+        shortest = self.policy.memory_runway == "shortest"
+        options = [candidate] if shortest else []
+        for length in self._runway_lengths(engine, workload, floor, runway):
+            kept = self._still_fitting(length)
+            for keep in ([] if shortest else [None]) + ([kept] if kept else []):
+                try:
+                    options.append(self._plans(engine, workload, keep=keep, fits_at=length)[0])
+                except PlanningError:
+                    continue
         best: tuple[float, Plan] | None = None
         seen: list[Plan] = []
-        for steps in ahead:
-            length = max(floor, self._forecast(steps) or 0.0)
-            try:
-                option = self._candidate(engine, workload, fits_at=length)
-            except PlanningError:
-                break  # nor will any longer length
+        for option in options:
             if any(_same_plan(option, p) for p in seen):
                 continue
             seen.append(option)
-            cost = 0.0
-            if not _same_plan(option, self.plan):
-                try:
-                    cost = self._compile(engine, option, workload).predicted_s
-                except TransitionRefusedError:
-                    continue
-            rate = amortized_step_s(
-                self._price(option, workload), cost, self._lasts(option, runway)
-            )
+            cost = self._move_cost(engine, option, workload)
+            if cost is None:
+                continue
+            step_s = self._price(option, workload)
+            rate = amortized_step_s(step_s, cost, self._lasts(option, runway))
             if best is None or rate < best[0]:
                 best = (rate, option)
-        return None if best is None else best[1]
+        return candidate if best is None else best[1]
+
+    def _runway_lengths(
+        self, engine: Engine, workload: PpoWorkload, floor: float, runway: int
+    ) -> list[float]:
+        """The generated lengths a new plan may be asked to fit, by the memory runway policy:
+        ``floor``; what the trend reaches 2, 4, 8, … lookaheads on, up to the runway; or the
+        furthest of those that some plan fits."""
+        ahead = sorted({min(runway, self.policy.lookahead_steps << i) for i in range(1, 16)})
+        lengths = [max(floor, self._forecast(steps) or 0.0) for steps in ahead]
+        if self.policy.memory_runway == "amortized":
+            return lengths
+        if self.policy.memory_runway == "longest":
+            for length in reversed(lengths):
+                try:
+                    self._plans(engine, workload, fits_at=length)
+                except PlanningError:
+                    continue
+                return [length]
+        return [floor]
+
+    def _move_cost(self, engine: Engine, option: Plan, workload: PpoWorkload) -> float | None:
+        """What moving to ``option`` costs as admission will price it (built ahead or not; 0 to
+        stay); None when no live move reaches it."""
+        assert self.plan is not None
+        if _same_plan(option, self.plan):
+            return 0.0
+        try:
+            dag = self._compile(engine, option, workload)
+        except TransitionRefusedError:
+            return None
+        if not dag.ahead:
+            return dag.predicted_s
+        current_s = self._price(self.plan, workload)
+        return min(dag.predicted_s, staged_cost(dag, current_s, self._price(option, workload)))
+
+    def _still_fitting(self, gen_len: float) -> dict[str, tuple[int, int]]:
+        """The running (tp, pp) of every model-stage whose layout still fits ``gen_len``."""
+        assert self.plan is not None
+        budget = memory_budget(self.acc.memory_bytes)
+        return {
+            ms.name: _layouts(self.plan)[ms.name]
+            for ms, need in self._needs(self.plan, gen_len)
+            if need * self.memory_factor <= budget
+        }
 
     def _envelope(self) -> float:
         """The longest generated length of the last ``OUTLOOK_WINDOW`` steps: a plan chosen
@@ -507,13 +559,9 @@ class Controller:
         except PlanningError as exc:
             self.emit(self._decision(trigger, None, None, f"no feasible plan: {exc}"))
             return
-        if (
-            not (trigger.urgent or broken)
-            and self.policy.admission == "payback"
-            and self.policy.memory_runway != "shortest"
-        ):
+        if not (trigger.urgent or broken) and self.policy.admission == "payback":
             floor = max(gen_len, envelope)
-            candidate = self._amortized(engine, workload, trigger, floor) or candidate
+            candidate = self._cheapest(engine, workload, trigger, candidate, floor)
         if (
             not broken
             and candidate.layouts() == self.plan.layouts()
@@ -707,7 +755,7 @@ class Controller:
         much as the target's. None when no such plan differs from the running one."""
         assert self.plan is not None
         plans: list[Plan] = []
-        for keep, count in ((None, REACHABLE_ALTERNATIVES), (self.plan, 0)):
+        for keep, count in ((None, REACHABLE_ALTERNATIVES), (_layouts(self.plan), 0)):
             try:
                 plans += self._plans(engine, workload, keep=keep, alternatives=count)
             except PlanningError:
@@ -1023,6 +1071,10 @@ class Controller:
             "built_ahead": ahead,
             "steps_left": None if self.last_step is None else self._steps_left(step),
         }
+
+
+def _layouts(plan_: Plan) -> dict[str, tuple[int, int]]:
+    return {ms.name: (ms.layout.tp, ms.layout.pp) for ms in plan_.model_stages}
 
 
 def _same_plan(a: Plan, b: Plan) -> bool:

@@ -476,7 +476,7 @@ def _runway(memory_runway: str):
     )
     engine = SimulatedEngine(trace, ACC, truth=TrueModel.draw(3, noise=0.0), seed=1)
     controller = Controller(WORKLOAD, ACC, JobPolicy(memory_runway=memory_runway))
-    return run_job(engine, controller, trace.steps)
+    return controller, run_job(engine, controller, trace.steps)
 
 
 def test_a_new_plan_is_made_to_last_as_long_as_its_move_pays_for():
@@ -484,7 +484,26 @@ def test_a_new_plan_is_made_to_last_as_long_as_its_move_pays_for():
     little further (the fastest steps, a move every few steps) or up to the next drift (the
     fewest moves, slower steps). Spreading each move's cost over the steps its plan lasts
     makes fewer moves than the first, with faster steps than the second."""
-    shortest, amortized, longest = map(_runway, ("shortest", "amortized", "longest"))
+    (_, shortest), (_, amortized), (_, longest) = map(_runway, ("shortest", "amortized", "longest"))
     assert shortest.failed_steps == amortized.failed_steps == longest.failed_steps == 0
     assert shortest.transitions > amortized.transitions > longest.transitions
     assert shortest.step_seconds < amortized.step_seconds < longest.step_seconds
+
+
+def test_a_forced_move_changes_only_what_it_must_when_that_is_cheaper():
+    """The training state outgrows memory again and again. The planner's best plan at the new
+    length would sometimes change the generation layout too, rebuilding every generation engine
+    (tens of seconds) for a small gain that the next memory move, a few steps on, would not let
+    it repay: the controller moves to the best plan that changes only the model-stages that no
+    longer fit, whenever that is cheaper per step with the move's cost spread over its life."""
+    controller, summary = _runway("shortest")
+    moves = [e for e in controller.events if e["event"] == "control.decision" and e["admit"]]
+    assert len(moves) == summary.transitions > 5
+    for move in moves:
+        assert move["trigger"]["kind"] == "memory"
+        before = {m["name"]: m["layout"] for m in move["current"]["model_stages"]}
+        after = {m["name"]: m["layout"] for m in move["candidate"]["model_stages"]}
+        changed = {name for name in after if after[name] != before[name]}
+        assert changed and changed <= {"actor@training", "critic@training"}
+    transitions = [e for e in controller.events if e["event"] == "control.transition"]
+    assert all(t["ok"] and t["rebuild_s"] == 0 for t in transitions)
