@@ -450,7 +450,9 @@ class Controller:
         planner's plan, that plan goes on to admission, which weighs the next-best plans a live
         move can reach and a checkpoint/restart."""
         assert self.plan is not None
-        if self._move_cost(engine, candidate, workload) is None:
+        # A move away from a plan about to outgrow memory is not staged (admission's rule).
+        stage = trigger.kind != "memory"
+        if self._move_cost(engine, candidate, workload, stage=stage) is None:
             return candidate
         runway = self._runway(trigger.step)
         shortest = self.policy.memory_runway == "shortest"
@@ -468,7 +470,7 @@ class Controller:
             if any(_same_plan(option, p) for p in seen):
                 continue
             seen.append(option)
-            cost = self._move_cost(engine, option, workload)
+            cost = self._move_cost(engine, option, workload, stage=stage)
             if cost is None:
                 continue
             step_s = self._price(option, workload)
@@ -496,9 +498,12 @@ class Controller:
                 return [length]
         return [floor]
 
-    def _move_cost(self, engine: Engine, option: Plan, workload: PpoWorkload) -> float | None:
-        """What moving to ``option`` costs as admission will price it (built ahead or not; 0 to
-        stay); None when no live move reaches it."""
+    def _move_cost(
+        self, engine: Engine, option: Plan, workload: PpoWorkload, *, stage: bool = True
+    ) -> float | None:
+        """What moving to ``option`` costs as admission will price it (with ``stage``, the
+        cheaper of building its new units in the transition or ahead of it; 0 to stay); None
+        when no live move reaches it."""
         assert self.plan is not None
         if _same_plan(option, self.plan):
             return 0.0
@@ -506,7 +511,7 @@ class Controller:
             dag = self._compile(engine, option, workload)
         except TransitionRefusedError:
             return None
-        if not dag.ahead:
+        if not (stage and dag.ahead):
             return dag.predicted_s
         current_s = self._price(self.plan, workload)
         return min(dag.predicted_s, staged_cost(dag, current_s, self._price(option, workload)))
