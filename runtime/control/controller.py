@@ -370,7 +370,7 @@ class Controller:
         if ahead is None or ahead <= self._gen_len:
             return None
         for ms, need in self._needs(self.plan, ahead):
-            if need * self.memory_factor > memory_budget(self.acc.memory_bytes):
+            if not self._within(need):
                 return Trigger(
                     kind="memory",
                     signal="gen_len",
@@ -401,8 +401,13 @@ class Controller:
     def _fits(self, plan_: Plan, gen_len: float, *, headroom: bool = True) -> bool:
         """Whether ``plan_`` fits its slots' budget at ``gen_len``, by the measured factor;
         ``headroom`` False: whether it fits the devices at all (else a step runs out)."""
+        return all(self._within(need, headroom) for _, need in self._needs(plan_, gen_len))
+
+    def _within(self, need: float, headroom: bool = True) -> bool:
+        """Whether a slot that the planner's model says needs ``need`` bytes fits, by the
+        measured factor: in its planning budget, or (``headroom`` False) on the device."""
         budget = memory_budget(self.acc.memory_bytes) if headroom else self.acc.memory_bytes
-        return all(need * self.memory_factor <= budget for _, need in self._needs(plan_, gen_len))
+        return need * self.memory_factor <= budget
 
     def _runway(self, step: int) -> int:
         """Steps a new plan is expected to last: the longer of the generated length's and the
@@ -452,25 +457,34 @@ class Controller:
         assert self.plan is not None
         # A move away from a plan about to outgrow memory is not staged (admission's rule).
         stage = trigger.kind != "memory"
-        if self._move_cost(engine, candidate, workload, stage=stage) is None:
+        candidate_cost = self._move_cost(engine, candidate, workload, stage=stage)
+        if candidate_cost is None:
             return candidate
         runway = self._runway(trigger.step)
         shortest = self.policy.memory_runway == "shortest"
         options = [candidate] if shortest else []
-        for length in self._runway_lengths(engine, workload, floor, runway):
+        for length in self._runway_lengths(floor, runway):
             kept = self._still_fitting(length)
+            found = []
             for keep in ([] if shortest else [None]) + ([kept] if kept else []):
                 try:
-                    options.append(self._plans(engine, workload, keep=keep, fits_at=length)[0])
+                    found.append(self._plans(engine, workload, keep=keep, fits_at=length)[0])
                 except PlanningError:
                     continue
+            options += found
+            if found and self.policy.memory_runway == "longest":
+                break  # the furthest length that some plan fits
         best: tuple[float, Plan] | None = None
         seen: list[Plan] = []
         for option in options:
             if any(_same_plan(option, p) for p in seen):
                 continue
             seen.append(option)
-            cost = self._move_cost(engine, option, workload, stage=stage)
+            cost = (
+                candidate_cost
+                if option is candidate
+                else self._move_cost(engine, option, workload, stage=stage)
+            )
             if cost is None:
                 continue
             step_s = self._price(option, workload)
@@ -479,24 +493,15 @@ class Controller:
                 best = (rate, option)
         return candidate if best is None else best[1]
 
-    def _runway_lengths(
-        self, engine: Engine, workload: PpoWorkload, floor: float, runway: int
-    ) -> list[float]:
+    def _runway_lengths(self, floor: float, runway: int) -> list[float]:
         """The generated lengths a new plan may be asked to fit, by the memory runway policy:
-        ``floor``; what the trend reaches 2, 4, 8, … lookaheads on, up to the runway; or the
-        furthest of those that some plan fits."""
+        ``floor``; what the trend reaches 2, 4, 8, … lookaheads on, up to the runway; or those
+        from the furthest down (the first that some plan fits is taken)."""
+        if self.policy.memory_runway == "shortest":
+            return [floor]
         ahead = sorted({min(runway, self.policy.lookahead_steps << i) for i in range(1, 16)})
         lengths = [max(floor, self._forecast(steps) or 0.0) for steps in ahead]
-        if self.policy.memory_runway == "amortized":
-            return lengths
-        if self.policy.memory_runway == "longest":
-            for length in reversed(lengths):
-                try:
-                    self._plans(engine, workload, fits_at=length)
-                except PlanningError:
-                    continue
-                return [length]
-        return [floor]
+        return lengths[::-1] if self.policy.memory_runway == "longest" else lengths
 
     def _move_cost(
         self, engine: Engine, option: Plan, workload: PpoWorkload, *, stage: bool = True
@@ -519,11 +524,11 @@ class Controller:
     def _still_fitting(self, gen_len: float) -> dict[str, tuple[int, int]]:
         """The running (tp, pp) of every model-stage whose layout still fits ``gen_len``."""
         assert self.plan is not None
-        budget = memory_budget(self.acc.memory_bytes)
+        running = _layouts(self.plan)
         return {
-            ms.name: _layouts(self.plan)[ms.name]
+            ms.name: running[ms.name]
             for ms, need in self._needs(self.plan, gen_len)
-            if need * self.memory_factor <= budget
+            if self._within(need)
         }
 
     def _envelope(self) -> float:
