@@ -433,31 +433,34 @@ def test_a_staged_transition_is_dropped_when_its_slots_go_during_the_step():
 # --- memory --------------------------------------------------------------------------------------
 
 
-def _growing_length(admission: str) -> tuple[Controller, object]:
+def _growing_length(
+    policy: JobPolicy, *, steps: int = 60, gpus: int = 16, to: float = 4000.0
+) -> tuple[Controller, object]:
+    """``steps`` steps on ``gpus`` slots while the length grows from 1024 tokens to ``to``."""
     trace = Trace(
         name="grow",
-        steps=60,
+        steps=steps,
         accelerator=ACC.name,
-        gpus=16,
-        gen_len=((0, 1024.0), (60, 4000.0)),
+        gpus=gpus,
+        gen_len=((0, 1024.0), (steps, to)),
         pool=(),
     )
     engine = SimulatedEngine(trace, ACC, truth=TrueModel.draw(3, noise=0.0), seed=1)
-    controller = Controller(WORKLOAD, ACC, JobPolicy(admission=admission))
-    return controller, run_job(engine, controller, 60)
+    controller = Controller(WORKLOAD, ACC, policy)
+    return controller, run_job(engine, controller, steps)
 
 
 def test_a_plan_forecast_to_outgrow_memory_is_left_before_a_step_fails():
     """The length grows from 1024 to 4000 tokens. An out-of-memory step loses the job's state
     back to its checkpoint, so the controller leaves a plan the trend says will not fit before
     it fails, on feasibility alone; a job that never adapts runs out and restarts instead."""
-    controller, summary = _growing_length("payback")
+    controller, summary = _growing_length(JobPolicy())
     moves = [
         e["reason"] for e in controller.events if e["event"] == "control.decision" and e["admit"]
     ]
     assert moves and all(r.startswith("the running plan will not fit (") for r in moves)
     assert summary.failed_steps == 0 and summary.transitions > 0
-    never, stayed = _growing_length("never")
+    never, stayed = _growing_length(JobPolicy(admission="never"))
     failures = [e for e in never.events if e["event"] == "step" and not e["ok"]]
     assert failures and all(e["failure"].startswith("out of memory") for e in failures)
     assert stayed.restarts == len(failures)  # each time from the checkpoint
@@ -466,17 +469,8 @@ def test_a_plan_forecast_to_outgrow_memory_is_left_before_a_step_fails():
 
 def _runway(memory_runway: str):
     """200 steps on 64 slots while the length grows from 1024 to 8000 tokens."""
-    trace = Trace(
-        name="grow",
-        steps=200,
-        accelerator=ACC.name,
-        gpus=64,
-        gen_len=((0, 1024.0), (200, 8000.0)),
-        pool=(),
-    )
-    engine = SimulatedEngine(trace, ACC, truth=TrueModel.draw(3, noise=0.0), seed=1)
-    controller = Controller(WORKLOAD, ACC, JobPolicy(memory_runway=memory_runway))
-    return controller, run_job(engine, controller, trace.steps)
+    policy = JobPolicy(memory_runway=memory_runway)
+    return _growing_length(policy, steps=200, gpus=64, to=8000.0)
 
 
 def test_a_new_plan_is_made_to_last_as_long_as_its_move_pays_for():
@@ -487,6 +481,7 @@ def test_a_new_plan_is_made_to_last_as_long_as_its_move_pays_for():
     (_, shortest), (_, amortized), (_, longest) = map(_runway, ("shortest", "amortized", "longest"))
     assert shortest.failed_steps == amortized.failed_steps == longest.failed_steps == 0
     assert shortest.transitions > amortized.transitions > longest.transitions
+    # Simulated seconds (the engine's true model), not wall time.
     assert shortest.step_seconds < amortized.step_seconds < longest.step_seconds
 
 

@@ -3,9 +3,6 @@ alternatives, rejections with reasons, and infeasibility that says what binds.""
 
 import dataclasses
 import math
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -19,6 +16,7 @@ from runtime.planner.plan import Plan, PlanError
 from runtime.planner.search import price_plan
 from runtime.planner.shapes import LayoutShape
 from tests.runtime.planner.oracle import exhaustive_step_seconds
+from tests.support.hashing import outputs_under_hash_seeds
 
 CATALOG = default_catalog()
 
@@ -263,18 +261,7 @@ def test_same_plan_under_another_hash_seed():
         "import json; best = plan(w, c.accelerator('h100-sxm'), 48).best; "
         "print(json.dumps(best.to_json(), sort_keys=True))"
     )
-    outputs = {
-        subprocess.run(
-            [sys.executable, "-c", code],
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=120,
-            env={**os.environ, "PYTHONHASHSEED": seed},
-        ).stdout
-        for seed in ("1", "2")
-    }
-    assert len(outputs) == 1
+    assert len(outputs_under_hash_seeds(code)) == 1
 
 
 def test_a_layout_the_model_cannot_take_is_refused_with_the_field():

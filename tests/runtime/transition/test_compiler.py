@@ -5,10 +5,7 @@ executor may pick, and must end with exactly the target's units (layouts and slo
 
 import itertools
 import json
-import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,6 +19,7 @@ from runtime.planner.workload import PpoWorkload
 from runtime.transition import Cluster, TransitionRefusedError, diff, simulate
 from runtime.transition.dag import max_closure
 from runtime.transition.units import occupancy, units_of
+from tests.support.hashing import outputs_under_hash_seeds
 
 CATALOG = default_catalog()
 ACC = CATALOG.accelerator("cpu-slot")
@@ -568,17 +566,7 @@ def test_the_same_transition_compiles_the_same_under_any_hash_seed():
     states exist, and which one the search finds must not depend on string hashing, or the
     same job would pick different orders, and times, from one run to the next."""
     fixture = Path(__file__).parent / "data" / "tight_transition.json"
-    outputs = {
-        subprocess.run(
-            [sys.executable, "-c", _REPLAY, str(fixture)],
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=120,
-            env={**os.environ, "PYTHONHASHSEED": seed},
-        ).stdout
-        for seed in ("1", "2", "3", "4")
-    }
+    outputs = outputs_under_hash_seeds(_REPLAY, str(fixture), seeds=("1", "2", "3", "4"))
     assert len(outputs) == 1
     edges, _ = json.loads(outputs.pop())
     assert any(kind == "resource" for _, _, kind in edges)
