@@ -74,7 +74,7 @@ def true_step_s(plan_, workload, acc, truth: TrueModel, at_s: float = 0.0) -> tu
     per_stage: dict[str, list[float]] = {}
     peak = 0.0
     for ms in workload.model_stages():
-        shape = LayoutShape.of_layout(ms, workload, acc, plan_.model_stage(ms.name).layout)
+        shape = LayoutShape.of_plan(ms, workload, acc, plan_)
         total, _ = cost.predict(shape, num_slots=plan_.num_slots, efficiency=eff)
         per_stage.setdefault(ms.stage, []).append(float(total[0]))
         use = memory.memory_breakdown(shape, num_slots=plan_.num_slots)
@@ -275,6 +275,11 @@ def experiment_scale(quick: bool) -> dict:
             **other.to_json(),
             "transition_share": other.transition_seconds / other.seconds,
         }
+    # The same run with every micro-batch pinned to the workload's: a plan that memory outgrows
+    # can then only move state.
+    pinned, _, _ = _run(
+        trace, "h100-sxm", dataclasses.replace(workload, adaptive_micro_batch=False), JobPolicy()
+    )
     steps_ev = [e for e in controller.events if e["event"] == "step"]
     transitions = [e for e in controller.events if e["event"] == "control.transition"]
     ahead = [t for t in transitions if t["dag"]["built_ahead"] > 0]
@@ -289,6 +294,10 @@ def experiment_scale(quick: bool) -> dict:
         "moving_share": sum(t["actual_s"] - t["rebuild_s"] for t in transitions) / summary.seconds,
         "wall_s": wall,
         "runways": runways,
+        "pinned_micro_batches": {
+            **pinned.to_json(),
+            "transition_share": pinned.transition_seconds / pinned.seconds,
+        },
         # Transitions whose new units on granted slots were built during one more step on the
         # old plan (that step's forgone saving is in the step time, not in the transition's).
         "built_ahead": len(ahead),
@@ -633,15 +642,26 @@ def markdown(results: dict) -> str:
         "is counted in the step time, and admission priced it).",
         "",
         "How long each new plan must keep fitting as the length grows (`policy.memory_runway`; "
-        "the default is `shortest`), the same run side by side:",
+        "the default is `shortest`), and micro-batches planned or pinned, the same run side by "
+        "side:",
         "",
-        "| memory runway | transitions | transition share | run h | mean s/step |",
-        "| --- | --- | --- | --- | --- |",
+        "| memory runway | micro-batches | transitions | micro-batch changes | transition "
+        "share | run h | mean s/step |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
         *(
-            f"| {name} | {r['transitions']} | {r['transition_share']:.3%} | "
-            f"{r['seconds'] / 3600:.2f} | {r['mean_step_s']:.2f} |"
-            for name, r in e2["runways"].items()
+            f"| {name} | {mb} | {r['transitions']} | {r['rebatches']} | "
+            f"{r['transition_share']:.3%} | {r['seconds'] / 3600:.2f} | {r['mean_step_s']:.2f} |"
+            for name, mb, r in [
+                *((n, "planned", r) for n, r in e2["runways"].items()),
+                ("shortest", "pinned to 4", e2["pinned_micro_batches"]),
+            ]
         ),
+        "",
+        "Planned micro-batches: training and inference run in the fastest of 4, 2 or 1 "
+        "sequences that fits each layout (a pipeline drains faster in smaller ones), and a "
+        "layout memory outgrows is first given smaller ones, which moves no state, before it "
+        "is moved. Pinned: every micro-batch is the workload's 4 sequences, as a job that "
+        "sets `adaptive_micro_batch: false` runs.",
         "",
         "| # | predicted s | actual s | of which rebuilding s | nodes | units built ahead |",
         "| --- | --- | --- | --- | --- | --- |",

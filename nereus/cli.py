@@ -98,7 +98,12 @@ def plan_command(
     gen_len: Annotated[int, typer.Option(help="Generated tokens per response.")] = 2048,
     prompt_len: Annotated[int, typer.Option()] = 512,
     global_batch: Annotated[int, typer.Option(help="Sequences per PPO step.")] = 256,
-    micro_batch: Annotated[int, typer.Option()] = 4,
+    micro_batch: Annotated[
+        int, typer.Option(help="Sequences per training and inference micro-batch, at most.")
+    ] = 4,
+    pin_micro_batch: Annotated[
+        bool, typer.Option(help="Always --micro-batch sequences, never fewer to fit or for speed.")
+    ] = False,
     ppo_epochs: Annotated[int, typer.Option()] = 1,
     recompute: Annotated[bool, typer.Option(help="Full activation recomputation.")] = False,
     catalog: Annotated[
@@ -120,6 +125,7 @@ def plan_command(
             prompt_len=prompt_len,
             global_batch=global_batch,
             micro_batch=micro_batch,
+            pin_micro_batch=pin_micro_batch,
             ppo_epochs=ppo_epochs,
             recompute=recompute,
             catalog_file=catalog,

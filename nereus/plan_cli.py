@@ -20,6 +20,7 @@ def run_plan(
     prompt_len: int,
     global_batch: int,
     micro_batch: int,
+    pin_micro_batch: bool,
     ppo_epochs: int,
     recompute: bool,
     catalog_file: str | None,
@@ -38,6 +39,7 @@ def run_plan(
             prompt_len=prompt_len,
             global_batch=global_batch,
             micro_batch=micro_batch,
+            adaptive_micro_batch=not pin_micro_batch,
             ppo_epochs=ppo_epochs,
             recompute=recompute,
         )
@@ -89,14 +91,15 @@ def _print_plan(best: Plan, *, title: str) -> None:
         f"({', '.join(f'{s.stage} {s.predicted_s:.3f} s {s.mode}' for s in best.stages)})\n"
     )
     typer.echo(
-        f"{'model-stage':<20} {'(dp,tp,pp)':<11} {'slots':>6} {'seconds':>9} {'GiB/slot':>9}  "
-        "largest costs"
+        f"{'model-stage':<20} {'(dp,tp,pp)':<11} {'slots':>6} {'mb':>3} {'seconds':>9} "
+        f"{'GiB/slot':>9}  largest costs"
     )
     for ms in best.model_stages:
         top = sorted(ms.breakdown, key=lambda kv: -kv[1])[:3]
         costs = ", ".join(f"{k} {v:.3f}" for k, v in top)
         typer.echo(
             f"{ms.name:<20} {ms.layout!s:<11} {ms.layout.num_slots:>6} "
+            f"{ms.micro_batch if ms.name.endswith(('@training', '@inference')) else '':>3} "
             f"{ms.predicted_s:>9.3f} {ms.memory_bytes / GIB:>9.1f}  {costs}"
         )
     typer.echo("")

@@ -24,7 +24,7 @@ from runtime.planner.catalog import Accelerator
 from runtime.planner.memory import memory_breakdown, memory_budget, total_bytes
 from runtime.planner.plan import Plan
 from runtime.planner.search import price_plan
-from runtime.planner.shapes import LayoutShape
+from runtime.planner.shapes import LayoutShape, micro_batch_sizes
 from runtime.planner.space import only_layouts
 from runtime.planner.workload import PpoWorkload
 from runtime.transition import Cluster, TransitionRefusedError, diff
@@ -158,6 +158,7 @@ class Controller:
         self._emit_to = emit
         self._ids = itertools.count(1)
         self.transitions = 0
+        self.rebatches = 0
         self.restarts = 0
         self.transition_s = 0.0
         self.restart_s = 0.0
@@ -202,6 +203,11 @@ class Controller:
 
     def _workload(self, gen_len: float) -> PpoWorkload:
         return self.workload.with_gen_len(max(1, round(gen_len)))
+
+    def _same_plan(self, a: Plan, b: Plan) -> bool:
+        """The same layouts on the same slots with the same micro-batches."""
+        mb = self.workload.micro_batch
+        return a.places_like(b) and a.micro_batches(mb) == b.micro_batches(mb)
 
     def _candidate(self, engine: Engine, workload: PpoWorkload, *, fits_at: float = 0.0) -> Plan:
         return self._plans(engine, workload, fits_at=fits_at)[0]
@@ -332,9 +338,7 @@ class Controller:
             float(
                 total_bytes(
                     memory_breakdown(
-                        LayoutShape.of_layout(
-                            ms, workload, self.acc, self.plan.model_stage(ms.name).layout
-                        ),
+                        LayoutShape.of_plan(ms, workload, self.acc, self.plan),
                         num_slots=self.plan.num_slots,
                     )
                 )[0]
@@ -390,12 +394,15 @@ class Controller:
         """The generated length ``steps_ahead`` steps on, by the trend of the last 16."""
         return self.monitor.trend("gen_len", steps_ahead, window=16)
 
-    def _needs(self, plan_: Plan, gen_len: float):
+    def _needs(self, plan_: Plan, gen_len: float, *, least: bool = False):
         """Each model-stage and the bytes its fullest slot needs at ``gen_len``, by the
-        planner's memory model (before the measured factor)."""
+        planner's memory model (before the measured factor); with ``least``, at its smallest
+        micro-batch (what its layout needs at the least)."""
         workload = self._workload(gen_len)
         for ms in workload.model_stages():
-            shape = LayoutShape.of_layout(ms, workload, self.acc, plan_.model_stage(ms.name).layout)
+            shape = LayoutShape.of_plan(ms, workload, self.acc, plan_)
+            if least:
+                shape = dataclasses.replace(shape, micro_batch=micro_batch_sizes(ms, workload)[-1])
             yield ms, float(total_bytes(memory_breakdown(shape, num_slots=plan_.num_slots))[0])
 
     def _fits(self, plan_: Plan, gen_len: float, *, headroom: bool = True) -> bool:
@@ -477,7 +484,7 @@ class Controller:
         best: tuple[float, Plan] | None = None
         seen: list[Plan] = []
         for option in options:
-            if any(_same_plan(option, p) for p in seen):
+            if any(self._same_plan(option, p) for p in seen):
                 continue
             seen.append(option)
             cost = (
@@ -510,7 +517,7 @@ class Controller:
         cheaper of building its new units in the transition or ahead of it; 0 to stay); None
         when no live move reaches it."""
         assert self.plan is not None
-        if _same_plan(option, self.plan):
+        if option.places_like(self.plan):  # the same plan, or other micro-batches: nothing moves
             return 0.0
         try:
             dag = self._compile(engine, option, workload)
@@ -522,12 +529,13 @@ class Controller:
         return min(dag.predicted_s, staged_cost(dag, current_s, self._price(option, workload)))
 
     def _still_fitting(self, gen_len: float) -> dict[str, tuple[int, int]]:
-        """The running (tp, pp) of every model-stage whose layout still fits ``gen_len``."""
+        """The running (tp, pp) of every model-stage whose layout still fits ``gen_len`` (at
+        its smallest micro-batch: a smaller micro-batch moves no state)."""
         assert self.plan is not None
         running = _layouts(self.plan)
         return {
             ms.name: running[ms.name]
-            for ms, need in self._needs(self.plan, gen_len)
+            for ms, need in self._needs(self.plan, gen_len, least=True)
             if self._within(need)
         }
 
@@ -572,12 +580,13 @@ class Controller:
         if not (trigger.urgent or broken) and self.policy.admission == "payback":
             floor = max(gen_len, envelope)
             candidate = self._cheapest(engine, workload, trigger, candidate, floor)
-        if (
-            not broken
-            and candidate.layouts() == self.plan.layouts()
-            and _same_units(candidate, self.plan)
-        ):
-            self.emit(self._decision(trigger, candidate, None, "the running plan is still best"))
+        if not broken and candidate.places_like(self.plan):
+            if self._same_plan(candidate, self.plan):
+                self.emit(
+                    self._decision(trigger, candidate, None, "the running plan is still best")
+                )
+            else:
+                self._rebatch(candidate, trigger)
             return
         current_s = math.inf if broken else self._price(self.plan, workload)
         candidate_s = self._price(candidate, workload)
@@ -602,6 +611,9 @@ class Controller:
                         )
                     )
                     (candidate, dag), candidate_s = found, self._price(found[0], workload)
+                    if not broken and candidate.places_like(self.plan):
+                        self._rebatch(candidate, trigger)  # other micro-batches: nothing moves
+                        return
         urgent = trigger.urgent
         # A violation ahead: at the length the trend reaches within the lookahead, the running
         # plan will not fit. Staying risks an out-of-memory step, and with it the state since the
@@ -773,10 +785,10 @@ class Controller:
         found = []
         seen = [refused]
         for option in plans:
-            if any(_same_plan(option, p) for p in seen):
+            if any(self._same_plan(option, p) for p in seen):
                 continue
             seen.append(option)
-            if not broken and _same_plan(option, self.plan):
+            if not broken and self._same_plan(option, self.plan):
                 continue
             try:
                 dag = self._compile(engine, option, workload)
@@ -948,6 +960,30 @@ class Controller:
         # Replan from the intact units; where none can be made, the urgent path restarts.
         self.replan(Trigger(kind="failure", detail=outcome.failure), engine)
 
+    def _rebatch(self, candidate: Plan, trigger: Trigger) -> None:
+        """Take a plan that differs from the running one only in micro-batches: no state moves
+        (the next step runs its training and inference in the new micro-batches), so there is
+        nothing to admit, stage or approve, and it is not a transition."""
+        assert self.plan is not None
+        mb = self.workload.micro_batch
+        before, after = self.plan.micro_batches(mb), candidate.micro_batches(mb)
+        self.plan = candidate
+        self.staged = None
+        self.rebatches += 1
+        self._memory_quiet_until = -1  # a new plan: its own forecasts
+        self.emit(
+            {
+                "event": "control.micro_batches",
+                "trigger": trigger.to_json(),
+                "changed": {
+                    name: [before[name], after[name]]
+                    for name in sorted(after)
+                    if before.get(name) != after[name]
+                },
+                "predicted_step_s": candidate.predicted_step_s,
+            }
+        )
+
     def _restart(self, candidate: Plan, workload: PpoWorkload, engine: Engine, *, because: str):
         self.staged = None
         self._memory_quiet_until = -1  # a new plan: its own forecasts
@@ -977,7 +1013,7 @@ class Controller:
         pending = self.pending
         if (
             pending is not None
-            and _same_plan(pending.plan, candidate)
+            and self._same_plan(pending.plan, candidate)
             and pending.units_at == _unit_ids(engine)
             and pending.route == route
         ):
@@ -1087,14 +1123,6 @@ def _layouts(plan_: Plan) -> dict[str, tuple[int, int]]:
     return {ms.name: (ms.layout.tp, ms.layout.pp) for ms in plan_.model_stages}
 
 
-def _same_plan(a: Plan, b: Plan) -> bool:
-    return a.layouts() == b.layouts() and _same_units(a, b)
-
-
-def _same_units(a: Plan, b: Plan) -> bool:
-    return all(ms.units == b.model_stage(ms.name).units for ms in a.model_stages)
-
-
 def _unit_ids(engine: Engine) -> frozenset[str]:
     return frozenset(u.unit_id for us in engine.units().values() for u in us)
 
@@ -1107,6 +1135,8 @@ class RunSummary:
     transitions: int
     transition_seconds: float
     restarts: int
+    rebatches: int = 0
+    """Plan changes of micro-batches alone (no state moved; not transitions)."""
     restart_seconds: float
     failed_steps: int
     simulated: bool
@@ -1160,6 +1190,7 @@ def run_job(
         transition_seconds=controller.transition_s,
         restarts=controller.restarts,
         restart_seconds=controller.restart_s,
+        rebatches=controller.rebatches,
         failed_steps=failed,
         simulated=engine.simulated,
         stopped=done < steps,

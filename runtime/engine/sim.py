@@ -171,8 +171,7 @@ class SimulatedEngine:
         op_times: list[tuple[str, float, float]] = []
         peak = 0.0
         for ms in now.model_stages():
-            layout = plan.model_stage(ms.name).layout
-            shape = LayoutShape.of_layout(ms, now, self.acc, layout)
+            shape = LayoutShape.of_plan(ms, now, self.acc, plan)
             ideal, _ = cost.ideal_breakdown(shape, num_slots=plan.num_slots)
             total, _ = cost.predict(shape, num_slots=plan.num_slots, efficiency=eff)
             jitter = math.exp(self.rng.gauss(0, self.truth.noise))

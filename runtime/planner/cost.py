@@ -80,16 +80,16 @@ def ideal_breakdown(
         out["gemm"] = 2 * shape.dense_params * tokens * passes / (slots * acc.peak_flops)
         attention_flops = 2 * num_layers * seq * seq * h * batch * epochs * passes
         out["attention"] = attention_flops / (slots * acc.peak_flops)
-        micro = np.ceil(batch / w.micro_batch) * epochs
+        micro = np.ceil(batch / shape.mb) * epochs
         per_layer = (4 + (2 if w.recompute else 0)) if ms.stage == "training" else 2
-        activation = w.micro_batch * seq * h * b
+        activation = shape.mb * seq * h * b
         out[f"tp_allreduce:{tp_link}"] = tp_allreduce(
             micro * num_layers / pp * per_layer, activation
         )
         out[f"pp_p2p:{pp_link}"] = p2p(micro * (2 if ms.stage == "training" else 1), activation)
         if ms.stage == "training":
             flushes = w.ppo_epochs * w.ppo_minibatches
-            m = shape.micro_batches(w.micro_batch, per_flush=w.ppo_minibatches)
+            m = shape.micro_batches(shape.mb, per_flush=w.ppo_minibatches)
             block = (shape.dp * slots).astype(np.int64)
             inside = (block <= acc.gpus_per_node) & ((block & (block - 1)) == 0)
             crosses_nodes = np.where(inside, 0.0, 1.0)
@@ -102,7 +102,7 @@ def ideal_breakdown(
             optimizer_bytes = shape.params_per_slot * OPTIMIZER_BYTES_PER_PARAM / shards
             out["optimizer"] = flushes * optimizer_bytes / acc.memory_bandwidth + zeros
         else:
-            m = shape.micro_batches(w.micro_batch)
+            m = shape.micro_batches(shape.mb)
     else:  # generation: prefill the prompts, then decode gen_len tokens
         prompt, gen = w.prompt_len, w.gen_len
         m = shape.micro_batches(w.gen_micro_batch) if pp > 1 else np.ones_like(shape.dp)

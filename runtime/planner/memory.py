@@ -53,16 +53,14 @@ def memory_breakdown(shape: LayoutShape, *, num_slots: int) -> dict[str, np.ndar
         out["gradients"] = zeros + params * b
         shards = shape.dp if w.distributed_optimizer else 1.0
         out["optimizer"] = params * ADAM_BYTES_PER_PARAM / shards + zeros
-        full_layer = seq * w.micro_batch * h * (10 + 24 / shape.tp)
-        per_layer = 2 * seq * w.micro_batch * h if w.recompute else full_layer
-        in_flight = np.minimum(
-            shape.pp, shape.micro_batches(w.micro_batch, per_flush=w.ppo_minibatches)
-        )
+        full_layer = seq * shape.mb * h * (10 + 24 / shape.tp)
+        per_layer = 2 * seq * shape.mb * h if w.recompute else full_layer
+        in_flight = np.minimum(shape.pp, shape.micro_batches(shape.mb, per_flush=w.ppo_minibatches))
         out["activations"] = in_flight * layers * per_layer + (full_layer if w.recompute else 0.0)
-        out["logits"] = zeros + seq * w.micro_batch * vocab_cols * 4
+        out["logits"] = zeros + seq * shape.mb * vocab_cols * 4
     elif ms.stage == "inference":
-        out["activations"] = zeros + seq * w.micro_batch * h * (10 + 24 / shape.tp)
-        out["logits"] = zeros + seq * w.micro_batch * vocab_cols * 4
+        out["activations"] = zeros + seq * shape.mb * h * (10 + 24 / shape.tp)
+        out["logits"] = zeros + seq * shape.mb * vocab_cols * 4
     else:  # generation: every sequence of the unit keeps its KV cache until it finishes
         per_sequence = 2 * layers * shape.kv_dim_per_slot * seq * b
         out["kv_cache"] = shape.batch_per_unit * per_sequence

@@ -49,8 +49,14 @@ class ModelStagePlan:
     """Seconds per step by operation class, calibrated."""
     memory_per_slot: tuple[tuple[str, float], ...]
     """Bytes per slot by component on the most loaded slot."""
+    micro_batch: int = 0
+    """Sequences per micro-batch in training and inference; 0: the workload's. Changing it moves
+    no state (the planner lowers it before it changes a layout that memory outgrows)."""
 
     def __post_init__(self) -> None:
+        mb = self.micro_batch
+        if isinstance(mb, bool) or not isinstance(mb, int) or mb < 0:
+            raise PlanError(f"{self.name}.micro_batch: must be a whole number >= 0, got {mb!r}")
         if len(self.units) != self.layout.dp:
             raise PlanError(f"{self.name}.units: {len(self.units)} units for dp={self.layout.dp}")
         for unit in self.units:
@@ -165,6 +171,17 @@ class Plan:
     def layouts(self) -> dict[str, Layout]:
         return {ms.name: ms.layout for ms in self.model_stages}
 
+    def micro_batches(self, default: int = 0) -> dict[str, int]:
+        """Each model-stage's micro-batch; ``default`` (the workload's) where the plan has none."""
+        return {ms.name: ms.micro_batch or default for ms in self.model_stages}
+
+    def places_like(self, other: Plan) -> bool:
+        """Whether every model-stage has the same layout on the same slots in both plans (going
+        from one to the other moves no state; micro-batches may differ)."""
+        return self.layouts() == other.layouts() and all(
+            ms.units == other.model_stage(ms.name).units for ms in self.model_stages
+        )
+
     def to_json(self) -> dict[str, Any]:
         return {
             "accelerator": self.accelerator,
@@ -181,6 +198,7 @@ class Plan:
                     "predicted_s": ms.predicted_s,
                     "breakdown": dict(ms.breakdown),
                     "memory_per_slot": dict(ms.memory_per_slot),
+                    "micro_batch": ms.micro_batch,
                 }
                 for ms in self.model_stages
             ],
@@ -204,6 +222,7 @@ class Plan:
                         predicted_s=float(ms["predicted_s"]),
                         breakdown=tuple(ms["breakdown"].items()),
                         memory_per_slot=tuple(ms["memory_per_slot"].items()),
+                        micro_batch=ms.get("micro_batch", 0),
                     )
                     for ms in data["model_stages"]
                 ),

@@ -19,7 +19,7 @@ import numpy as np
 from runtime.planner import cost, memory
 from runtime.planner.catalog import GIB, Accelerator
 from runtime.planner.plan import Layout, ModelStagePlan, Plan, StagePlan
-from runtime.planner.shapes import LayoutShape
+from runtime.planner.shapes import LayoutShape, micro_batch_sizes
 from runtime.planner.space import Rejection, valid_layouts
 from runtime.planner.workload import STAGES, ModelStage, PpoWorkload
 
@@ -52,8 +52,8 @@ class _Column:
     model_stage: ModelStage
     gpus_per_node: int
     time: np.ndarray  # time[g]: best predicted seconds with at most g slots; inf if none fits
-    choice: np.ndarray  # choice[g] = (tp, pp, dp) index into options, -1 if none
-    options: list[tuple[int, int, int]]
+    choice: np.ndarray  # choice[g] = (tp, pp, dp, micro-batch) index into options, -1 if none
+    options: list[tuple[int, int, int, int]]
 
 
 def min_max_allocation(times: Sequence[np.ndarray], budget: int) -> tuple[float, list[int]]:
@@ -103,24 +103,20 @@ def _column(
 ) -> _Column:
     exact = np.full(num_slots + 1, np.inf)
     exact_choice = np.full(num_slots + 1, -1, dtype=np.int64)
-    options: list[tuple[int, int, int]] = []
+    options: list[tuple[int, int, int, int]] = []
     allowed, _ = valid_layouts(ms.model, acc, num_slots)
-    budget = memory.memory_budget(acc.memory_bytes)
     for tp, pp in allowed:
         if (ms.name, tp, pp) in excluded:
             continue
         max_dp = min(num_slots // (tp * pp), workload.global_batch)
         dp = np.arange(1, max_dp + 1, dtype=float)
         shape = LayoutShape(ms=ms, workload=workload, accelerator=acc, tp=tp, pp=pp, dp=dp)
-        total, _ = cost.predict(shape, num_slots=num_slots, efficiency=efficiency)
-        if fits_at is not None:
-            shape = dataclasses.replace(shape, workload=fits_at)
-        fits = memory.total_bytes(memory.memory_breakdown(shape, num_slots=num_slots)) <= budget
+        total, fits, micro, _ = fitting(shape, num_slots, efficiency, fits_at)
         slots = (dp * tp * pp).astype(np.int64)
         for i in np.nonzero(fits & (total < exact[slots]))[0]:
             exact[slots[i]] = total[i]
             exact_choice[slots[i]] = len(options)
-            options.append((tp, pp, int(dp[i])))
+            options.append((tp, pp, int(dp[i]), int(micro[i])))
     # "at most g slots": a running minimum over g
     time_at_most = np.minimum.accumulate(exact)
     choice = exact_choice.copy()
@@ -134,6 +130,38 @@ def _column(
         choice=choice,
         options=options,
     )
+
+
+def fitting(
+    shape: LayoutShape,
+    num_slots: int,
+    efficiency: Mapping[str, float],
+    fits_at: PpoWorkload | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """For every dp of ``shape``: predicted seconds, whether it fits the memory budget (at
+    ``fits_at`` when given), its micro-batch and the bytes per slot it needs. The micro-batch is
+    the fastest of the model-stage's sizes that fits (the largest among equals: a pipeline
+    drains its bubble faster in smaller ones; each tensor-parallel all-reduce pays its latency
+    once per micro-batch), else the smallest, which needs the least."""
+    budget = memory.memory_budget(shape.accelerator.memory_bytes)
+    total = fits = micro = need = None
+    for size in micro_batch_sizes(shape.ms, shape.workload):
+        at = dataclasses.replace(shape, micro_batch=size)
+        seconds, _ = cost.predict(at, num_slots=num_slots, efficiency=efficiency)
+        held = at if fits_at is None else dataclasses.replace(at, workload=fits_at)
+        bytes_ = memory.total_bytes(memory.memory_breakdown(held, num_slots=num_slots))
+        ok = bytes_ <= budget
+        if total is None:
+            total, fits, need, micro = seconds, ok, bytes_, np.full_like(seconds, size)
+            continue
+        # Smaller and fitting where faster or where nothing fitted yet; the smallest where
+        # nothing fits at all.
+        take = (ok & (~fits | (seconds < total))) | (~fits & ~ok)
+        total = np.where(take, seconds, total)
+        micro = np.where(take, size, micro)
+        need = np.where(take, bytes_, need)
+        fits = fits | ok
+    return total, fits, micro, need
 
 
 def _infeasible(
@@ -152,7 +180,15 @@ def _infeasible(
         dp = np.arange(
             1, max(1, min(num_slots // (tp * pp), workload.global_batch)) + 1, dtype=float
         )
-        shape = LayoutShape(ms=ms, workload=workload, accelerator=acc, tp=tp, pp=pp, dp=dp)
+        shape = LayoutShape(
+            ms=ms,
+            workload=workload,
+            accelerator=acc,
+            tp=tp,
+            pp=pp,
+            dp=dp,
+            micro_batch=micro_batch_sizes(ms, workload)[-1],
+        )
         need = memory.total_bytes(memory.memory_breakdown(shape, num_slots=num_slots))
         i = int(np.argmin(need))
         if need[i] < least:
@@ -185,9 +221,9 @@ def _model_stage_plan(
     num_slots: int,
     efficiency: Mapping[str, float],
 ) -> ModelStagePlan:
-    tp, pp, dp = column.options[option]
+    tp, pp, dp, micro_batch = column.options[option]
     layout = Layout(dp=dp, tp=tp, pp=pp)
-    shape = LayoutShape.of_layout(column.model_stage, workload, acc, layout)
+    shape = LayoutShape.of_layout(column.model_stage, workload, acc, layout, micro_batch)
     total, breakdown = cost.predict(shape, num_slots=num_slots, efficiency=efficiency)
     mem = memory.memory_breakdown(shape, num_slots=num_slots)
     size = tp * pp
@@ -200,6 +236,7 @@ def _model_stage_plan(
         predicted_s=float(total[0]),
         breakdown=tuple((k, float(v[0])) for k, v in breakdown.items() if float(v[0]) > 0),
         memory_per_slot=tuple((k, float(v[0])) for k, v in mem.items() if float(v[0]) > 0),
+        micro_batch=micro_batch,
     )
 
 
@@ -234,11 +271,11 @@ def _plan_stage(columns: list[_Column], num_slots: int):
     # a multiple of its alignment, and every alignment is a power of two dividing the ones before,
     # so each block starts on a multiple of its own alignment with no gap.
     picks = [(c, int(c.choice[g])) for c, g in zip(columns, allocation, strict=True)]
-    picks.sort(key=lambda pick: -_alignment(*pick[0].options[pick[1]], pick[0].gpus_per_node))
+    picks.sort(key=lambda pick: -_alignment(*pick[0].options[pick[1]][:3], pick[0].gpus_per_node))
     placed, first = [], 0
     for column, option in picks:
         placed.append((column, option, first))
-        tp, pp, dp = column.options[option]
+        tp, pp, dp, _ = column.options[option]
         first += tp * pp * dp
     return disjoint_s, "disjoint", placed
 
@@ -366,8 +403,7 @@ def _rejections(
             shape = LayoutShape(
                 ms=ms, workload=workload, accelerator=accelerator, tp=tp, pp=pp, dp=dp
             )
-            held = shape if fits_at is None else dataclasses.replace(shape, workload=fits_at)
-            need = memory.total_bytes(memory.memory_breakdown(held, num_slots=num_slots))
+            total, _, _, need = fitting(shape, num_slots, eff, fits_at)
             within = dp * tp * pp <= limit
             if not np.any(need <= budget):
                 reason = (
@@ -381,7 +417,6 @@ def _rejections(
                     f"slots; {ms_plan.name} has {limit} in this plan"
                 )
             else:
-                total, _ = cost.predict(shape, num_slots=num_slots, efficiency=eff)
                 total = np.where((need <= budget) & within, total, np.inf)
                 i = int(np.argmin(total))
                 reason = (
@@ -418,7 +453,7 @@ def price_plan(
     modes = {s.stage: s.mode for s in plan_.stages}
     seconds = {stage: [] for stage in STAGES}
     for ms in workload.model_stages():
-        shape = LayoutShape.of_layout(ms, workload, accelerator, plan_.model_stage(ms.name).layout)
+        shape = LayoutShape.of_plan(ms, workload, accelerator, plan_)
         total, _ = cost.predict(shape, num_slots=plan_.num_slots, efficiency=eff)
         seconds[ms.stage].append(float(total[0]))
     return sum(

@@ -21,10 +21,17 @@ class LayoutShape:
     tp: int
     pp: int
     dp: np.ndarray
+    micro_batch: int = 0
+    """Sequences per micro-batch in training and inference; 0: the workload's."""
 
     @classmethod
     def of_layout(
-        cls, ms: ModelStage, workload: PpoWorkload, accelerator: Accelerator, layout
+        cls,
+        ms: ModelStage,
+        workload: PpoWorkload,
+        accelerator: Accelerator,
+        layout,
+        micro_batch: int = 0,
     ) -> LayoutShape:
         """The shape of one concrete layout (anything with ``dp``, ``tp`` and ``pp``)."""
         return cls(
@@ -34,7 +41,21 @@ class LayoutShape:
             tp=layout.tp,
             pp=layout.pp,
             dp=np.array([float(layout.dp)]),
+            micro_batch=micro_batch,
         )
+
+    @classmethod
+    def of_plan(
+        cls, ms: ModelStage, workload: PpoWorkload, accelerator: Accelerator, plan_
+    ) -> LayoutShape:
+        """The shape of ``ms`` as ``plan_`` runs it: its layout and its micro-batch."""
+        ms_plan = plan_.model_stage(ms.name)
+        return cls.of_layout(ms, workload, accelerator, ms_plan.layout, ms_plan.micro_batch)
+
+    @property
+    def mb(self) -> int:
+        """Sequences per micro-batch in training and inference."""
+        return self.micro_batch or self.workload.micro_batch
 
     @property
     def unit_slots(self) -> int:
@@ -74,3 +95,17 @@ class LayoutShape:
     def dense_params(self) -> float:
         """Parameters that do matrix multiplies for every token (all but the embedding table)."""
         return self.ms.num_params - self.ms.model.embedding_params
+
+
+def micro_batch_sizes(ms: ModelStage, workload: PpoWorkload) -> tuple[int, ...]:
+    """The micro-batches a model-stage may run, largest first: for training and inference the
+    workload's, halved down to one sequence (fewer sequences per micro-batch hold fewer
+    activations; the gradient is the same, accumulated over more of them); generation batches
+    by its own ``gen_micro_batch``. A workload that pins its micro-batch has only its own."""
+    if ms.stage == "generation" or not workload.adaptive_micro_batch:
+        return (workload.micro_batch,)
+    sizes, size = [workload.micro_batch], workload.micro_batch
+    while size > 1:
+        size = -(-size // 2)
+        sizes.append(size)
+    return tuple(sizes)

@@ -57,7 +57,10 @@ class PpoWorkload:
     gen_len: int = 2048
     """Generated tokens per response."""
     micro_batch: int = 4
-    """Sequences per micro-batch in training and inference."""
+    """Sequences per micro-batch in training and inference: the most a plan gives them."""
+    adaptive_micro_batch: bool = True
+    """Whether a plan may run training and inference in smaller micro-batches than
+    ``micro_batch`` (to fit, or where a pipeline drains faster); False pins them to it."""
     gen_micro_batch: int = 64
     """Sequences per micro-batch in pipeline-parallel generation."""
     ppo_epochs: int = 1
@@ -85,6 +88,10 @@ class PpoWorkload:
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{field}: must be a positive integer, got {value!r}")
+        if not isinstance(self.adaptive_micro_batch, bool):
+            raise ValueError(
+                f"adaptive_micro_batch: must be true or false, got {self.adaptive_micro_batch!r}"
+            )
         if self.precision not in PRECISION_BYTES:
             raise ValueError(
                 f"precision: expected one of {', '.join(PRECISION_BYTES)}, got {self.precision!r}"

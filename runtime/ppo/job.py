@@ -554,6 +554,7 @@ class PpoRuntime:
         totals = self._train(
             engine,
             units,
+            plan.micro_batches(workload.micro_batch),
             sequences=sequences,
             attention_mask=rollout["attention_mask"],
             prompt_length=rollout["prompt_length"],
@@ -606,7 +607,7 @@ class PpoRuntime:
         acc = default_catalog().accelerator(plan.accelerator)
         ideal: dict[str, dict[str, float]] = {}
         for ms in workload.with_gen_len(self._gen_len_for(workload)).model_stages():
-            shape = LayoutShape.of_layout(ms, workload, acc, plan.model_stage(ms.name).layout)
+            shape = LayoutShape.of_plan(ms, workload, acc, plan)
             seconds, _ = cost.ideal_breakdown(shape, num_slots=plan.num_slots)
             ideal[ms.name] = {op: float(v[0]) for op, v in seconds.items() if float(v[0]) > 0}
         training = sum(sum(ideal[n].values()) for n in ("actor@training", "critic@training"))
@@ -715,7 +716,8 @@ class PpoRuntime:
                 return {role: f.result() for role, f in futures.items()}
         return {role: timed(role, run) for role, run in jobs}
 
-    def _train(self, engine, units, **batch) -> dict[str, float]:
+    def _train(self, engine, units, micro_batches: dict[str, int], **batch) -> dict[str, float]:
+        """One PPO update of actor and critic; each model-stage in the plan's micro-batches."""
         c = self.config
         totals: dict[str, float] = {}
         count = 0
@@ -751,7 +753,7 @@ class PpoRuntime:
                         lr=c.actor_lr if role == "actor" else c.critic_lr,
                         max_grad_norm=c.max_grad_norm,
                         optimizer_step=self.state.optimizer_steps[role],
-                        micro_batch=self.workload().micro_batch,
+                        micro_batch=micro_batches[f"{role}@training"],
                     )
                     for position, slot in enumerate(unit.slots):
                         dp = tuple(u.slots[position] for u in group)

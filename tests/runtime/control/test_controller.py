@@ -1,5 +1,6 @@
 """The controller on the simulated cluster: the approval gate, the urgent path, the step loop."""
 
+import dataclasses
 import math
 
 import pytest
@@ -12,6 +13,9 @@ from runtime.planner import PpoWorkload, default_catalog
 CATALOG = default_catalog()
 ACC = CATALOG.accelerator("h100-sxm")
 WORKLOAD = PpoWorkload.for_model(CATALOG.model("llama-3.1-8b"), gen_len=1024)
+PINNED = dataclasses.replace(WORKLOAD, adaptive_micro_batch=False)
+"""Micro-batches pinned to the workload's: a plan that memory outgrows cannot keep its layouts
+with smaller micro-batches, so the growing-length tests below must move state."""
 
 
 def _engine(pool=((1.0, 32),), gpus=16) -> SimulatedEngine:
@@ -434,19 +438,24 @@ def test_a_staged_transition_is_dropped_when_its_slots_go_during_the_step():
 
 
 def _growing_length(
-    policy: JobPolicy, *, steps: int = 60, gpus: int = 16, to: float = 4000.0
+    policy: JobPolicy,
+    *,
+    steps: int = 60,
+    gpus: int = 16,
+    to: float = 4000.0,
+    workload: PpoWorkload = PINNED,
 ) -> tuple[Controller, object]:
-    """``steps`` steps on ``gpus`` slots while the length grows from 1024 tokens to ``to``."""
+    """``steps`` steps on ``gpus`` slots while the length grows from the workload's to ``to``."""
     trace = Trace(
         name="grow",
         steps=steps,
         accelerator=ACC.name,
         gpus=gpus,
-        gen_len=((0, 1024.0), (steps, to)),
+        gen_len=((0, float(workload.gen_len)), (steps, to)),
         pool=(),
     )
     engine = SimulatedEngine(trace, ACC, truth=TrueModel.draw(3, noise=0.0), seed=1)
-    controller = Controller(WORKLOAD, ACC, policy)
+    controller = Controller(workload, ACC, policy)
     return controller, run_job(engine, controller, steps)
 
 
@@ -465,6 +474,23 @@ def test_a_plan_forecast_to_outgrow_memory_is_left_before_a_step_fails():
     assert failures and all(e["failure"].startswith("out of memory") for e in failures)
     assert stayed.restarts == len(failures)  # each time from the checkpoint
     assert summary.seconds < stayed.seconds
+
+
+def test_memory_a_layout_outgrows_is_first_freed_by_smaller_micro_batches():
+    """The length grows from 512 to 8,000 tokens with micro-batches of up to 16 sequences. When
+    the inference micro-batches will not fit, the controller halves them, which moves no state,
+    instead of moving any layout; pinned to 16, the job has to move state instead."""
+    grown = dataclasses.replace(WORKLOAD, gen_len=512, micro_batch=16)
+    controller, summary = _growing_length(JobPolicy(), gpus=32, to=8000.0, workload=grown)
+    assert summary.failed_steps == 0 and summary.transitions == 0 and summary.rebatches > 0
+    changes = [e for e in controller.events if e["event"] == "control.micro_batches"]
+    assert len(changes) == summary.rebatches
+    for change in changes:
+        assert change["trigger"]["kind"] == "memory"
+        assert change["changed"] and all(new < old for old, new in change["changed"].values())
+    pinned = dataclasses.replace(grown, adaptive_micro_batch=False)
+    _, moved = _growing_length(JobPolicy(), gpus=32, to=8000.0, workload=pinned)
+    assert moved.transitions + moved.restarts > 0 and moved.rebatches == 0
 
 
 def _runway(memory_runway: str):

@@ -12,26 +12,37 @@ import math
 import numpy as np
 
 from runtime.planner import cost, memory
-from runtime.planner.shapes import LayoutShape
+from runtime.planner.shapes import LayoutShape, micro_batch_sizes
 from runtime.planner.space import valid_layouts
 from runtime.planner.workload import STAGES
 
 
 def exact_slot_times(ms, workload, acc, num_slots, efficiency) -> list[float]:
-    """best[g]: the fastest feasible layout of ``ms`` using exactly g slots (inf if none)."""
+    """best[g]: the fastest feasible layout of ``ms`` using exactly g slots (inf if none), each
+    layout at whichever of its micro-batches that fits is fastest."""
     best = [math.inf] * (num_slots + 1)
     budget = memory.memory_budget(acc.memory_bytes)
     for tp, pp in valid_layouts(ms.model, acc, num_slots)[0]:
         for dp in range(1, num_slots // (tp * pp) + 1):
             if dp > workload.global_batch:
                 continue
-            shape = LayoutShape(
-                ms=ms, workload=workload, accelerator=acc, tp=tp, pp=pp, dp=np.array([float(dp)])
-            )
-            if memory.total_bytes(memory.memory_breakdown(shape, num_slots=num_slots))[0] > budget:
-                continue
-            seconds = float(cost.predict(shape, num_slots=num_slots, efficiency=efficiency)[0][0])
-            best[dp * tp * pp] = min(best[dp * tp * pp], seconds)
+            for micro_batch in micro_batch_sizes(ms, workload):
+                shape = LayoutShape(
+                    ms=ms,
+                    workload=workload,
+                    accelerator=acc,
+                    tp=tp,
+                    pp=pp,
+                    dp=np.array([float(dp)]),
+                    micro_batch=micro_batch,
+                )
+                need = memory.total_bytes(memory.memory_breakdown(shape, num_slots=num_slots))[0]
+                if need > budget:
+                    continue
+                seconds = float(
+                    cost.predict(shape, num_slots=num_slots, efficiency=efficiency)[0][0]
+                )
+                best[dp * tp * pp] = min(best[dp * tp * pp], seconds)
     return best
 
 

@@ -46,7 +46,7 @@ def _observe_steps(calibrator, running, workload, acc, truth, rng, steps):
     """Feed ``steps`` steps of measurements of the running plan: truth plus 3% noise, one outlier."""
     for step in range(steps):
         for ms in workload.model_stages():
-            shape = LayoutShape.of_layout(ms, workload, acc, running.model_stage(ms.name).layout)
+            shape = LayoutShape.of_plan(ms, workload, acc, running)
             ideal, _ = ideal_breakdown(shape, num_slots=running.num_slots)
             for op_class, seconds in ideal.items():
                 ideal_s = float(seconds[0])

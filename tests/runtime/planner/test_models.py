@@ -111,5 +111,7 @@ def test_workload_validates_fields():
         PpoWorkload.for_model(model, gen_len=0)
     with pytest.raises(ValueError, match="precision: expected one of"):
         PpoWorkload.for_model(model, precision="int3")
+    with pytest.raises(ValueError, match="adaptive_micro_batch: must be true or false"):
+        PpoWorkload.for_model(model, adaptive_micro_batch="yes")
     with pytest.raises(ValueError, match=r"models\.critic: every role needs a model"):
         PpoWorkload(models={"actor": model})

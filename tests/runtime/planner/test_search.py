@@ -9,12 +9,19 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from runtime.planner import PlanningError, PpoWorkload, default_catalog, min_max_allocation, plan
+from runtime.planner import (
+    PlanningError,
+    PpoWorkload,
+    cost,
+    default_catalog,
+    min_max_allocation,
+    plan,
+)
 from runtime.planner.catalog import Accelerator, ModelConfig
 from runtime.planner.memory import memory_breakdown, memory_budget, total_bytes
 from runtime.planner.plan import Plan, PlanError
-from runtime.planner.search import price_plan
-from runtime.planner.shapes import LayoutShape
+from runtime.planner.search import fitting, price_plan
+from runtime.planner.shapes import LayoutShape, micro_batch_sizes
 from tests.runtime.planner.oracle import exhaustive_step_seconds
 from tests.support.hashing import outputs_under_hash_seeds
 
@@ -166,10 +173,11 @@ def test_no_feasible_plan_says_what_binds_and_by_how_much():
 
 
 def test_a_plan_is_fastest_at_one_length_and_fits_another():
-    """``fits_at``: memory is checked at the longer length, speed priced at the running one."""
+    """``fits_at``: memory is checked at the longer length, speed priced at the running one
+    (one sequence per micro-batch, so that no smaller micro-batch can make a plan fit)."""
     acc = CATALOG.accelerator("h100-sxm")
-    now = PpoWorkload.for_model(CATALOG.model("llama-3.1-8b"), gen_len=1000)
-    later = now.with_gen_len(8000)
+    now = PpoWorkload.for_model(CATALOG.model("llama-3.1-8b"), gen_len=1000, micro_batch=1)
+    later = now.with_gen_len(32000)
     short = plan(now, acc, 32, num_alternatives=0).best
     lasting = plan(now, acc, 32, num_alternatives=0, fits_at=later).best
     for_later = plan(later, acc, 32, num_alternatives=0).best
@@ -178,8 +186,7 @@ def test_a_plan_is_fastest_at_one_length_and_fits_another():
         return all(
             total_bytes(memory_breakdown(shape, num_slots=32))[0] <= memory_budget(acc.memory_bytes)
             for shape in (
-                LayoutShape.of_layout(ms, workload, acc, p.model_stage(ms.name).layout)
-                for ms in workload.model_stages()
+                LayoutShape.of_plan(ms, workload, acc, p) for ms in workload.model_stages()
             )
         )
 
@@ -236,6 +243,54 @@ def test_excluding_every_fitting_layout_says_so():
     result = plan(workload, acc, 8, excluded=one)
     reasons = {(r.model_stage, r.tp, r.pp): r.reason for r in result.rejected}
     assert reasons.get(("actor@training", 1, 1)) == "excluded by the caller"
+
+
+def test_a_layout_memory_outgrows_runs_in_smaller_micro_batches_before_it_is_dropped():
+    """Training and inference at 8,000 generated tokens in micro-batches of 8 sequences: each
+    model-stage runs in the fastest of 8, 4, 2 and 1 that fits its layout, and some fit only in
+    smaller ones; pinned to 8, no layout of the actor's training fits at all."""
+    acc = CATALOG.accelerator("h100-sxm")
+    adaptive = PpoWorkload.for_model(CATALOG.model("llama-3.1-8b"), gen_len=8000, micro_batch=8)
+    pinned = dataclasses.replace(adaptive, adaptive_micro_batch=False)
+    free = plan(adaptive, acc, 32, num_alternatives=0).best
+    with pytest.raises(PlanningError, match=r"memory: actor@training needs") as refused:
+        plan(pinned, acc, 32, num_alternatives=0)
+    assert refused.value.constraint == "memory"
+    budget = memory_budget(acc.memory_bytes)
+    outgrown = []
+    for ms in adaptive.model_stages():
+        chosen = LayoutShape.of_plan(ms, adaptive, acc, free)
+        seconds, fits, micro, _ = fitting(chosen, 32, cost.DEFAULT_EFFICIENCY)
+        assert fits[0] and micro[0] == chosen.mb and seconds[0] == pytest.approx(price(chosen))
+        assert total_bytes(memory_breakdown(chosen, num_slots=32))[0] <= budget
+        for size in micro_batch_sizes(ms, adaptive):  # none that fits is faster
+            other = dataclasses.replace(chosen, micro_batch=size)
+            need = total_bytes(memory_breakdown(other, num_slots=32))[0]
+            if need <= budget:
+                assert price(other) >= price(chosen)
+            elif size == 8:
+                outgrown.append(ms.name)
+    assert outgrown and all(n.endswith(("@training", "@inference")) for n in outgrown)
+    assert Plan.from_json(free.to_json()) == free
+
+
+def price(shape: LayoutShape) -> float:
+    return float(cost.predict(shape, num_slots=32, efficiency=cost.DEFAULT_EFFICIENCY)[0][0])
+
+
+def test_a_plan_s_micro_batch_is_checked_and_defaults_to_the_workload_s():
+    workload = PpoWorkload.for_model(CATALOG.model("llama-3.1-8b"))
+    best = plan(workload, CATALOG.accelerator("h100-sxm"), 16, num_alternatives=0).best
+    data = best.to_json()
+    data["model_stages"][0]["micro_batch"] = -1
+    with pytest.raises(PlanError, match=r"actor@generation\.micro_batch: must be a whole number"):
+        Plan.from_json(data)
+    for ms in data["model_stages"]:  # a plan written before micro-batches were planned
+        del ms["micro_batch"]
+    older = Plan.from_json(data)
+    assert set(older.micro_batches().values()) == {0}
+    assert set(older.micro_batches(default=4).values()) == {4}
+    assert price_plan(older, workload, CATALOG.accelerator("h100-sxm")) > 0
 
 
 def test_plan_json_with_overlapping_disjoint_model_stages_is_refused():
