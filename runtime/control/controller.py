@@ -870,14 +870,17 @@ class Controller:
         return math.inf if self.last_step is None else max(0, self.last_step - step)
 
     def _reconsider(self, step: int, engine: Engine) -> None:
-        """Re-run admission for the deferred candidate with the horizon as it is now."""
+        """Re-run admission for the deferred candidate with the horizon as it is now, and both
+        plans priced at the length as it is now (the signal stayed calm, but a trend within
+        the threshold can still carry a layout past where it was faster)."""
         assert self.deferred is not None
         deferred = self.deferred
         candidate, trigger, route = deferred.plan, deferred.trigger, deferred.route
+        now = self._workload(self._gen_len)
         verdict = decide(
             admission=self.policy.admission,
-            current_s=deferred.current_s,
-            candidate_s=deferred.candidate_s,
+            current_s=self._price(self.plan, now),
+            candidate_s=self._price(candidate, now),
             cost_s=deferred.cost_s,
             horizon_steps=self._horizon(deferred.signals, step),
             gamma=self.policy.gamma,
@@ -885,9 +888,7 @@ class Controller:
             steps_left=self._steps_left(step),
         )
         if not verdict.admit:
-            if verdict.reason.startswith("the run ends first"):
-                self.deferred = None  # fewer steps are left at every later step: drop it
-            return
+            return  # kept: priced again next step (even one that the run's end outruns now)
         self.deferred = None
         workload = self._workload(self._gen_len)
         self.emit(

@@ -277,6 +277,44 @@ def test_a_saving_that_survives_the_swing_repays_over_the_pools_horizon(monkeypa
         assert controller.deferred is not None  # kept, in case the swing calms down
 
 
+def test_a_deferred_move_is_priced_again_when_it_is_reconsidered(monkeypatch):
+    """A move deferred at 1 s/step faster (10 s against 9) is reconsidered after the pool has
+    been calm for 400 steps, which would repay it many times over; but by then the length has
+    moved to where the candidate is 1 s/step slower. Admission prices both plans at the length
+    of the step it is reconsidered at, and refuses it (it stays deferred: the length may come
+    back); at the old prices it would have moved."""
+    from runtime.control.controller import Deferred
+    from runtime.control.monitor import Trigger
+
+    engine = _engine(pool=((1.0, 32),), gpus=16)
+    controller = Controller(WORKLOAD, ACC, JobPolicy())
+    first = controller.initial_plan(engine)
+    engine.step(first, WORKLOAD, 0)  # the pool is 32 now
+    candidate = controller._candidate(engine, WORKLOAD)
+    assert candidate.num_slots == 32
+    monkeypatch.setattr(
+        controller, "_price", lambda plan_, workload: 10.0 if plan_ is first else 11.0
+    )
+    trigger = Trigger(kind="pool", signal="pool", value=32, reference=16, step=1)
+    controller.deferred = Deferred(
+        plan=candidate,
+        current_s=10.0,
+        candidate_s=9.0,
+        cost_s=30.0,
+        trigger=trigger,
+        signals=("pool",),
+        route="live",
+    )
+    assert controller.monitor.observe(1, {"gen_len": 1024.0}, pool=32)  # the pool's crossing
+    controller.monitor.replanned()
+    # At the old prices it repays in 30 steps, well within gamma 0.5 × H (calm since step 1).
+    assert 0.5 * controller._horizon(("pool",), 400) >= 30.0
+    controller._reconsider(400, engine)
+    assert not [e for e in controller.events if e["event"] == "control.decision"]
+    assert controller.plan is first and controller.transitions == 0 and controller.staged is None
+    assert controller.deferred is not None
+
+
 def _no_live_route(monkeypatch):
     """Every live transition is refused for memory (as on a full device where no order of the
     primitives fits), and so is every alternative."""
@@ -361,7 +399,7 @@ def test_a_move_that_would_repay_only_after_the_run_ends_is_not_made(monkeypatch
     assert unbounded.restarts == 1 and admitted["steps_left"] == 10**6 - k
     payback = admitted["verdict"]["payback_steps"]
     short, _ = run(k + math.ceil(payback) - 1)  # at step k, fewer than p steps are left
-    assert short.restarts == 0 and short.deferred is None  # dropped: it can only get later
+    assert short.restarts == 0
     enough, at = run(k + math.ceil(payback))
     assert enough.restarts == 1 and at == k
 
