@@ -505,7 +505,7 @@ class TrainTask:
     optimizer_step: int
     """Adam's step count after this update (its bias correction)."""
     micro_batch: int = 4
-    """Rows per pipeline microbatch (pipeline-parallel units)."""
+    """Rows per micro-batch: a pipeline's, or those whose gradients accumulate (the plan's)."""
 
 
 def train(ctx: SlotContext, *, tasks: list[TrainTask]) -> list[dict | None]:
@@ -520,10 +520,21 @@ def _train_one(ctx: SlotContext, task: TrainTask) -> dict | None:
     ws.model.zero_grad(set_to_none=True)
     if task.unit.layout.pp > 1:
         stats = _train_pipelined(ctx, ws, task)
-    else:
-        head = _stage_forward(ws, task.sequences, task.attention_mask)
-        loss, stats = _loss(task, head, _targets(task), task.weight)
-        loss.backward()
+    else:  # gradients accumulated over the micro-batches, each weighted by its tokens
+        targets, chunks, tokens, total = _micro_batches(task)
+        stats = {}
+        for rows, count in zip(chunks, tokens, strict=True):
+            head = _stage_forward(
+                ws,
+                task.sequences[rows.start : rows.stop],
+                task.attention_mask[rows.start : rows.stop],
+            )
+            loss, part = _loss(
+                task, head, targets[rows.start : rows.stop], task.weight * count / total
+            )
+            loss.backward()
+            for key, value in part.items():
+                stats[key] = stats.get(key, 0.0) + value
     grads = _gradients(ctx, ws, task)
     _adam(state, grads, ws, task)
     return stats if ws.reports else None
@@ -596,12 +607,8 @@ def _train_pipelined(ctx: SlotContext, ws: Workspace, task: TrainTask) -> dict |
     # Group ranks follow the slots' order; pipeline stage p is the slot at position p.
     ordered = sorted(chain)
     stage.stage_index_to_group_rank = {p: ordered.index(slot) for p, slot in enumerate(chain)}
-    rows = task.sequences.shape[0]
-    micro = max(1, min(rows, -(-rows // task.micro_batch)))
-    targets = _targets(task)
-    chunks = [len(c) for c in torch.arange(rows).tensor_split(micro)]
-    tokens = [float(targets[r.start : r.stop, :, 1].sum()) for r in _ranges(chunks)]
-    total = max(sum(tokens), 1.0)
+    targets, chunks, _, total = _micro_batches(task)
+    micro = len(chunks)
     collected: list[dict] = []
 
     def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -625,6 +632,18 @@ def _train_pipelined(ctx: SlotContext, ws: Workspace, task: TrainTask) -> dict |
         for key, value in stats.items():
             out[key] = out.get(key, 0.0) + value
     return out
+
+
+def _micro_batches(task: TrainTask) -> tuple[torch.Tensor, list[range], list[float], float]:
+    """The task's targets, its rows cut into micro-batches of at most ``task.micro_batch``, the
+    response tokens of each, and their total (at least 1): a micro-batch's loss is weighted by
+    its share of the tokens, so the accumulated gradient is the whole batch's."""
+    rows = task.sequences.shape[0]
+    micro = max(1, min(rows, -(-rows // task.micro_batch)))
+    targets = _targets(task)
+    chunks = _ranges([len(c) for c in torch.arange(rows).tensor_split(micro)])
+    tokens = [float(targets[r.start : r.stop, :, 1].sum()) for r in chunks]
+    return targets, chunks, tokens, max(sum(tokens), 1.0)
 
 
 def _ranges(sizes: list[int]) -> list[range]:

@@ -179,6 +179,39 @@ def test_transitions_between_steps_keep_the_trajectory_and_the_state(runtime):
     assert {s for us in engine.units().values() for u in us for s in u.slots} == set(range(6))
 
 
+def test_training_in_smaller_micro_batches_makes_the_same_update(runtime):
+    """A plan may train in smaller micro-batches than the workload's (to fit memory): each
+    slot accumulates the gradients of one-row micro-batches, each weighted by its share of the
+    tokens, in the tensor-parallel actor and critic (pp 1) and the pipelined critic (pp 2).
+    The steps' statistics and the weights come out as the whole batch's do."""
+
+    def run(micro_batch: int):
+        engine, job = runtime()
+        plan = _plan(job, PIPELINE, 4)
+        if micro_batch:
+            plan = dataclasses.replace(
+                plan,
+                model_stages=tuple(
+                    dataclasses.replace(ms, micro_batch=micro_batch)
+                    if ms.name.endswith("@training")
+                    else ms
+                    for ms in plan.model_stages
+                ),
+            )
+        engine.start(plan, job.workload())
+        stats = [engine.step(plan, job.workload(), s).extra["stats"] for s in range(2)]
+        return stats, job.parameters(engine.engine, "actor")
+
+    assert CONFIG.ppo.minibatch_size > 1  # more than one row per unit and minibatch
+    (whole, whole_params), (rows, rows_params) = run(0), run(1)
+    for a, b in zip(whole, rows, strict=True):
+        assert a["mean_response_length"] == b["mean_response_length"]
+        for key in ("policy_loss", "value_loss", "entropy", "kl"):
+            assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-5), key
+    for key, tensor in whole_params.items():
+        torch.testing.assert_close(rows_params[key], tensor, rtol=1e-4, atol=1e-5)
+
+
 def test_responses_grow_under_the_length_reward(runtime):
     config = dataclasses.replace(
         CONFIG, max_new_tokens=12, ppo=PPOConfig(kl_coef=0.01, epochs=2, minibatch_size=8)
