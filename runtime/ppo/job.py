@@ -530,7 +530,14 @@ class PpoRuntime:
             (units["actor@training"], units["actor@inference"]),
             (units["critic@training"], units["critic@inference"]),
         )
-        scored = self._infer(engine, units, rollout, modes={s.stage: s.mode for s in plan.stages})
+        micro_batches = plan.micro_batches(workload.micro_batch)
+        scored = self._infer(
+            engine,
+            units,
+            rollout,
+            modes={s.stage: s.mode for s in plan.stages},
+            micro_batches=micro_batches,
+        )
         sequences, mask = rollout["sequences"], rollout["response_mask"].float()
         if self.reward is None:
             scores = scored["reward"]
@@ -554,7 +561,7 @@ class PpoRuntime:
         totals = self._train(
             engine,
             units,
-            plan.micro_batches(workload.micro_batch),
+            micro_batches,
             sequences=sequences,
             attention_mask=rollout["attention_mask"],
             prompt_length=rollout["prompt_length"],
@@ -670,13 +677,13 @@ class PpoRuntime:
             ],
         }
 
-    def _infer(self, engine, units, rollout, *, modes) -> dict[str, torch.Tensor]:
+    def _infer(self, engine, units, rollout, *, modes, micro_batches) -> dict[str, torch.Tensor]:
         outputs = {"actor": "logprobs", "ref": "logprobs", "critic": "values", "reward": "reward"}
         jobs: list[tuple[str, Callable[[], torch.Tensor]]] = []
         for role, output in outputs.items():
             group = units[f"{role}@inference"]
 
-            def run(group=group, output=output) -> torch.Tensor:
+            def run(group=group, output=output, role=role) -> torch.Tensor:
                 calls = []
                 for unit, rows in zip(
                     group, _split(len(rollout["responses"]), len(group)), strict=True
@@ -695,6 +702,7 @@ class PpoRuntime:
                     on=[slot for slot, _ in calls],
                     prompt_length=rollout["prompt_length"],
                     output=output,
+                    micro_batch=micro_batches[f"{role}@inference"],
                 )
                 return torch.cat([r for r in results if r is not None])
 

@@ -347,10 +347,29 @@ def score(
     attention_mask: torch.Tensor,
     prompt_length: int,
     output: str,
+    micro_batch: int = 0,
 ) -> torch.Tensor | None:
     """Per-token log-probabilities (``logprobs``), values (``values``) or the last token's scalar
-    (``reward``) of the sequences' responses; the reporting slot returns them."""
+    (``reward``) of the sequences' responses, ``micro_batch`` rows at a time (0: all at once);
+    the reporting slot returns them."""
     ws = workspace(ctx, unit)
+    size = micro_batch or sequences.shape[0]
+    parts = [
+        _score_rows(
+            ws, sequences[i : i + size], attention_mask[i : i + size], prompt_length, output
+        )
+        for i in range(0, sequences.shape[0], size)
+    ]
+    return torch.cat(parts) if ws.reports else None
+
+
+def _score_rows(
+    ws: Workspace,
+    sequences: torch.Tensor,
+    attention_mask: torch.Tensor,
+    prompt_length: int,
+    output: str,
+) -> torch.Tensor | None:
     head = _stage_forward(ws, sequences, attention_mask)
     if not ws.reports:
         return None

@@ -180,10 +180,11 @@ def test_transitions_between_steps_keep_the_trajectory_and_the_state(runtime):
 
 
 def test_training_in_smaller_micro_batches_makes_the_same_update(runtime):
-    """A plan may train in smaller micro-batches than the workload's (to fit memory): each
-    slot accumulates the gradients of one-row micro-batches, each weighted by its share of the
-    tokens, in the tensor-parallel actor and critic (pp 1) and the pipelined critic (pp 2).
-    The steps' statistics and the weights come out as the whole batch's do."""
+    """A plan may train and score in smaller micro-batches than the workload's (to fit memory):
+    each training slot accumulates the gradients of one-row micro-batches, each weighted by its
+    share of the tokens, in the data-parallel actor (pp 1) and the pipelined critic (pp 2), and
+    inference scores one row at a time, pipelined or not. The steps' statistics and the weights
+    come out as the whole batch's do."""
 
     def run(micro_batch: int):
         engine, job = runtime()
@@ -193,7 +194,7 @@ def test_training_in_smaller_micro_batches_makes_the_same_update(runtime):
                 plan,
                 model_stages=tuple(
                     dataclasses.replace(ms, micro_batch=micro_batch)
-                    if ms.name.endswith("@training")
+                    if not ms.name.endswith("@generation")
                     else ms
                     for ms in plan.model_stages
                 ),
