@@ -2,7 +2,9 @@
 
 Plans a PPO job (Llama-3.1-8B for all four models, three stages, seven model-stages) on 8 to 4,096
 H100 slots. "search" is the DP alone (``num_alternatives=0``); "full" adds three alternatives and
-the reasons for every rejected candidate, as ``nereus plan`` prints them. Prints a table, fits the
+the reasons for every rejected candidate, as ``nereus plan`` prints them; "pinned" is the search
+with micro-batches pinned to the workload's (one micro-batch per training and inference
+layout instead of up to three), side by side. Prints a table, fits the
 growth law t ∝ N^k by least squares on log-log, and writes benchmarks/results/planner_scale.json.
 
     python benchmarks/planner_scale.py [--repeats 5]
@@ -11,6 +13,7 @@ growth law t ∝ N^k by least squares on log-log, and writes benchmarks/results/
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -46,22 +49,52 @@ def main() -> None:
     args = parser.parse_args()
     catalog = default_catalog()
     workload = PpoWorkload.for_model(catalog.model("llama-3.1-8b"), gen_len=2048)
+    pinned = dataclasses.replace(workload, adaptive_micro_batch=False)
     acc = catalog.accelerator("h100-sxm")
     plan(workload, acc, 8)  # warm imports and caches
     rows, records = [], []
     for n in SIZES:
         search_s, step_s = _time(workload, acc, n, 0, args.repeats)
         full_s, _ = _time(workload, acc, n, 3, max(1, args.repeats // 2))
-        rows.append([n, f"{search_s * 1000:.1f}", f"{full_s * 1000:.1f}", f"{step_s:.2f}"])
+        pinned_s, pinned_step_s = _time(pinned, acc, n, 0, args.repeats)
+        rows.append(
+            [
+                n,
+                f"{search_s * 1000:.1f}",
+                f"{full_s * 1000:.1f}",
+                f"{pinned_s * 1000:.1f}",
+                f"{search_s / pinned_s:.2f}",
+                f"{step_s:.2f}",
+                f"{pinned_step_s:.2f}",
+            ]
+        )
         records.append(
-            {"gpus": n, "search_s": search_s, "full_s": full_s, "predicted_step_s": step_s}
+            {
+                "gpus": n,
+                "search_s": search_s,
+                "full_s": full_s,
+                "pinned_search_s": pinned_s,
+                "predicted_step_s": step_s,
+                "pinned_predicted_step_s": pinned_step_s,
+            }
         )
     sizes = np.log([r["gpus"] for r in records])
     growth = {
         key: float(np.polyfit(sizes, np.log([r[key] for r in records]), 1)[0])
         for key in ("search_s", "full_s")
     }
-    _report.print_table(["gpus", "search ms", "full ms", "predicted step s"], rows)
+    _report.print_table(
+        [
+            "gpus",
+            "search ms",
+            "full ms",
+            "pinned search ms",
+            "search / pinned",
+            "predicted step s",
+            "pinned step s",
+        ],
+        rows,
+    )
     print(
         f"growth law: search ∝ N^{growth['search_s']:.2f}, full ∝ N^{growth['full_s']:.2f} "
         "(least squares on log-log, 8..4096 GPUs)"

@@ -622,8 +622,9 @@ def markdown(results: dict) -> str:
             for r in e1["rows"]
         )
         + "). Where the catalog describes the cluster, the best layouts at 500 and at 8,000 "
-        "tokens differ little in this world (generation, whose layout stays, is most of the "
-        "step), so a few percent is all there is to take.",
+        "tokens differ little or not at all in this world (generation, whose layout stays, is "
+        "most of the step, and training keeps its layout with smaller micro-batches), so there "
+        "is little or nothing to take.",
         "",
     ]
     e2 = results["scale"]
