@@ -99,7 +99,7 @@ def _print_plan(best: Plan, *, title: str) -> None:
         costs = ", ".join(f"{k} {v:.3f}" for k, v in top)
         typer.echo(
             f"{ms.name:<20} {ms.layout!s:<11} {ms.layout.num_slots:>6} "
-            f"{ms.micro_batch if ms.name.endswith(('@training', '@inference')) else '':>3} "
+            f"{ms.micro_batch or '':>3} "
             f"{ms.predicted_s:>9.3f} {ms.memory_bytes / GIB:>9.1f}  {costs}"
         )
     typer.echo("")

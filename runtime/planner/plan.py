@@ -50,8 +50,9 @@ class ModelStagePlan:
     memory_per_slot: tuple[tuple[str, float], ...]
     """Bytes per slot by component on the most loaded slot."""
     micro_batch: int = 0
-    """Sequences per micro-batch in training and inference; 0: the workload's. Changing it moves
-    no state (the planner lowers it before it changes a layout that memory outgrows)."""
+    """Sequences per micro-batch in training and inference; 0: the workload's (and always 0 for
+    generation, which batches by the workload's ``gen_micro_batch``). Changing it moves no state
+    (the planner lowers it before it changes a layout that memory outgrows)."""
 
     def __post_init__(self) -> None:
         mb = self.micro_batch

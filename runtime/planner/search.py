@@ -236,7 +236,8 @@ def _model_stage_plan(
         predicted_s=float(total[0]),
         breakdown=tuple((k, float(v[0])) for k, v in breakdown.items() if float(v[0]) > 0),
         memory_per_slot=tuple((k, float(v[0])) for k, v in mem.items() if float(v[0]) > 0),
-        micro_batch=micro_batch,
+        # Generation batches by the workload's gen_micro_batch: no micro-batch of its own.
+        micro_batch=0 if column.model_stage.stage == "generation" else micro_batch,
     )
 
 

@@ -37,7 +37,7 @@ window.NereusPlanMap = (function () {
     for (const ms of plan.model_stages) {
       const l = ms.layout;
       // Training and inference run in the plan's micro-batches (sequences each): shown as "mb".
-      const mb = ms.micro_batch && !ms.name.endsWith("@generation") ? ` mb ${ms.micro_batch}` : "";
+      const mb = ms.micro_batch ? ` mb ${ms.micro_batch}` : "";
       grid.appendChild(cell("th", `${ms.name} (${l.dp},${l.tp},${l.pp})${mb}`));
       for (let s = 0; s < slots; s++) {
         const p = pos[ms.name][s];
