@@ -84,11 +84,9 @@ class Proposal:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Deferred:
     """A candidate refused as too slow to repay, kept while its signals stay calm: admission
-    runs again each step with the horizon as it is then."""
+    runs again each step with the horizon and both plans' prices as they are then."""
 
     plan: Plan
-    current_s: float
-    candidate_s: float
     cost_s: float
     trigger: Trigger
     signals: tuple[str, ...]
@@ -676,8 +674,6 @@ class Controller:
             # Too slow to repay now: keep it, and admit it if the signal stays calm long enough.
             self.deferred = Deferred(
                 plan=candidate,
-                current_s=current_s,
-                candidate_s=candidate_s,
                 cost_s=cost,
                 trigger=trigger,
                 signals=outlook.signals,

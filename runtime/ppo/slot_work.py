@@ -353,12 +353,11 @@ def score(
     (``reward``) of the sequences' responses, ``micro_batch`` rows at a time (0: all at once);
     the reporting slot returns them."""
     ws = workspace(ctx, unit)
-    size = micro_batch or sequences.shape[0]
     parts = [
         _score_rows(
-            ws, sequences[i : i + size], attention_mask[i : i + size], prompt_length, output
+            ws, sequences[r.start : r.stop], attention_mask[r.start : r.stop], prompt_length, output
         )
-        for i in range(0, sequences.shape[0], size)
+        for r in _row_chunks(sequences.shape[0], micro_batch or sequences.shape[0])
     ]
     return torch.cat(parts) if ws.reports else None
 
@@ -657,12 +656,17 @@ def _micro_batches(task: TrainTask) -> tuple[torch.Tensor, list[range], list[flo
     """The task's targets, its rows cut into micro-batches of at most ``task.micro_batch``, the
     response tokens of each, and their total (at least 1): a micro-batch's loss is weighted by
     its share of the tokens, so the accumulated gradient is the whole batch's."""
-    rows = task.sequences.shape[0]
-    micro = max(1, min(rows, -(-rows // task.micro_batch)))
     targets = _targets(task)
-    chunks = _ranges([len(c) for c in torch.arange(rows).tensor_split(micro)])
+    chunks = _row_chunks(task.sequences.shape[0], task.micro_batch)
     tokens = [float(targets[r.start : r.stop, :, 1].sum()) for r in chunks]
     return targets, chunks, tokens, max(sum(tokens), 1.0)
+
+
+def _row_chunks(rows: int, micro_batch: int) -> list[range]:
+    """``rows`` cut into the fewest micro-batches of at most ``micro_batch`` rows, as even as
+    they come (training and scoring cut alike)."""
+    micro = max(1, min(rows, -(-rows // micro_batch)))
+    return _ranges([len(c) for c in torch.arange(rows).tensor_split(micro)])
 
 
 def _ranges(sizes: list[int]) -> list[range]:

@@ -298,8 +298,6 @@ def test_a_deferred_move_is_priced_again_when_it_is_reconsidered(monkeypatch):
     trigger = Trigger(kind="pool", signal="pool", value=32, reference=16, step=1)
     controller.deferred = Deferred(
         plan=candidate,
-        current_s=10.0,
-        candidate_s=9.0,
         cost_s=30.0,
         trigger=trigger,
         signals=("pool",),

@@ -260,8 +260,8 @@ def test_a_layout_memory_outgrows_runs_in_smaller_micro_batches_before_it_is_dro
     outgrown = []
     for ms in adaptive.model_stages():
         chosen = LayoutShape.of_plan(ms, adaptive, acc, free)
-        seconds, fits, micro, _ = fitting(chosen, 32, cost.DEFAULT_EFFICIENCY)
-        assert fits[0] and micro[0] == chosen.mb and seconds[0] == pytest.approx(price(chosen))
+        predicted, fits, micro, _ = fitting(chosen, 32, cost.DEFAULT_EFFICIENCY)
+        assert fits[0] and micro[0] == chosen.mb and predicted[0] == pytest.approx(price(chosen))
         assert total_bytes(memory_breakdown(chosen, num_slots=32))[0] <= budget
         for size in micro_batch_sizes(ms, adaptive):  # none that fits is faster
             other = dataclasses.replace(chosen, micro_batch=size)
