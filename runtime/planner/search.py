@@ -92,31 +92,55 @@ def min_max_allocation(times: Sequence[np.ndarray], budget: int) -> tuple[float,
     return float(best[budget]), allocation
 
 
-def _column(
-    ms: ModelStage,
-    workload: PpoWorkload,
-    acc: Accelerator,
-    num_slots: int,
-    efficiency: Mapping[str, float],
-    excluded: frozenset[tuple[str, int, int]],
-    fits_at: PpoWorkload | None = None,
-) -> _Column:
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Priced:
+    """One (tp, pp) of one model-stage at every dp: what ``fitting`` says of each."""
+
+    dp: np.ndarray
+    seconds: np.ndarray
+    fits: np.ndarray
+    micro: np.ndarray
+    need: np.ndarray
+
+
+class _Prices:
+    """Every layout of every model-stage, priced once per search: the best plan, each
+    alternative (a re-solve with one layout excluded) and the rejections read the same rows."""
+
+    def __init__(self, workload, acc, num_slots: int, efficiency, fits_at) -> None:
+        self.workload, self.acc, self.num_slots = workload, acc, num_slots
+        self.efficiency, self.fits_at = efficiency, fits_at
+        self._rows: dict[tuple[str, int, int], _Priced] = {}
+
+    def layout(self, ms: ModelStage, tp: int, pp: int) -> _Priced:
+        key = (ms.name, tp, pp)
+        if key not in self._rows:
+            max_dp = min(self.num_slots // (tp * pp), self.workload.global_batch)
+            dp = np.arange(1, max_dp + 1, dtype=float)
+            shape = LayoutShape(
+                ms=ms, workload=self.workload, accelerator=self.acc, tp=tp, pp=pp, dp=dp
+            )
+            found = fitting(shape, self.num_slots, self.efficiency, self.fits_at)
+            self._rows[key] = _Priced(dp, *found)
+        return self._rows[key]
+
+
+def _column(ms: ModelStage, prices: _Prices, excluded: frozenset[tuple[str, int, int]]) -> _Column:
+    num_slots = prices.num_slots
     exact = np.full(num_slots + 1, np.inf)
     exact_choice = np.full(num_slots + 1, -1, dtype=np.int64)
     options: list[tuple[int, int, int, int]] = []
-    allowed, _ = valid_layouts(ms.model, acc, num_slots)
+    allowed, _ = valid_layouts(ms.model, prices.acc, num_slots)
     for tp, pp in allowed:
         if (ms.name, tp, pp) in excluded:
             continue
-        max_dp = min(num_slots // (tp * pp), workload.global_batch)
-        dp = np.arange(1, max_dp + 1, dtype=float)
-        shape = LayoutShape(ms=ms, workload=workload, accelerator=acc, tp=tp, pp=pp, dp=dp)
-        total, fits, micro, _ = fitting(shape, num_slots, efficiency, fits_at)
+        row = prices.layout(ms, tp, pp)
+        dp, total = row.dp, row.seconds
         slots = (dp * tp * pp).astype(np.int64)
-        for i in np.nonzero(fits & (total < exact[slots]))[0]:
+        for i in np.nonzero(row.fits & (total < exact[slots]))[0]:
             exact[slots[i]] = total[i]
             exact_choice[slots[i]] = len(options)
-            options.append((tp, pp, int(dp[i]), int(micro[i])))
+            options.append((tp, pp, int(dp[i]), int(row.micro[i])))
     # "at most g slots": a running minimum over g
     time_at_most = np.minimum.accumulate(exact)
     choice = exact_choice.copy()
@@ -125,7 +149,7 @@ def _column(
             choice[g] = choice[g - 1]
     return _Column(
         model_stage=ms,
-        gpus_per_node=acc.gpus_per_node,
+        gpus_per_node=prices.acc.gpus_per_node,
         time=time_at_most,
         choice=choice,
         options=options,
@@ -307,18 +331,14 @@ def plan(
         raise ValueError(f"gpus: must be a positive whole number of slots, got {num_slots!r}")
     started = time.perf_counter()
     eff = _efficiencies(efficiency)
-    columns = {
-        ms.name: _column(ms, workload, accelerator, num_slots, eff, excluded, fits_at)
-        for ms in workload.model_stages()
-    }
+    prices = _Prices(workload, accelerator, num_slots, eff, fits_at)
+    columns = {ms.name: _column(ms, prices, excluded) for ms in workload.model_stages()}
     for column in columns.values():
         if not np.isfinite(column.time[num_slots]):
             raise _infeasible(column, fits_at or workload, accelerator, num_slots, excluded)
     best = _assemble(columns, workload, accelerator, num_slots, eff)
-    alternatives = _alternatives(
-        best, workload, accelerator, num_slots, eff, excluded, num_alternatives, fits_at
-    )
-    rejected = _rejections(best, columns, workload, accelerator, num_slots, eff, excluded, fits_at)
+    alternatives = _alternatives(best, prices, excluded, num_alternatives)
+    rejected = _rejections(best, columns, prices, excluded)
     return PlanResult(
         best=best,
         alternatives=alternatives,
@@ -350,22 +370,18 @@ def _assemble(columns, workload, accelerator, num_slots, eff) -> Plan:
     )
 
 
-def _alternatives(
-    best, workload, accelerator, num_slots, eff, excluded, count, fits_at=None
-) -> tuple[Plan, ...]:
+def _alternatives(best, prices: _Prices, excluded, count) -> tuple[Plan, ...]:
     """The best plans that change one model-stage's (tp, pp): re-solve with that layout excluded."""
     if count <= 0:
         return ()
+    workload, num_slots = prices.workload, prices.num_slots
     found: dict[tuple, Plan] = {}
     for ms in best.model_stages:
         ban = excluded | {(ms.name, ms.layout.tp, ms.layout.pp)}
-        columns = {
-            m.name: _column(m, workload, accelerator, num_slots, eff, ban, fits_at)
-            for m in workload.model_stages()
-        }
+        columns = {m.name: _column(m, prices, ban) for m in workload.model_stages()}
         if any(not np.isfinite(c.time[num_slots]) for c in columns.values()):
             continue
-        candidate = _assemble(columns, workload, accelerator, num_slots, eff)
+        candidate = _assemble(columns, workload, prices.acc, num_slots, prices.efficiency)
         key = tuple(sorted((n, str(lay)) for n, lay in candidate.layouts().items()))
         if candidate.layouts() != best.layouts():
             found.setdefault(key, candidate)
@@ -375,10 +391,9 @@ def _alternatives(
     return tuple(ranked[:count])
 
 
-def _rejections(
-    best, columns, workload, accelerator, num_slots, eff, excluded, fits_at=None
-) -> tuple[Rejection, ...]:
+def _rejections(best, columns, prices: _Prices, excluded) -> tuple[Rejection, ...]:
     """Every (tp, pp) of every model-stage's grid that the best plan does not use, with its reason."""
+    workload, accelerator, num_slots = prices.workload, prices.acc, prices.num_slots
     out: list[Rejection] = []
     budget = memory.memory_budget(accelerator.memory_bytes)
     modes = {s.stage: s.mode for s in best.stages}
@@ -400,11 +415,8 @@ def _rejections(
                     Rejection(model_stage=ms.name, tp=tp, pp=pp, reason="excluded by the caller")
                 )
                 continue
-            dp = np.arange(1, min(num_slots // (tp * pp), workload.global_batch) + 1, dtype=float)
-            shape = LayoutShape(
-                ms=ms, workload=workload, accelerator=accelerator, tp=tp, pp=pp, dp=dp
-            )
-            total, _, _, need = fitting(shape, num_slots, eff, fits_at)
+            row = prices.layout(ms, tp, pp)
+            dp, total, need = row.dp, row.seconds, row.need
             within = dp * tp * pp <= limit
             if not np.any(need <= budget):
                 reason = (
