@@ -6,7 +6,9 @@ a DAG whose intermediate units fit in every order it admits. Profitability (the 
 with ``saving`` the predicted seconds per step the candidate saves and ``cost`` the predicted
 seconds of the transition, admit when ``cost / saving <= gamma × H``, ``H`` being the triggering
 signal's drift horizon in steps: the move must repay itself well before the world drifts again.
-It must also repay before the run ends: a move that needs more steps than are left only costs.
+It must also repay before the run ends: a move that needs more steps than are left only costs,
+and save at least ``min_saving`` of the running plan's step (a dead band: smaller savings are
+within the cost model's error in ranking layouts, and a move on one is as likely to be undone).
 Urgent triggers (slots revoked or lost, a failed step) check feasibility only; so does a move away
 from a plan that is predicted not to fit within the lookahead (``overflows``): staying would cost
 an out-of-memory step, which loses the job's state back to its last checkpoint.
@@ -47,10 +49,12 @@ def decide(
     infeasible: str = "",
     steps_left: float = math.inf,
     overflows: str = "",
+    min_saving: float = 0.0,
 ) -> Verdict:
     """One admission decision with its reason; exact arithmetic, no side effects.
     ``steps_left``: steps the run has after this one (unknown: no end). ``overflows``: why the
-    running plan is predicted not to fit (empty: it fits)."""
+    running plan is predicted not to fit (empty: it fits). ``min_saving``: the least fraction
+    of ``current_s`` a payback move must save."""
     saving = current_s - candidate_s
     payback = cost_s / saving if saving > 0 else math.inf
 
@@ -77,6 +81,12 @@ def decide(
         return verdict(False, f"not faster: saves {saving:.3f} s/step")
     if admission == "always_faster":
         return verdict(True, f"faster by {saving:.3f} s/step")
+    if saving < min_saving * current_s:
+        return verdict(
+            False,
+            f"saves {saving:.3f} s/step ({saving / current_s:.2%}), under the policy's "
+            f"min_saving of {min_saving:.2%}",
+        )
     if payback > steps_left:
         return verdict(
             False,

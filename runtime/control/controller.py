@@ -53,10 +53,18 @@ class Outlook:
     signals: tuple[str, ...]
     lengths: tuple[float, ...] = ()
     robust: bool = False
-    """Faster at every one of ``lengths`` (the recent range of the generated length)."""
+    """Faster at every one of ``lengths`` (the recent range of the generated length) and at
+    ``trend_length``."""
+    trend_length: float | None = None
+    """The length the trend reaches by the end of the longer horizon's repayment window."""
 
     def to_json(self) -> dict:
-        return {"signals": list(self.signals), "lengths": list(self.lengths), "robust": self.robust}
+        return {
+            "signals": list(self.signals),
+            "lengths": list(self.lengths),
+            "trend_length": self.trend_length,
+            "robust": self.robust,
+        }
 
 
 def _quantiles(values: list[float]) -> list[float]:
@@ -652,6 +660,7 @@ class Controller:
             infeasible=infeasible,
             steps_left=self._steps_left(trigger.step),
             overflows=overflows,
+            min_saving=self.policy.min_saving,
         )
         if no_live_route:
             verdict = dataclasses.replace(
@@ -747,19 +756,30 @@ class Controller:
         steps (typically: it uses slots the pool just gave): the length swinging within that
         range again will not end the saving, and the move repays over the slot pool's horizon
         as well as the trigger's own (the larger of the two). The saving itself is the one at
-        the latest length either way."""
+        the latest length either way.
+
+        A length that trends rather than swings leaves that range: the candidate must also be
+        faster at the length the trend reaches by the end of the longer window it would be
+        granted (gamma times that horizon, within the run), else a saving that the growth
+        erodes before the move repays would be admitted on a horizon it does not last for,
+        and undone by the next move."""
         assert self.plan is not None
         recent = self._recent_lengths()
         lengths = sorted({*_quantiles(recent), self._gen_len}) if recent else [self._gen_len]
+        longer = self._horizon((trigger.signal, POOL), trigger.step)
+        window = int(min(self.policy.gamma * longer, self._steps_left(trigger.step)))
+        ahead = self._forecast(window) if window > 0 else None
+        trend = None if ahead is None else max(1.0, ahead)
         robust = all(
             self._price(self.plan, w) > self._price(candidate, w)
-            for w in map(self._workload, lengths)
+            for w in map(self._workload, [*lengths, *([trend] if trend else [])])
         )
         signals = (trigger.signal, POOL) if robust else (trigger.signal,)
         return Outlook(
             signals=tuple(dict.fromkeys(signals)),
             lengths=tuple(lengths),
             robust=robust,
+            trend_length=trend,
         )
 
     def _horizon(self, signals: tuple[str, ...], step: int) -> float:
@@ -882,6 +902,7 @@ class Controller:
             gamma=self.policy.gamma,
             urgent=False,
             steps_left=self._steps_left(step),
+            min_saving=self.policy.min_saving,
         )
         if not verdict.admit:
             return  # kept: priced again next step (even one that the run's end outruns now)

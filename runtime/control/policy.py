@@ -45,6 +45,12 @@ class JobPolicy:
     the least predicted step time plus its move's cost spread over the steps it lasts."""
     fixed_layouts: bool = False
     """Keep every model-stage's (tp, pp); replan only data parallelism."""
+    min_saving: float = 0.01
+    """Payback admission's dead band: a move predicted to save less than this fraction of a
+    step is not made, however soon it would repay. Layouts whose predicted step times are this
+    close are within the cost model's error in ranking them (exp3 of the simulated experiments
+    measures that error), so such a move is as likely to be undone by the next replan as to
+    pay; 0 turns the band off."""
 
     def __post_init__(self) -> None:
         for name, value in self.thresholds.items():
@@ -67,6 +73,10 @@ class JobPolicy:
             value = getattr(self, field)
             if not _number(value) or value < 0:
                 raise PolicyError(f"policy.{field}: must be a number >= 0, got {value!r}")
+        if not _number(self.min_saving) or not 0 <= self.min_saving < 1:
+            raise PolicyError(
+                f"policy.min_saving: must be a number in [0, 1), got {self.min_saving!r}"
+            )
         if self.admission not in ADMISSIONS:
             raise PolicyError(
                 f"policy.admission: expected one of {', '.join(ADMISSIONS)}, got {self.admission!r}"

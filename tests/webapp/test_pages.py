@@ -143,7 +143,14 @@ def test_the_submit_page_submits_a_simulated_job_with_its_policy(client, operato
     assert 'name="gpus"' in page and 'name="num_slots"' in page and "simulated" in page
     assert 'name="memory_runway"' in page
     response = client.post(
-        "/jobs/new/", {**SIM_FORM, "gamma": 0.25, "threshold": 0.5, "memory_runway": "amortized"}
+        "/jobs/new/",
+        {
+            **SIM_FORM,
+            "gamma": 0.25,
+            "threshold": 0.5,
+            "memory_runway": "amortized",
+            "min_saving": 0.02,
+        },
     )
     job = Job.objects.get(name="sim")
     assert response.status_code == 302 and response["Location"] == f"/jobs/{job.pk}/"
@@ -151,6 +158,7 @@ def test_the_submit_page_submits_a_simulated_job_with_its_policy(client, operato
     assert job.spec["policy"]["approval"] == "manual" and job.spec["policy"]["gamma"] == 0.25
     assert job.spec["policy"]["thresholds"]["gen_len"] == 0.5
     assert job.spec["policy"]["memory_runway"] == "amortized"
+    assert job.spec["policy"]["min_saving"] == 0.02
 
 
 @pytest.mark.parametrize(
@@ -165,6 +173,7 @@ def test_the_submit_page_submits_a_simulated_job_with_its_policy(client, operato
         ({"pace_s": 99}, "pace_s"),
         ({"approval": "sometimes"}, "approval"),
         ({"memory_runway": "forever"}, "memory_runway"),
+        ({"min_saving": 1.5}, "min_saving"),
         ({"kind": "quantum"}, "kind"),
     ],
 )

@@ -45,6 +45,7 @@ _SPEC_FIELD = {
     "policy.approval": "approval",
     "policy.approval_above_s": "approval_above_s",
     "policy.memory_runway": "memory_runway",
+    "policy.min_saving": "min_saving",
     "minibatch_size": "batch_size",  # the form leaves minibatches at their default
     **{f"policy.thresholds.{signal}": "threshold" for signal in SIGNALS},
 }
@@ -158,6 +159,12 @@ class JobSubmitForm(forms.Form):
         required=False, label="Approve above (s)", help_text="With manual_above."
     )
     gamma = forms.FloatField(required=False, help_text="Admit when cost/saving ≤ gamma × H.")
+    min_saving = forms.FloatField(
+        required=False,
+        label="Least saving",
+        help_text=f"Moves saving less than this fraction of a step are not made "
+        f"({JobPolicy().min_saving}).",
+    )
     threshold = forms.FloatField(
         required=False, label="Drift threshold", help_text="Relative drift that triggers (0.3)."
     )
@@ -218,6 +225,8 @@ class JobSubmitForm(forms.Form):
             policy["approval_above_s"] = data["approval_above_s"]
         if data.get("gamma") is not None:
             policy["gamma"] = data["gamma"]
+        if data.get("min_saving") is not None:
+            policy["min_saving"] = data["min_saving"]
         if data.get("threshold") is not None:
             policy["thresholds"] = {signal: data["threshold"] for signal in SIGNALS}
         if data.get("memory_runway"):

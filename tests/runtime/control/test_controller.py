@@ -277,6 +277,44 @@ def test_a_saving_that_survives_the_swing_repays_over_the_pools_horizon(monkeypa
         assert controller.deferred is not None  # kept, in case the swing calms down
 
 
+def test_a_saving_the_trend_erodes_within_the_longer_window_rests_on_the_trigger_alone(
+    monkeypatch,
+):
+    """As above, the candidate is 1 s/step faster at every length of the recent swing; but the
+    length's trend reaches 2,500 tokens within gamma × the pool's horizon (0.5 × 106 = 53
+    steps), where it is 1 s/step slower. The saving would not last the longer window, so it
+    rests on the length's horizon alone and the move is refused (and kept for later)."""
+    from runtime.control.monitor import Trigger
+
+    engine = _engine(pool=((1.0, 32),), gpus=16)
+    controller = Controller(WORKLOAD, ACC, JobPolicy())
+    first = controller.initial_plan(engine)
+    engine.step(first, WORKLOAD, 0)
+    _swinging(controller)
+    asked: list[int] = []
+
+    def forecast(steps_ahead):
+        asked.append(steps_ahead)
+        return 2500.0
+
+    def price(plan_, workload):
+        if plan_ is first:
+            return 10.0
+        return 9.0 if workload.gen_len < 2000 else 11.0
+
+    monkeypatch.setattr(controller, "_forecast", forecast)
+    monkeypatch.setattr(controller, "_price", price)
+    trigger = Trigger(kind="drift", signal="gen_len", value=1000.0, reference=1500.0, step=106)
+    controller.replan(trigger, engine)
+    decision = next(e for e in controller.events if e["event"] == "control.decision")
+    outlook = decision["outlook"]
+    assert 53 in asked  # (the memory runway asks for its own lengths too)
+    assert outlook["lengths"] == [1000.0, 1500.0] and outlook["trend_length"] == 2500.0
+    assert outlook["robust"] is False and outlook["signals"] == ["gen_len"]
+    assert decision["verdict"]["horizon_steps"] == 4.9375 and not decision["admit"]
+    assert controller.transitions == 0 and controller.deferred is not None
+
+
 def test_a_deferred_move_is_priced_again_when_it_is_reconsidered(monkeypatch):
     """A move deferred at 1 s/step faster (10 s against 9) is reconsidered after the pool has
     been calm for 400 steps, which would repay it many times over; but by then the length has

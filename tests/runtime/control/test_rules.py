@@ -112,6 +112,24 @@ def test_every_other_admission_branch():
     assert not urgent_but_infeasible.admit
 
 
+def test_a_saving_inside_the_dead_band_is_not_worth_a_move():
+    """Saving 2 s of a 10 s step (20%) repays in 3 steps; with a dead band of 25% it is not
+    made however soon it repays, and the reason names the band. At 20% exactly it is."""
+    band = decide(admission="payback", horizon_steps=100.0, min_saving=0.25, **ARGS)
+    assert not band.admit
+    assert band.reason == "saves 2.000 s/step (20.00%), under the policy's min_saving of 25.00%"
+    assert decide(admission="payback", horizon_steps=100.0, min_saving=0.20, **ARGS).admit
+    # The DynaRL-style policy admits whatever is faster; urgent and overflowing moves are
+    # made on feasibility alone: the band is payback admission's.
+    assert decide(admission="always_faster", horizon_steps=1.0, min_saving=0.25, **ARGS).admit
+    for urgent, overflows in ((True, ""), (False, "actor needs 90 GiB")):
+        args = {**ARGS, "urgent": urgent}
+        forced = decide(
+            admission="payback", horizon_steps=1.0, min_saving=0.25, overflows=overflows, **args
+        )
+        assert forced.admit
+
+
 def test_a_plan_predicted_not_to_fit_is_left_on_feasibility_alone():
     """Staying on a plan that will not fit costs an out-of-memory step and the state since the
     last checkpoint: a slower candidate, or one that repays late, is admitted all the same."""
@@ -151,6 +169,9 @@ def test_a_move_s_cost_is_spread_over_the_steps_its_plan_lasts():
         ({"approval_timeout_s": -5}, r"policy.approval_timeout_s: must be a number >= 0"),
         ({"admission": "greedy"}, r"policy.admission: expected one of payback"),
         ({"lookahead_steps": 2.5}, r"policy.lookahead_steps"),
+        ({"min_saving": 1.0}, r"policy.min_saving: must be a number in \[0, 1\)"),
+        ({"min_saving": -0.01}, r"policy.min_saving"),
+        ({"min_saving": "1%"}, r"policy.min_saving"),
         (
             {"memory_runway": "forever"},
             r"policy.memory_runway: expected one of shortest, amortized",
