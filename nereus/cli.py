@@ -102,7 +102,11 @@ def plan_command(
         int, typer.Option(help="Sequences per training and inference micro-batch, at most.")
     ] = 4,
     pin_micro_batch: Annotated[
-        bool, typer.Option(help="Always --micro-batch sequences, never fewer to fit or for speed.")
+        bool,
+        typer.Option(
+            help="Always --micro-batch sequences, never fewer to fit or for speed; generation "
+            "decodes all of a unit's sequences at once, never in waves."
+        ),
     ] = False,
     ppo_epochs: Annotated[int, typer.Option()] = 1,
     recompute: Annotated[bool, typer.Option(help="Full activation recomputation.")] = False,

@@ -91,7 +91,7 @@ def _print_plan(best: Plan, *, title: str) -> None:
         f"({', '.join(f'{s.stage} {s.predicted_s:.3f} s {s.mode}' for s in best.stages)})\n"
     )
     typer.echo(
-        f"{'model-stage':<20} {'(dp,tp,pp)':<11} {'slots':>6} {'mb':>3} {'seconds':>9} "
+        f"{'model-stage':<20} {'(dp,tp,pp)':<11} {'slots':>6} {'mb':>4} {'seconds':>9} "
         f"{'GiB/slot':>9}  largest costs"
     )
     for ms in best.model_stages:
@@ -99,7 +99,10 @@ def _print_plan(best: Plan, *, title: str) -> None:
         costs = ", ".join(f"{k} {v:.3f}" for k, v in top)
         typer.echo(
             f"{ms.name:<20} {ms.layout!s:<11} {ms.layout.num_slots:>6} "
-            f"{ms.micro_batch or '':>3} "
+            f"{ms.micro_batch or '':>4} "
             f"{ms.predicted_s:>9.3f} {ms.memory_bytes / GIB:>9.1f}  {costs}"
         )
-    typer.echo("")
+    typer.echo(
+        "mb: sequences per micro-batch; for generation, the sequences a unit decodes at once, "
+        "the rest in later waves (blank: all of them)\n"
+    )

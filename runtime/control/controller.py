@@ -23,8 +23,8 @@ from runtime.planner.calibration import Calibrator
 from runtime.planner.catalog import Accelerator
 from runtime.planner.memory import memory_breakdown, memory_budget, total_bytes
 from runtime.planner.plan import Plan
-from runtime.planner.search import price_plan
-from runtime.planner.shapes import LayoutShape, micro_batch_sizes
+from runtime.planner.search import price_plan, rebatched
+from runtime.planner.shapes import LayoutShape, batchings
 from runtime.planner.space import only_layouts
 from runtime.planner.workload import PpoWorkload
 from runtime.transition import Cluster, TransitionRefusedError, diff
@@ -408,7 +408,7 @@ class Controller:
         for ms in workload.model_stages():
             shape = LayoutShape.of_plan(ms, workload, self.acc, plan_)
             if least:
-                shape = dataclasses.replace(shape, micro_batch=micro_batch_sizes(ms, workload)[-1])
+                shape = dataclasses.replace(shape, micro_batch=batchings(shape)[-1])
             yield ms, float(total_bytes(memory_breakdown(shape, num_slots=plan_.num_slots))[0])
 
     def _fits(self, plan_: Plan, gen_len: float, *, headroom: bool = True) -> bool:
@@ -458,24 +458,24 @@ class Controller:
         """The plan to move to: of the planner's ``candidate`` and the other options, the one
         with the least step time plus its move's cost spread over the steps it lasts (before
         memory forces the next move, or the runway ends). The other options: for each length
-        the memory runway asks a plan to fit, the fastest plan that fits it, and the fastest
+        the memory runway asks a plan to fit, the fastest plan that fits it, the fastest
         that changes only the model-stages whose layouts no longer fit it (so rebuilding no
-        engine it need not), which is the running plan itself when every layout still fits:
-        staying costs nothing, so a move that would not repay within the steps its plan lasts
-        is not asked for. A plan that must move again in ten steps carries a tenth of its
+        engine it need not), which is the running plan itself when every layout still fits,
+        and the running layouts in the micro-batches (generation: waves) that fit it, which
+        moves no state: staying costs nothing, so a move that would not repay within the
+        steps its plan lasts is not asked for. A plan that must move again in ten steps carries a tenth of its
         move's cost in each step; a plan for a longer length, its slower steps; a plan that
         rebuilds the generation engines, their start-up. When no live move reaches the
-        planner's plan, that plan goes on to admission, which weighs the next-best plans a live
+        planner's plan, the other options are weighed without it; when no live move reaches
+        any, the planner's plan goes on to admission, which weighs the next-best plans a live
         move can reach and a checkpoint/restart."""
         assert self.plan is not None
         # A move away from a plan about to outgrow memory is not staged (admission's rule).
         stage = trigger.kind != "memory"
         candidate_cost = self._move_cost(engine, candidate, workload, stage=stage)
-        if candidate_cost is None:
-            return candidate
         runway = self._runway(trigger.step)
         shortest = self.policy.memory_runway == "shortest"
-        options = [candidate] if shortest else []
+        options = [candidate] if shortest and candidate_cost is not None else []
         for length in self._runway_lengths(floor, runway):
             kept = self._still_fitting(length)
             found = []
@@ -484,6 +484,9 @@ class Controller:
                     found.append(self._plans(engine, workload, keep=keep, fits_at=length)[0])
                 except PlanningError:
                     continue
+            again = self._rebatched(workload, length)
+            if again is not None and not self._same_plan(again, self.plan):
+                found.append(again)
             options += found
             if found and self.policy.memory_runway == "longest":
                 break  # the furthest length that some plan fits
@@ -505,6 +508,20 @@ class Controller:
             if best is None or rate < best[0]:
                 best = (rate, option)
         return candidate if best is None else best[1]
+
+    def _rebatched(self, workload: PpoWorkload, fits_at: float) -> Plan | None:
+        """The running layouts, each in the micro-batch (generation: the waves) that the
+        planner would give it at ``workload``, fitting ``fits_at`` as well in the memory the
+        devices really give; None if some layout fits in none."""
+        assert self.plan is not None
+        acc = dataclasses.replace(self.acc, memory_bytes=self.acc.memory_bytes / self.memory_factor)
+        return rebatched(
+            self.plan,
+            workload,
+            acc,
+            efficiency=self.calibrator.efficiency(),
+            fits_at=self._workload(fits_at) if fits_at > workload.gen_len else None,
+        )
 
     def _runway_lengths(self, floor: float, runway: int) -> list[float]:
         """The generated lengths a new plan may be asked to fit, by the memory runway policy:
@@ -573,13 +590,17 @@ class Controller:
         if self.policy.admission == "never" and not broken:
             self.emit(self._decision(trigger, None, None, "the policy never adapts"))
             return
-        envelope = self._envelope()
+        # Nor, whatever brought it, may a plan be one that the memory lookahead would move
+        # straight back: the length the trend reaches within the lookahead bounds it too.
+        lookahead = self._memory_horizon(trigger.step)
+        envelope = max(self._envelope(), (self._forecast(lookahead) if lookahead else None) or 0.0)
         try:
             candidate = self._candidate(engine, workload)
             if not trigger.urgent and not broken and not self._fits(candidate, envelope):
-                # Best at this length but too big for lengths the job has just seen: plan for
-                # the longest of them instead (the swing is likely to come back).
-                candidate = self._candidate(engine, self._workload(envelope))
+                # Best at this length but too big for lengths the job has just seen or is
+                # about to: the fastest that fits the longest of them instead (the swing is
+                # likely to come back; the trend, to go on).
+                candidate = self._candidate(engine, workload, fits_at=envelope)
         except PlanningError as exc:
             self.emit(self._decision(trigger, None, None, f"no feasible plan: {exc}"))
             return

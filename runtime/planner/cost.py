@@ -103,10 +103,14 @@ def ideal_breakdown(
             out["optimizer"] = flushes * optimizer_bytes / acc.memory_bandwidth + zeros
         else:
             m = shape.micro_batches(shape.mb)
-    else:  # generation: prefill the prompts, then decode gen_len tokens
+    else:  # generation: prefill the prompts, then decode gen_len tokens, in waves of
+        # ``concurrent`` sequences when the KV cache cannot hold them all (each wave reads the
+        # weights for every token again); a pipeline runs each wave in micro-batches
         prompt, gen = w.prompt_len, w.gen_len
-        m = shape.micro_batches(w.gen_micro_batch) if pp > 1 else np.ones_like(shape.dp)
-        seqs_per_micro = batch / m
+        concurrent, waves = shape.concurrent, shape.waves
+        ones = np.ones_like(concurrent)
+        m = np.maximum(ones, np.ceil(concurrent / w.gen_micro_batch)) if pp > 1 else ones
+        seqs_per_micro = concurrent / m
         prefill = 2 * shape.dense_params * batch * prompt
         decode_flops = 2 * shape.dense_params * batch * gen
         out["gemm"] = (prefill + decode_flops) / (slots * acc.peak_flops)
@@ -117,12 +121,12 @@ def ideal_breakdown(
         kv_per_token = 2 * num_layers / pp * shape.kv_dim_per_slot * b
         avg_context = prompt + gen / 2
         weights = shape.params_per_slot * b
-        reads = gen * m * (weights + seqs_per_micro * avg_context * kv_per_token)
+        reads = gen * (waves * m * weights + batch * avg_context * kv_per_token)
         out["decode"] = reads / acc.memory_bandwidth
-        steps = gen * m  # decode steps each tensor-parallel group takes, all micro-batches
+        steps = gen * m * waves  # decode steps each tensor-parallel group takes, in all
         out[f"tp_allreduce:{tp_link}"] = tp_allreduce(
             steps * 2 * num_layers / pp, seqs_per_micro * h * b
-        ) + tp_allreduce(2 * num_layers / pp * m, seqs_per_micro * prompt * h * b)
+        ) + tp_allreduce(2 * num_layers / pp * m * waves, seqs_per_micro * prompt * h * b)
         out[f"pp_p2p:{pp_link}"] = p2p(steps, seqs_per_micro * h * b)
         sync_link = acc.link(num_slots)
         sync_bytes = shape.params_per_slot * b

@@ -3,7 +3,8 @@
 Components: parameters, gradients and Adam state (fp32 master weights and two moments) for training;
 activations (Korthikanti et al.'s per-layer count with flash attention, ``s·b·h·(10 + 24/tp)``, or the
 layer inputs only under full recomputation; a 1F1B first stage holds up to ``pp`` micro-batches of
-its ``L/pp`` layers); fp32 logits; the KV cache of generation; a workspace (2% of the device, for
+its ``L/pp`` layers); fp32 logits; the KV cache of the sequences generation decodes at once (all
+of a unit's, or a wave of them); a workspace (2% of the device, for
 cuBLAS/attention scratch and allocator slack); 64 MiB of buffers per communicator; and the
 co-resident weights of the other models, which stay on the slots between stages while gradients,
 optimizer state and KV caches are released. Feasible means the total fits in the device with 10%
@@ -61,10 +62,11 @@ def memory_breakdown(shape: LayoutShape, *, num_slots: int) -> dict[str, np.ndar
     elif ms.stage == "inference":
         out["activations"] = zeros + seq * shape.mb * h * (10 + 24 / shape.tp)
         out["logits"] = zeros + seq * shape.mb * vocab_cols * 4
-    else:  # generation: every sequence of the unit keeps its KV cache until it finishes
+    else:  # generation: every sequence a unit decodes at once keeps its KV cache until it
+        # finishes (the unit's others wait for a later wave)
         per_sequence = 2 * layers * shape.kv_dim_per_slot * seq * b
-        out["kv_cache"] = shape.batch_per_unit * per_sequence
-        out["logits"] = np.minimum(shape.batch_per_unit, w.gen_micro_batch) * vocab_cols * 4
+        out["kv_cache"] = shape.concurrent * per_sequence
+        out["logits"] = np.minimum(shape.concurrent, w.gen_micro_batch) * vocab_cols * 4
     capacity = shape.accelerator.memory_bytes
     out["workspace"] = zeros + WORKSPACE_FRACTION * capacity
     groups = (shape.tp > 1) + (shape.pp > 1) + (shape.dp > 1)

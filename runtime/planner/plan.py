@@ -50,9 +50,10 @@ class ModelStagePlan:
     memory_per_slot: tuple[tuple[str, float], ...]
     """Bytes per slot by component on the most loaded slot."""
     micro_batch: int = 0
-    """Sequences per micro-batch in training and inference; 0: the workload's (and always 0 for
-    generation, which batches by the workload's ``gen_micro_batch``). Changing it moves no state
-    (the planner lowers it before it changes a layout that memory outgrows)."""
+    """Sequences per micro-batch in training and inference (0: the workload's); in generation,
+    the most sequences a unit decodes at once (vLLM's ``max_num_seqs``; 0: all of its share of
+    the batch), the rest in later waves. Changing it moves no state (the planner lowers it
+    before it changes a layout that memory outgrows)."""
 
     def __post_init__(self) -> None:
         mb = self.micro_batch
@@ -173,8 +174,12 @@ class Plan:
         return {ms.name: ms.layout for ms in self.model_stages}
 
     def micro_batches(self, default: int = 0) -> dict[str, int]:
-        """Each model-stage's micro-batch; ``default`` (the workload's) where the plan has none."""
-        return {ms.name: ms.micro_batch or default for ms in self.model_stages}
+        """Each model-stage's micro-batch; ``default`` (the workload's) where a training or
+        inference model-stage has none (generation's 0 is all of a unit's sequences at once)."""
+        return {
+            ms.name: ms.micro_batch or (0 if ms.name.endswith("@generation") else default)
+            for ms in self.model_stages
+        }
 
     def places_like(self, other: Plan) -> bool:
         """Whether every model-stage has the same layout on the same slots in both plans (going

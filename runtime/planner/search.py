@@ -19,7 +19,7 @@ import numpy as np
 from runtime.planner import cost, memory
 from runtime.planner.catalog import GIB, Accelerator
 from runtime.planner.plan import Layout, ModelStagePlan, Plan, StagePlan
-from runtime.planner.shapes import LayoutShape, micro_batch_sizes
+from runtime.planner.shapes import LayoutShape, batchings
 from runtime.planner.space import Rejection, valid_layouts
 from runtime.planner.workload import STAGES, ModelStage, PpoWorkload
 
@@ -164,12 +164,13 @@ def fitting(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """For every dp of ``shape``: predicted seconds, whether it fits the memory budget (at
     ``fits_at`` when given), its micro-batch and the bytes per slot it needs. The micro-batch is
-    the fastest of the model-stage's sizes that fits (the largest among equals: a pipeline
-    drains its bubble faster in smaller ones; each tensor-parallel all-reduce pays its latency
-    once per micro-batch), else the smallest, which needs the least."""
+    the fastest of the model-stage's ``batchings`` that fits (the largest among equals: a
+    pipeline drains its bubble faster in smaller ones; each tensor-parallel all-reduce pays its
+    latency once per micro-batch; generation decodes in more waves only to fit), else the
+    smallest, which needs the least."""
     budget = memory.memory_budget(shape.accelerator.memory_bytes)
     total = fits = micro = need = None
-    for size in micro_batch_sizes(shape.ms, shape.workload):
+    for size in batchings(shape):
         at = dataclasses.replace(shape, micro_batch=size)
         seconds, _ = cost.predict(at, num_slots=num_slots, efficiency=efficiency)
         held = at if fits_at is None else dataclasses.replace(at, workload=fits_at)
@@ -211,8 +212,8 @@ def _infeasible(
             tp=tp,
             pp=pp,
             dp=dp,
-            micro_batch=micro_batch_sizes(ms, workload)[-1],
         )
+        shape = dataclasses.replace(shape, micro_batch=batchings(shape)[-1])
         need = memory.total_bytes(memory.memory_breakdown(shape, num_slots=num_slots))
         i = int(np.argmin(need))
         if need[i] < least:
@@ -247,9 +248,6 @@ def _model_stage_plan(
 ) -> ModelStagePlan:
     tp, pp, dp, micro_batch = column.options[option]
     layout = Layout(dp=dp, tp=tp, pp=pp)
-    shape = LayoutShape.of_layout(column.model_stage, workload, acc, layout, micro_batch)
-    total, breakdown = cost.predict(shape, num_slots=num_slots, efficiency=efficiency)
-    mem = memory.memory_breakdown(shape, num_slots=num_slots)
     size = tp * pp
     return ModelStagePlan(
         name=column.model_stage.name,
@@ -257,11 +255,57 @@ def _model_stage_plan(
         units=tuple(
             tuple(range(first_slot + u * size, first_slot + (u + 1) * size)) for u in range(dp)
         ),
-        predicted_s=float(total[0]),
-        breakdown=tuple((k, float(v[0])) for k, v in breakdown.items() if float(v[0]) > 0),
-        memory_per_slot=tuple((k, float(v[0])) for k, v in mem.items() if float(v[0]) > 0),
-        # Generation batches by the workload's gen_micro_batch: no micro-batch of its own.
-        micro_batch=0 if column.model_stage.stage == "generation" else micro_batch,
+        micro_batch=micro_batch,
+        **_described(column.model_stage, workload, acc, layout, micro_batch, num_slots, efficiency),
+    )
+
+
+def _described(ms, workload, acc, layout, micro_batch, num_slots, efficiency) -> dict:
+    """A model-stage plan's predicted seconds, their breakdown and its memory per slot."""
+    shape = LayoutShape.of_layout(ms, workload, acc, layout, micro_batch)
+    total, breakdown = cost.predict(shape, num_slots=num_slots, efficiency=efficiency)
+    mem = memory.memory_breakdown(shape, num_slots=num_slots)
+    return {
+        "predicted_s": float(total[0]),
+        "breakdown": tuple((k, float(v[0])) for k, v in breakdown.items() if float(v[0]) > 0),
+        "memory_per_slot": tuple((k, float(v[0])) for k, v in mem.items() if float(v[0]) > 0),
+    }
+
+
+def rebatched(
+    plan_: Plan,
+    workload: PpoWorkload,
+    accelerator: Accelerator,
+    *,
+    efficiency: Mapping[str, float] | None = None,
+    fits_at: PpoWorkload | None = None,
+) -> Plan | None:
+    """``plan_``'s layouts on its slots, each model-stage in the micro-batch the search would
+    give that layout now (the fastest that fits, at ``fits_at`` too; for generation, the fewest
+    waves); None when some layout fits in none. Moving to it moves no state."""
+    eff = _efficiencies(efficiency)
+    chosen: dict[str, ModelStagePlan] = {}
+    for ms in workload.model_stages():
+        running = plan_.model_stage(ms.name)
+        shape = LayoutShape.of_layout(ms, workload, accelerator, running.layout)
+        _, fits, micro, _ = fitting(shape, plan_.num_slots, eff, fits_at)
+        if not fits[0]:
+            return None
+        size = int(micro[0])
+        described = _described(
+            ms, workload, accelerator, running.layout, size, plan_.num_slots, eff
+        )
+        chosen[ms.name] = dataclasses.replace(running, micro_batch=size, **described)
+    stages = []
+    for stage in plan_.stages:
+        times = [chosen[ms.name].predicted_s for ms in workload.model_stages(stage.stage)]
+        total = sum(times) if stage.mode == "colocated" else max(times)
+        stages.append(dataclasses.replace(stage, predicted_s=total))
+    return dataclasses.replace(
+        plan_,
+        model_stages=tuple(chosen[ms.name] for ms in plan_.model_stages),
+        stages=tuple(stages),
+        predicted_step_s=sum(s.predicted_s for s in stages),
     )
 
 

@@ -21,8 +21,10 @@ class LayoutShape:
     tp: int
     pp: int
     dp: np.ndarray
-    micro_batch: int = 0
-    """Sequences per micro-batch in training and inference; 0: the workload's."""
+    micro_batch: int | np.ndarray = 0
+    """Sequences per micro-batch in training and inference (0: the workload's); in generation,
+    the sequences a unit decodes at once, as many as its KV cache holds (0: all of its
+    sequences; an array: one value per dp)."""
 
     @classmethod
     def of_layout(
@@ -56,6 +58,18 @@ class LayoutShape:
     def mb(self) -> int:
         """Sequences per micro-batch in training and inference."""
         return self.micro_batch or self.workload.micro_batch
+
+    @property
+    def concurrent(self) -> np.ndarray:
+        """Generation: sequences a unit decodes at once (the rest wait for a later wave)."""
+        everything = self.batch_per_unit
+        limit = np.asarray(self.micro_batch, dtype=float)
+        return np.where(limit > 0, np.minimum(everything, np.maximum(limit, 1.0)), everything)
+
+    @property
+    def waves(self) -> np.ndarray:
+        """Generation: rounds a unit decodes its sequences in, ``concurrent`` at a time."""
+        return np.ceil(self.batch_per_unit / self.concurrent)
 
     @property
     def unit_slots(self) -> int:
@@ -97,11 +111,30 @@ class LayoutShape:
         return self.ms.num_params - self.ms.model.embedding_params
 
 
+GENERATION_WAVES = (1, 2, 4, 8, 16)
+"""The rounds a generation unit may decode its sequences in when its KV cache cannot hold them
+all at once (as vLLM's ``max_num_seqs`` caps the sequences it runs together)."""
+
+
+def batchings(shape: LayoutShape) -> list:
+    """The ``micro_batch`` values a model-stage may run its layout in, from the one needing the
+    most memory to the one needing the least: for training and inference, the sizes of
+    ``micro_batch_sizes``; for generation, all of a unit's sequences at once (0), then as many
+    as decode in 2, 4, ... waves (one value per dp: a unit's share of the batch depends on it).
+    Every wave reads the weights again, so a unit decodes in more only to fit."""
+    ms, workload = shape.ms, shape.workload
+    if ms.stage != "generation":
+        return list(micro_batch_sizes(ms, workload))
+    if not workload.adaptive_micro_batch:
+        return [0]
+    return [0, *(np.ceil(shape.batch_per_unit / waves) for waves in GENERATION_WAVES[1:])]
+
+
 def micro_batch_sizes(ms: ModelStage, workload: PpoWorkload) -> tuple[int, ...]:
-    """The micro-batches a model-stage may run, largest first: for training and inference the
+    """The micro-batches a training or inference model-stage may run, largest first: the
     workload's, halved down to one sequence (fewer sequences per micro-batch hold fewer
-    activations; the gradient is the same, accumulated over more of them); generation batches
-    by its own ``gen_micro_batch``. A workload that pins its micro-batch has only its own."""
+    activations; the gradient is the same, accumulated over more of them). A workload that pins
+    its micro-batch has only its own."""
     if ms.stage == "generation" or not workload.adaptive_micro_batch:
         return (workload.micro_batch,)
     sizes, size = [workload.micro_batch], workload.micro_batch

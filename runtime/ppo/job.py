@@ -519,7 +519,10 @@ class PpoRuntime:
         prompts = self.tasks.sample(c.batch_size, seed=_step_seed(c.seed, step, 0))
         params = c.sampling(_step_seed(c.seed, step, 1))
         sync_bytes = self._sync(engine, (units["actor@training"], units["actor@generation"]))
-        rollout = self._generate(engine, units["actor@generation"], prompts, params)
+        micro_batches = plan.micro_batches(workload.micro_batch)
+        rollout = self._generate(
+            engine, units["actor@generation"], prompts, params, micro_batches["actor@generation"]
+        )
         stage_s["generation"] = time.perf_counter() - t0
         self._measured["actor@generation"] = stage_s["generation"]
 
@@ -530,7 +533,6 @@ class PpoRuntime:
             (units["actor@training"], units["actor@inference"]),
             (units["critic@training"], units["critic@inference"]),
         )
-        micro_batches = plan.micro_batches(workload.micro_batch)
         scored = self._infer(
             engine,
             units,
@@ -638,7 +640,8 @@ class PpoRuntime:
         live = sorted(set(range(engine.pool.num_slots)) - engine.lost_slots)
         return [m for i, m in enumerate(engine.pool.memory()) if i in live]
 
-    def _generate(self, engine, units, prompts, params) -> dict:
+    def _generate(self, engine, units, prompts, params, micro_batch: int) -> dict:
+        """Each unit samples its share of the prompts, ``micro_batch`` at a time (0: all)."""
         calls = []
         for unit, rows in zip(units, _split(len(prompts), len(units)), strict=True):
             if rows:
@@ -654,15 +657,11 @@ class PpoRuntime:
             params=params,
             pad_token_id=PAD,
             backend=self.config.generation_backend,
+            micro_batch=micro_batch,
         )
         parts = sorted((r for r in results if r is not None), key=lambda r: r["rows"][0])
-        width = max(p["response_tokens"].shape[1] for p in parts)
-
-        def right_pad(t: torch.Tensor, value) -> torch.Tensor:
-            return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value)
-
-        response_tokens = torch.cat([right_pad(p["response_tokens"], PAD) for p in parts])
-        response_mask = torch.cat([right_pad(p["response_mask"], 0) for p in parts])
+        joined = slot_work.join_responses(parts, PAD)
+        response_tokens, response_mask = joined["response_tokens"], joined["response_mask"]
         prompt_tokens, prompt_mask = left_pad(
             [p.tokens for p in prompts], pad_token_id=PAD, device="cpu"
         )

@@ -267,13 +267,43 @@ def generate(
     params: SamplingParams,
     pad_token_id: int,
     backend: str = "torch",
+    micro_batch: int = 0,
 ) -> dict | None:
     """Sample a response to each prompt on ``unit``; the reporting slot returns them.
     ``backend``: ``torch`` (the workspace, any layout) or ``vllm`` (a vLLM engine on the slot's
-    GPU, fed the workspace's weights each step; one-slot units)."""
+    GPU, fed the workspace's weights each step; one-slot units). ``micro_batch``: the most
+    prompts decoded at once, as many as the plan's KV cache holds (0: all); the rest wait for
+    later waves. A response depends only on its prompt and row, not on the wave it ran in."""
     ws = workspace(ctx, unit)
-    if backend == "vllm":
-        return _generate_vllm(ctx, ws, prompts, rows, params, pad_token_id)
+    run = _generate_vllm if backend == "vllm" else _generate_torch
+    waves = [
+        run(ctx, ws, prompts[r.start : r.stop], rows[r.start : r.stop], params, pad_token_id)
+        for r in _row_chunks(len(rows), micro_batch or len(rows))
+    ]
+    return None if waves[0] is None else {"rows": rows, **join_responses(waves, pad_token_id)}
+
+
+def join_responses(parts: list[dict], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """Batches of responses (waves of a unit, or units' shares) as one, in order, each padded
+    on the right to the longest: tokens with the pad token, the mask and log-probabilities
+    with zeros."""
+    width = max(p["response_tokens"].shape[1] for p in parts)
+    pads = {"response_tokens": pad_token_id, "response_mask": 0, "logprobs": 0.0}
+    return {
+        key: torch.cat(
+            [
+                torch.nn.functional.pad(p[key], (0, width - p[key].shape[1]), value=pad)
+                for p in parts
+            ]
+        )
+        for key, pad in pads.items()
+        if all(key in p for p in parts)
+    }
+
+
+def _generate_torch(ctx, ws: Workspace, prompts, rows, params, pad_token_id) -> dict | None:
+    """One wave of ``generate`` on the workspace's own model (any layout)."""
+    unit = ws.unit
     tokens, mask = left_pad(prompts, pad_token_id=pad_token_id, device=ctx.device)
     config = unit.layout.model
     noise = _gumbel(rows, params.seed, params.max_new_tokens, config.vocab_size)

@@ -36,8 +36,10 @@ window.NereusPlanMap = (function () {
     for (let s = 0; s < slots; s++) grid.appendChild(cell("th", String(s)));
     for (const ms of plan.model_stages) {
       const l = ms.layout;
-      // Training and inference run in the plan's micro-batches (sequences each): shown as "mb".
-      const mb = ms.micro_batch ? ` mb ${ms.micro_batch}` : "";
+      // Training and inference run in the plan's micro-batches (sequences each): shown as "mb";
+      // generation that decodes in waves shows how many sequences a unit decodes at once.
+      const wave = ms.name.endsWith("@generation") ? "at once" : "mb";
+      const mb = ms.micro_batch ? ` ${wave} ${ms.micro_batch}` : "";
       grid.appendChild(cell("th", `${ms.name} (${l.dp},${l.tp},${l.pp})${mb}`));
       for (let s = 0; s < slots; s++) {
         const p = pos[ms.name][s];

@@ -552,18 +552,36 @@ def test_a_plan_forecast_to_outgrow_memory_is_left_before_a_step_fails():
 
 def test_memory_a_layout_outgrows_is_first_freed_by_smaller_micro_batches():
     """The length grows from 512 to 8,000 tokens with micro-batches of up to 16 sequences. When
-    the inference micro-batches will not fit, the controller halves them, which moves no state,
-    instead of moving any layout; pinned to 16, the job has to move state instead."""
+    the inference micro-batches will not fit what the trend reaches within the lookahead, the
+    controller halves them (at whichever replan of that step comes first), which moves no
+    state, instead of moving any layout; pinned to 16, the job has to move state instead."""
     grown = dataclasses.replace(WORKLOAD, gen_len=512, micro_batch=16)
     controller, summary = _growing_length(JobPolicy(), gpus=32, to=8000.0, workload=grown)
     assert summary.failed_steps == 0 and summary.transitions == 0 and summary.rebatches > 0
     changes = [e for e in controller.events if e["event"] == "control.micro_batches"]
     assert len(changes) == summary.rebatches
     for change in changes:
-        assert change["trigger"]["kind"] == "memory"
         assert change["changed"] and all(new < old for old, new in change["changed"].values())
     pinned = dataclasses.replace(grown, adaptive_micro_batch=False)
     _, moved = _growing_length(JobPolicy(), gpus=32, to=8000.0, workload=pinned)
+    assert moved.transitions + moved.restarts > 0 and moved.rebatches == 0
+
+
+def test_generation_whose_kv_cache_outgrows_decodes_in_waves_before_its_layout_moves():
+    """1,024 sequences a step while the length grows from 1,000 to 8,000 tokens on 16 slots:
+    the generation units' KV caches soon cannot hold all of their sequences at once. Planned,
+    a unit decodes as many as fit and the rest in later waves, which moves no state: no
+    transition, no restart, no failed step. Decoding all at once (pinned), the job has to
+    move state or restart."""
+    many = dataclasses.replace(WORKLOAD, gen_len=1000, global_batch=1024)
+    controller, summary = _growing_length(JobPolicy(), gpus=16, to=8000.0, workload=many)
+    assert summary.failed_steps == 0 and summary.transitions == summary.restarts == 0
+    changes = [e["changed"] for e in controller.events if e["event"] == "control.micro_batches"]
+    assert len(changes) == summary.rebatches > 0
+    assert all(set(change) == {"actor@generation"} for change in changes)
+    assert controller.plan.model_stage("actor@generation").micro_batch > 0
+    pinned = dataclasses.replace(many, adaptive_micro_batch=False)
+    _, moved = _growing_length(JobPolicy(), gpus=16, to=8000.0, workload=pinned)
     assert moved.transitions + moved.restarts > 0 and moved.rebatches == 0
 
 

@@ -6,36 +6,32 @@ obviously correct; only for pools of a few dozen slots."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
 import numpy as np
 
 from runtime.planner import cost, memory
-from runtime.planner.shapes import LayoutShape, micro_batch_sizes
+from runtime.planner.shapes import LayoutShape, batchings
 from runtime.planner.space import valid_layouts
 from runtime.planner.workload import STAGES
 
 
 def exact_slot_times(ms, workload, acc, num_slots, efficiency) -> list[float]:
     """best[g]: the fastest feasible layout of ``ms`` using exactly g slots (inf if none), each
-    layout at whichever of its micro-batches that fits is fastest."""
+    layout at whichever of its micro-batches (generation: waves) that fits is fastest."""
     best = [math.inf] * (num_slots + 1)
     budget = memory.memory_budget(acc.memory_bytes)
     for tp, pp in valid_layouts(ms.model, acc, num_slots)[0]:
         for dp in range(1, num_slots // (tp * pp) + 1):
             if dp > workload.global_batch:
                 continue
-            for micro_batch in micro_batch_sizes(ms, workload):
-                shape = LayoutShape(
-                    ms=ms,
-                    workload=workload,
-                    accelerator=acc,
-                    tp=tp,
-                    pp=pp,
-                    dp=np.array([float(dp)]),
-                    micro_batch=micro_batch,
-                )
+            layout = LayoutShape(
+                ms=ms, workload=workload, accelerator=acc, tp=tp, pp=pp, dp=np.array([float(dp)])
+            )
+            for micro_batch in batchings(layout):
+                shape = dataclasses.replace(layout, micro_batch=micro_batch)
                 need = memory.total_bytes(memory.memory_breakdown(shape, num_slots=num_slots))[0]
                 if need > budget:
                     continue

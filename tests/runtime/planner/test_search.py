@@ -21,7 +21,7 @@ from runtime.planner.catalog import Accelerator, ModelConfig
 from runtime.planner.memory import memory_breakdown, memory_budget, total_bytes
 from runtime.planner.plan import Plan, PlanError
 from runtime.planner.search import fitting, price_plan
-from runtime.planner.shapes import LayoutShape, micro_batch_sizes
+from runtime.planner.shapes import LayoutShape, batchings
 from tests.runtime.planner.oracle import exhaustive_step_seconds
 from tests.support.hashing import outputs_under_hash_seeds
 
@@ -261,9 +261,10 @@ def test_a_layout_memory_outgrows_runs_in_smaller_micro_batches_before_it_is_dro
     for ms in adaptive.model_stages():
         chosen = LayoutShape.of_plan(ms, adaptive, acc, free)
         predicted, fits, micro, _ = fitting(chosen, 32, cost.DEFAULT_EFFICIENCY)
-        assert fits[0] and micro[0] == chosen.mb and predicted[0] == pytest.approx(price(chosen))
+        assert fits[0] and micro[0] == chosen.micro_batch
+        assert predicted[0] == pytest.approx(price(chosen))
         assert total_bytes(memory_breakdown(chosen, num_slots=32))[0] <= budget
-        for size in micro_batch_sizes(ms, adaptive):  # none that fits is faster
+        for size in batchings(chosen):  # none that fits is faster
             other = dataclasses.replace(chosen, micro_batch=size)
             need = total_bytes(memory_breakdown(other, num_slots=32))[0]
             if need <= budget:
@@ -274,8 +275,38 @@ def test_a_layout_memory_outgrows_runs_in_smaller_micro_batches_before_it_is_dro
     assert Plan.from_json(free.to_json()) == free
 
 
-def price(shape: LayoutShape) -> float:
-    return float(cost.predict(shape, num_slots=32, efficiency=cost.DEFAULT_EFFICIENCY)[0][0])
+def test_generation_whose_kv_cache_cannot_hold_every_sequence_decodes_in_waves():
+    """At 16,000 generated tokens on 8 A100s no generation layout holds the KV cache of all of
+    a unit's sequences: decoding them all at once (pinned) fits nowhere. Planned, a unit
+    decodes as many as its cache holds and the rest in later waves (vLLM's max_num_seqs), and
+    no option with fewer waves fits; each wave reads the weights again, so it costs more than
+    the same layout would all at once."""
+    acc = CATALOG.accelerator("a100-80gb")
+    adaptive = PpoWorkload.for_model(CATALOG.model("llama-3.1-8b"), gen_len=16000)
+    pinned = dataclasses.replace(adaptive, adaptive_micro_batch=False)
+    with pytest.raises(PlanningError, match=r"memory: actor@generation needs") as refused:
+        plan(pinned, acc, 8, num_alternatives=0)
+    assert refused.value.constraint == "memory"
+    best = plan(adaptive, acc, 8, num_alternatives=0).best
+    ms = next(m for m in adaptive.model_stages() if m.stage == "generation")
+    chosen = LayoutShape.of_plan(ms, adaptive, acc, best)
+    share = float(chosen.batch_per_unit[0])
+    assert 0 < best.model_stage(ms.name).micro_batch < share
+    assert float(chosen.waves[0]) >= 2 and float(chosen.concurrent[0]) * chosen.waves[0] >= share
+    budget = memory_budget(acc.memory_bytes)
+    assert total_bytes(memory_breakdown(chosen, num_slots=8))[0] <= budget
+    at_once = dataclasses.replace(chosen, micro_batch=0)
+    assert total_bytes(memory_breakdown(at_once, num_slots=8))[0] > budget
+    assert price(at_once, 8) < price(chosen, 8)
+    for option in batchings(chosen):  # fewer waves than chosen: too big
+        other = dataclasses.replace(chosen, micro_batch=option)
+        if float(other.waves[0]) < float(chosen.waves[0]):
+            assert total_bytes(memory_breakdown(other, num_slots=8))[0] > budget
+    assert Plan.from_json(best.to_json()) == best
+
+
+def price(shape: LayoutShape, num_slots: int = 32) -> float:
+    return float(cost.predict(shape, num_slots=num_slots, efficiency=cost.DEFAULT_EFFICIENCY)[0][0])
 
 
 def test_a_plan_s_micro_batch_is_checked_and_defaults_to_the_workload_s():
@@ -289,7 +320,10 @@ def test_a_plan_s_micro_batch_is_checked_and_defaults_to_the_workload_s():
         del ms["micro_batch"]
     older = Plan.from_json(data)
     assert set(older.micro_batches().values()) == {0}
-    assert set(older.micro_batches(default=4).values()) == {4}
+    # training and inference take the workload's; generation decodes all at once
+    assert older.micro_batches(default=4) == {
+        ms.name: 0 if ms.name.endswith("@generation") else 4 for ms in older.model_stages
+    }
     assert price_plan(older, workload, CATALOG.accelerator("h100-sxm")) > 0
 
 

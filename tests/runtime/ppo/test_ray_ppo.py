@@ -179,12 +179,13 @@ def test_transitions_between_steps_keep_the_trajectory_and_the_state(runtime):
     assert {s for us in engine.units().values() for u in us for s in u.slots} == set(range(6))
 
 
-def test_training_in_smaller_micro_batches_makes_the_same_update(runtime):
-    """A plan may train and score in smaller micro-batches than the workload's (to fit memory):
-    each training slot accumulates the gradients of one-row micro-batches, each weighted by its
-    share of the tokens, in the data-parallel actor (pp 1) and the pipelined critic (pp 2), and
-    inference scores one row at a time, pipelined or not. The steps' statistics and the weights
-    come out as the whole batch's do."""
+def test_smaller_micro_batches_and_generation_waves_make_the_same_update(runtime):
+    """A plan may train and score in smaller micro-batches than the workload's, and generate in
+    waves (to fit memory): each training slot accumulates the gradients of one-row
+    micro-batches, each weighted by its share of the tokens, in the data-parallel actor (pp 1)
+    and the pipelined critic (pp 2); inference scores one row at a time, pipelined or not; and
+    generation decodes one prompt at a time. The steps' statistics and the weights come out as
+    the whole batch's do."""
 
     def run(micro_batch: int):
         engine, job = runtime()
@@ -193,10 +194,7 @@ def test_training_in_smaller_micro_batches_makes_the_same_update(runtime):
             plan = dataclasses.replace(
                 plan,
                 model_stages=tuple(
-                    dataclasses.replace(ms, micro_batch=micro_batch)
-                    if not ms.name.endswith("@generation")
-                    else ms
-                    for ms in plan.model_stages
+                    dataclasses.replace(ms, micro_batch=micro_batch) for ms in plan.model_stages
                 ),
             )
         engine.start(plan, job.workload())
