@@ -20,7 +20,7 @@ from runtime.planner import (
 from runtime.planner.catalog import Accelerator, ModelConfig
 from runtime.planner.memory import memory_breakdown, memory_budget, total_bytes
 from runtime.planner.plan import Plan, PlanError
-from runtime.planner.search import fitting, price_plan
+from runtime.planner.search import fitting, price_plan, rebatched
 from runtime.planner.shapes import LayoutShape, batchings
 from tests.runtime.planner.oracle import exhaustive_step_seconds
 from tests.support.hashing import outputs_under_hash_seeds
@@ -303,6 +303,33 @@ def test_generation_whose_kv_cache_cannot_hold_every_sequence_decodes_in_waves()
         if float(other.waves[0]) < float(chosen.waves[0]):
             assert total_bytes(memory_breakdown(other, num_slots=8))[0] > budget
     assert Plan.from_json(best.to_json()) == best
+
+
+def test_a_plan_rebatched_for_a_longer_length_keeps_its_layouts_and_slots():
+    """A plan made at 2,000 tokens, re-batched for 6,000: every model-stage keeps its layout
+    and slots, micro-batches only shrink (generation decodes in waves, so ``micro_batch`` goes
+    from all at once to some), the plan's predictions are its own at the new length, and it
+    fits there; at a length no micro-batch of some layout fits, there is none."""
+    acc = CATALOG.accelerator("h100-sxm")
+    short = PpoWorkload.for_model(CATALOG.model("llama-3.1-8b"), gen_len=2000, global_batch=2048)
+    running = plan(short, acc, 16, num_alternatives=0).best
+    longer = short.with_gen_len(6000)
+    again = rebatched(running, longer, acc)
+    assert again is not None and again.places_like(running)
+    assert again.predicted_step_s == pytest.approx(price_plan(again, longer, acc))
+    before, after = running.micro_batches(short.micro_batch), again.micro_batches(4)
+    assert before != after
+    for name, size in after.items():
+        if name.endswith("@generation"):
+            assert before[name] == 0 or 0 < size <= before[name]
+        else:
+            assert size <= before[name]
+    budget = memory_budget(acc.memory_bytes)
+    for ms in longer.model_stages():
+        shape = LayoutShape.of_plan(ms, longer, acc, again)
+        assert total_bytes(memory_breakdown(shape, num_slots=16))[0] <= budget
+    assert rebatched(running, short, acc) == dataclasses.replace(running)  # nothing to change
+    assert rebatched(running, short.with_gen_len(64000), acc) is None
 
 
 def price(shape: LayoutShape, num_slots: int = 32) -> float:
