@@ -218,6 +218,13 @@ class Controller:
     def _candidate(self, engine: Engine, workload: PpoWorkload, *, fits_at: float = 0.0) -> Plan:
         return self._plans(engine, workload, fits_at=fits_at)[0]
 
+    def _measured_accelerator(self) -> Accelerator:
+        """The accelerator as the planner should see it: with the memory the device really
+        gives, as measured so far."""
+        return dataclasses.replace(
+            self.acc, memory_bytes=self.acc.memory_bytes / self.memory_factor
+        )
+
     def _plans(
         self,
         engine: Engine,
@@ -238,8 +245,7 @@ class Controller:
         if keep is not None:
             excluded |= only_layouts(keep)
         efficiency = self.calibrator.efficiency()
-        # Plan against the memory the device really gives, as measured so far.
-        acc = dataclasses.replace(self.acc, memory_bytes=self.acc.memory_bytes / self.memory_factor)
+        acc = self._measured_accelerator()
         fit = self._workload(fits_at) if fits_at > workload.gen_len else None
         try:
             result = plan(
@@ -463,12 +469,12 @@ class Controller:
         engine it need not), which is the running plan itself when every layout still fits,
         and the running layouts in the micro-batches (generation: waves) that fit it, which
         moves no state: staying costs nothing, so a move that would not repay within the
-        steps its plan lasts is not asked for. A plan that must move again in ten steps carries a tenth of its
-        move's cost in each step; a plan for a longer length, its slower steps; a plan that
-        rebuilds the generation engines, their start-up. When no live move reaches the
-        planner's plan, the other options are weighed without it; when no live move reaches
-        any, the planner's plan goes on to admission, which weighs the next-best plans a live
-        move can reach and a checkpoint/restart."""
+        steps its plan lasts is not asked for. A plan that must move again in ten steps
+        carries a tenth of its move's cost in each step; a plan for a longer length, its
+        slower steps; a plan that rebuilds the generation engines, their start-up. When no
+        live move reaches the planner's plan, the other options are weighed without it; when
+        no live move reaches any, the planner's plan goes on to admission, which weighs the
+        next-best plans a live move can reach and a checkpoint/restart."""
         assert self.plan is not None
         # A move away from a plan about to outgrow memory is not staged (admission's rule).
         stage = trigger.kind != "memory"
@@ -514,11 +520,10 @@ class Controller:
         planner would give it at ``workload``, fitting ``fits_at`` as well in the memory the
         devices really give; None if some layout fits in none."""
         assert self.plan is not None
-        acc = dataclasses.replace(self.acc, memory_bytes=self.acc.memory_bytes / self.memory_factor)
         return rebatched(
             self.plan,
             workload,
-            acc,
+            self._measured_accelerator(),
             efficiency=self.calibrator.efficiency(),
             fits_at=self._workload(fits_at) if fits_at > workload.gen_len else None,
         )
@@ -590,8 +595,8 @@ class Controller:
         if self.policy.admission == "never" and not broken:
             self.emit(self._decision(trigger, None, None, "the policy never adapts"))
             return
-        # Nor, whatever brought it, may a plan be one that the memory lookahead would move
-        # straight back: the length the trend reaches within the lookahead bounds it too.
+        # Whatever brought the replan, its plan must not be one the memory lookahead would
+        # move straight back: the length the trend reaches within the lookahead bounds it too.
         lookahead = self._memory_horizon(trigger.step)
         envelope = max(self._envelope(), (self._forecast(lookahead) if lookahead else None) or 0.0)
         try:

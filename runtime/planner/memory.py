@@ -4,8 +4,8 @@ Components: parameters, gradients and Adam state (fp32 master weights and two mo
 activations (Korthikanti et al.'s per-layer count with flash attention, ``s·b·h·(10 + 24/tp)``, or the
 layer inputs only under full recomputation; a 1F1B first stage holds up to ``pp`` micro-batches of
 its ``L/pp`` layers); fp32 logits; the KV cache of the sequences generation decodes at once (all
-of a unit's, or a wave of them); a workspace (2% of the device, for
-cuBLAS/attention scratch and allocator slack); 64 MiB of buffers per communicator; and the
+of a unit's, or a wave of them); a workspace (2% of the device, for cuBLAS/attention scratch
+and allocator slack); 64 MiB of buffers per communicator; and the
 co-resident weights of the other models, which stay on the slots between stages while gradients,
 optimizer state and KV caches are released. Feasible means the total fits in the device with 10%
 headroom.
