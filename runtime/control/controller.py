@@ -87,6 +87,9 @@ class Proposal:
     """The unit ids it was compiled against: if they changed, the proposal is stale."""
     route: str = "live"
     """``live`` (a transition DAG) or ``restart`` (no live route: checkpoint/restart)."""
+    ahead: frozenset[tuple[str, tuple[int, ...]]] = frozenset()
+    """Its new units on slots the running plan leaves idle, built while it waits: approved, the
+    transition waits only for what is left of their build."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -722,7 +725,7 @@ class Controller:
                 self._restart(candidate, workload, engine, because=verdict.reason)
             return
         if self._needs_approval(verdict, urgent):
-            self._propose(candidate, verdict, trigger, engine, route=route)
+            self._propose(candidate, verdict, trigger, engine, route=route, dag=dag)
             return
         if route == "restart":
             self._restart(candidate, workload, engine, because=verdict.reason)
@@ -736,11 +739,15 @@ class Controller:
     ) -> None:
         """Start building ``dag.ahead`` on the engine and run the transition after the step
         that follows ``step``."""
+        self._build_ahead(candidate, workload, dag, engine, step=step)
+        self.staged = Staged(plan=candidate, trigger=trigger, ahead=dag.ahead)
+
+    def _build_ahead(self, candidate, workload, dag, engine, *, step: int, **about) -> None:
+        """Start building ``dag.ahead`` (new units on slots the running plan leaves idle)."""
         units: dict[str, list[tuple[int, ...]]] = {}
         for name, slots in sorted(dag.ahead):
             units.setdefault(name, []).append(slots)
         engine.build_ahead(candidate, workload, {n: tuple(us) for n, us in units.items()})
-        self.staged = Staged(plan=candidate, trigger=trigger, ahead=dag.ahead)
         self.emit(
             {
                 "event": "control.building_ahead",
@@ -748,6 +755,7 @@ class Controller:
                 "predicted_s": dag.ahead_makespan(),
                 "step": step,
                 "simulated": bool(getattr(engine, "simulated", False)),
+                **about,
             }
         )
 
@@ -1053,7 +1061,12 @@ class Controller:
             return True
         return verdict.cost_s > self.policy.approval_above_s
 
-    def _propose(self, candidate, verdict, trigger, engine, *, route: str = "live") -> None:
+    def _propose(
+        self, candidate, verdict, trigger, engine, *, route: str = "live", dag=None
+    ) -> None:
+        """Ask a person; meanwhile build the move's new units on idle slots (``dag.ahead``):
+        the job runs on as it would anyway, and if the move is approved its transition waits
+        only for what is left of them (rejected, they are dropped with the next transition)."""
         pending = self.pending
         if (
             pending is not None
@@ -1078,6 +1091,7 @@ class Controller:
                     "reason": "superseded by a newer proposal",
                 }
             )
+        ahead = dag.ahead if dag is not None and route == "live" else frozenset()
         self.pending = Proposal(
             proposal_id=next(self._ids),
             plan=candidate,
@@ -1086,6 +1100,7 @@ class Controller:
             created_s=engine.now(),
             units_at=_unit_ids(engine),
             route=route,
+            ahead=ahead,
         )
         self.emit(
             {
@@ -1096,6 +1111,16 @@ class Controller:
                 "route": route,
             }
         )
+        if ahead:
+            workload = self._workload(self._gen_len)
+            self._build_ahead(
+                candidate,
+                workload,
+                dag,
+                engine,
+                step=trigger.step,
+                proposal=self.pending.proposal_id,
+            )
 
     def command(self, kind: str, proposal_id: int, engine: Engine) -> str:
         """``approve`` or ``reject`` a pending proposal; returns what happened."""
@@ -1121,6 +1146,7 @@ class Controller:
         except TransitionRefusedError as exc:
             self.emit({"event": "control.stale", "proposal": proposal_id, "reason": str(exc)})
             return "stale"
+        dag.built_ahead = dag.ahead & pending.ahead
         self._apply(pending.plan, workload, dag, engine)
         return "applied"
 

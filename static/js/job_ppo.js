@@ -392,7 +392,9 @@
       case "control.building_ahead":
         label(d.simulated);
         log("building ahead", `after step ${d.step}`, `${d.units} new units on idle slots`,
-          "built while the next step runs on the current plan; the transition follows that step",
+          d.proposal
+            ? `built while proposal #${d.proposal} waits; approved, its transition waits only for what is left`
+            : "built while the next step runs on the current plan; the transition follows that step",
           `predicted ${num(d.predicted_s)} s`);
         break;
       case "control.transition_started":

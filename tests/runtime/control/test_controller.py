@@ -66,6 +66,27 @@ def test_a_manual_job_keeps_running_until_a_person_approves():
         controller.command("approve", 1, engine)
 
 
+def test_a_waiting_proposal_builds_its_new_units_ahead_so_the_approved_move_waits_less():
+    """The pool grows to 32 during step 0 and the move to it waits for a person for three
+    steps. Meanwhile its new units on the granted slots are built (those slots are idle
+    anyway): once approved, the transition waits only for what is left of their build."""
+    engine = _engine()
+    controller = Controller(WORKLOAD, ACC, JobPolicy(admission="always_faster", approval="manual"))
+    controller.initial_plan(engine)
+    _steps(controller, engine, range(4))
+    proposal = controller.pending
+    assert proposal is not None and controller.transitions == 0
+    building = next(e for e in controller.events if e["event"] == "control.building_ahead")
+    assert building["proposal"] == proposal.proposal_id
+    assert building["units"] == len(proposal.ahead) > 0
+    assert controller.command("approve", proposal.proposal_id, engine) == "applied"
+    transition = next(e for e in controller.events if e["event"] == "control.transition")
+    assert transition["ok"] and transition["dag"]["built_ahead"] == building["units"]
+    # Simulated seconds: the builds ended during the steps it waited, so the transition's
+    # rebuilding is only that of units on slots the old plan used.
+    assert transition["rebuild_s"] < building["predicted_s"]
+
+
 def test_the_same_change_asked_again_keeps_the_waiting_proposal():
     from runtime.control.monitor import Trigger
 
