@@ -29,6 +29,7 @@ from runtime.planner import cost, memory
 from runtime.planner.catalog import Accelerator
 from runtime.planner.cost import DEFAULT_EFFICIENCY
 from runtime.planner.plan import Plan
+from runtime.planner.search import stage_time
 from runtime.planner.shapes import LayoutShape
 from runtime.planner.workload import PpoWorkload
 from runtime.transition import cost as transition_cost
@@ -187,10 +188,7 @@ class SimulatedEngine:
                 for k, v in use.items()
             )
             peak = max(peak, scaled / self.acc.memory_bytes)
-        stage_seconds = {
-            stage: (sum(ts) if modes[stage] == "colocated" else max(ts))
-            for stage, ts in per_stage.items()
-        }
+        stage_seconds = {stage: stage_time(modes[stage], ts) for stage, ts in per_stage.items()}
         seconds = sum(stage_seconds.values())
         ok, failure = True, ""
         if peak > 1.0:

@@ -299,8 +299,7 @@ def rebatched(
     stages = []
     for stage in plan_.stages:
         times = [chosen[ms.name].predicted_s for ms in workload.model_stages(stage.stage)]
-        total = sum(times) if stage.mode == "colocated" else max(times)
-        stages.append(dataclasses.replace(stage, predicted_s=total))
+        stages.append(dataclasses.replace(stage, predicted_s=stage_time(stage.mode, times)))
     return dataclasses.replace(
         plan_,
         model_stages=tuple(chosen[ms.name] for ms in plan_.model_stages),
@@ -497,6 +496,12 @@ def _efficiencies(efficiency: Mapping[str, float] | None) -> dict[str, float]:
     return {**cost.DEFAULT_EFFICIENCY, **(efficiency or {})}
 
 
+def stage_time(mode: str, seconds: Sequence[float]) -> float:
+    """A stage's time from its model-stages': one after another when colocated, else the
+    slowest of them running side by side."""
+    return sum(seconds) if mode == "colocated" else max(seconds)
+
+
 def price_plan(
     plan_: Plan,
     workload: PpoWorkload,
@@ -513,6 +518,4 @@ def price_plan(
         shape = LayoutShape.of_plan(ms, workload, accelerator, plan_)
         total, _ = cost.predict(shape, num_slots=plan_.num_slots, efficiency=eff)
         seconds[ms.stage].append(float(total[0]))
-    return sum(
-        (sum(ts) if modes[stage] == "colocated" else max(ts)) for stage, ts in seconds.items()
-    )
+    return sum(stage_time(modes[stage], ts) for stage, ts in seconds.items())

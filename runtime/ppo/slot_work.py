@@ -297,7 +297,6 @@ def join_responses(parts: list[dict], pad_token_id: int) -> dict[str, torch.Tens
             ]
         )
         for key, pad in pads.items()
-        if all(key in p for p in parts)
     }
 
 
@@ -694,7 +693,7 @@ def _micro_batches(task: TrainTask) -> tuple[torch.Tensor, list[range], list[flo
 
 def _row_chunks(rows: int, micro_batch: int) -> list[range]:
     """``rows`` cut into the fewest micro-batches of at most ``micro_batch`` rows, as even as
-    they come (training and scoring cut alike)."""
+    they come (training, scoring and generation's waves cut alike)."""
     micro = max(1, min(rows, -(-rows // micro_batch)))
     return _ranges([len(c) for c in torch.arange(rows).tensor_split(micro)])
 
