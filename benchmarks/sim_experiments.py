@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import statistics
 import sys
@@ -315,11 +316,24 @@ def experiment_scale(quick: bool) -> dict:
                 "rebuild_s": t["rebuild_s"],
                 "nodes": t["nodes"],
                 "built_ahead": t["dag"]["built_ahead"],
+                # New units built while the first step generated on the built ones, what
+                # admission charged that step for it, and that step's generation against the
+                # next one's.
+                "joining": len(t["dag"]["joining"]),
+                "joining_s": t["dag"]["joining_s"],
+                "generation_s": _generation_after(controller.events, t),
             }
             for t in transitions
         ],
         "seed": {"transitions": 6, "share": 0.00079},
     }
+
+
+def _generation_after(events: list[dict], transition: dict) -> list[float]:
+    """The generation stage's seconds in the two steps after ``transition``."""
+    after = events[events.index(transition) + 1 :]
+    steps = [e for e in after if e["event"] == "step" and e["ok"]][:2]
+    return [e["stage_seconds"]["generation"] for e in steps]
 
 
 def _figure_scale(steps_ev, transitions, controller, trace) -> None:
@@ -590,6 +604,12 @@ def figures(results: dict) -> None:
     )
 
 
+def _pair(seconds: list[float]) -> str:
+    if len(seconds) < 2:
+        return "–"
+    return f"{seconds[0]:.1f} ({seconds[1]:.1f})"
+
+
 def markdown(results: dict) -> str:
     lines = ["# Simulated experiments (SIMULATED: no figure here comes from hardware)", ""]
     e1 = results["adaptation"]
@@ -647,7 +667,11 @@ def markdown(results: dict) -> str:
         f"**{e2['moving_share']:.3%}**. In {e2['built_ahead']} of the transitions the new units "
         "on granted slots were built during one more step on the old plan, so that the "
         "transition waited only for what was left of their build (that step's forgone saving "
-        "is counted in the step time, and admission priced it).",
+        "is counted in the step time, and admission priced it). Where some generation units "
+        "were built (kept in place, or built ahead), the transition waited for no new unit "
+        "elsewhere: the first step generated on the built ones while the rest built (the "
+        "table's last columns: the units that joined so, what admission charged that step for "
+        "it, and that step's generation seconds against the next one's).",
         "",
         "How long each new plan must keep fitting as the length grows (`policy.memory_runway`; "
         "the default is `shortest`), micro-batches planned or pinned, and admission's dead "
@@ -679,11 +703,13 @@ def markdown(results: dict) -> str:
         "sets `adaptive_micro_batch: false` runs. Least saving 0: every move that repays "
         "within gamma × H is made, however little it saves.",
         "",
-        "| # | predicted s | actual s | of which rebuilding s | nodes | units built ahead |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| # | predicted s | actual s | of which rebuilding s | nodes | units built ahead | "
+        "units joining | charged s | generation s, first step (next) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         *(
             f"| {i} | {t['predicted_s']:.1f} | {t['actual_s']:.1f} | {t['rebuild_s']:.1f} | "
-            f"{t['nodes']} | {t['built_ahead']} |"
+            f"{t['nodes']} | {t['built_ahead']} | {t.get('joining', 0)} | "
+            f"{t.get('joining_s', 0.0):.1f} | {_pair(t.get('generation_s', []))} |"
             for i, t in enumerate(e2["transitions"], 1)
         ),
         "",
@@ -761,17 +787,29 @@ def markdown(results: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    experiments = {
+        "adaptation": experiment_adaptation,
+        "scale": experiment_scale,
+        "plan_quality": experiment_plan_quality,
+        "admission": experiment_admission,
+        "calibration": experiment_calibration,
+    }
     parser.add_argument("--quick", action="store_true", help="fewer steps and settings")
+    parser.add_argument(
+        "--only",
+        choices=sorted(experiments),
+        help="run this experiment alone; the others' results are those last written",
+    )
     args = parser.parse_args()
     started = time.perf_counter()
     results = {}
-    for name, fn in (
-        ("adaptation", experiment_adaptation),
-        ("scale", experiment_scale),
-        ("plan_quality", experiment_plan_quality),
-        ("admission", experiment_admission),
-        ("calibration", experiment_calibration),
-    ):
+    if args.only:
+        stored = _report.RESULTS / "sim_experiments.json"
+        if not stored.exists():
+            parser.error(f"--only: {stored} does not exist yet; run every experiment first")
+        results = json.loads(stored.read_text())["results"]
+        experiments = {args.only: experiments[args.only]}
+    for name, fn in experiments.items():
         t = time.perf_counter()
         results[name] = fn(args.quick)
         print(f"[{name}: {time.perf_counter() - t:.0f} s]", flush=True)

@@ -23,7 +23,7 @@ from runtime.planner.calibration import Calibrator
 from runtime.planner.catalog import Accelerator
 from runtime.planner.memory import memory_breakdown, memory_budget, total_bytes
 from runtime.planner.plan import Plan
-from runtime.planner.search import price_plan, rebatched
+from runtime.planner.search import on_ready, price_plan, rebatched, stage_prices
 from runtime.planner.shapes import LayoutShape, batchings
 from runtime.planner.space import only_layouts
 from runtime.planner.workload import PpoWorkload
@@ -116,16 +116,17 @@ class Staged:
     ahead: frozenset[tuple[str, tuple[int, ...]]]
 
 
-def staged_cost(dag, current_s: float, candidate_s: float) -> float:
+def staged_cost(dag, current_s: float, candidate_s: float, joining_s: float = 0.0) -> float:
     """What a transition costs when its ``ahead`` units are built during one more step on the
     running plan (``current_s``): the moves and the other builds, whatever of the ahead builds
-    outlasts that step, and that step's forgone saving."""
-    moving = dag.predicted_s - dag.rebuild_makespan()
+    outlasts that step, that step's forgone saving, and ``joining_s`` (what the first step on
+    the target loses while the units joining then build)."""
     return (
-        moving
-        + dag.rebuild_makespan(skip=dag.ahead)
+        dag.moving_s
+        + dag.rebuild_makespan(skip=dag.ahead | dag.joining_for(dag.ahead))
         + max(0.0, dag.ahead_makespan() - current_s)
         + max(0.0, current_s - candidate_s)
+        + joining_s
     )
 
 
@@ -555,9 +556,14 @@ class Controller:
         except TransitionRefusedError:
             return None
         if not (stage and dag.ahead):
-            return dag.predicted_s
+            return dag.cost_s
         current_s = self._price(self.plan, workload)
-        return min(dag.predicted_s, staged_cost(dag, current_s, self._price(option, workload)))
+        return min(dag.cost_s, self._staged_cost(dag, option, workload, current_s))
+
+    def _staged_cost(self, dag, option: Plan, workload: PpoWorkload, current_s: float) -> float:
+        """``staged_cost`` of moving to ``option`` by ``dag``, priced under calibration."""
+        joining_s = self._joining_s(dag, option, workload, built=dag.ahead)
+        return staged_cost(dag, current_s, self._price(option, workload), joining_s)
 
     def _still_fitting(self, gen_len: float) -> dict[str, tuple[int, int]]:
         """The running (tp, pp) of every model-stage whose layout still fits ``gen_len`` (at
@@ -669,10 +675,10 @@ class Controller:
         if route == "restart":
             cost = self._restart_estimate(candidate, workload)
         else:
-            cost = math.inf if dag is None else dag.predicted_s
+            cost = math.inf if dag is None else dag.cost_s
             if dag is not None and dag.ahead and not (urgent or broken or overflows):
                 # Build the new units on idle slots during one more step, when that is cheaper.
-                staged = staged_cost(dag, current_s, candidate_s)
+                staged = self._staged_cost(dag, candidate, workload, current_s)
                 ahead = staged < cost
                 cost = min(cost, staged)
         outlook = Outlook(signals=(trigger.signal,))
@@ -773,11 +779,10 @@ class Controller:
             return
         workload = self._workload(self._gen_len)
         try:
-            dag = self._compile(engine, staged.plan, workload)
+            dag = self._compile(engine, staged.plan, workload, built_ahead=staged.ahead)
         except TransitionRefusedError as exc:
             self.emit(self._decision(staged.trigger, staged.plan, None, f"infeasible now: {exc}"))
             return
-        dag.built_ahead = dag.ahead & staged.ahead
         self._apply(staged.plan, workload, dag, engine)
 
     def _outlook(self, candidate: Plan, trigger: Trigger) -> Outlook:
@@ -877,8 +882,17 @@ class Controller:
         )
         return self.capacity / self.memory_factor - frozen * self.workload.bytes_per_value / pool
 
-    def _compile(self, engine: Engine, candidate: Plan, workload: PpoWorkload):
-        return diff(
+    def _compile(
+        self,
+        engine: Engine,
+        candidate: Plan,
+        workload: PpoWorkload,
+        *,
+        built_ahead: frozenset[tuple[str, tuple[int, ...]]] = frozenset(),
+    ):
+        """The transition to ``candidate``, of which ``built_ahead`` units (when they are among
+        its ``ahead``) were started before it, priced with what its joining units cost."""
+        dag = diff(
             engine.units(),
             candidate,
             self._cluster(engine),
@@ -887,6 +901,28 @@ class Controller:
             tag=f"t{self.transitions + self.restarts + 1}",
             derived_from=self.plan,
         )
+        dag.built_ahead = dag.ahead & built_ahead
+        dag.joining_s = self._joining_s(dag, candidate, workload, built=dag.built_ahead)
+        return dag
+
+    def _joining_s(
+        self, dag, candidate: Plan, workload: PpoWorkload, *, built: frozenset = frozenset()
+    ) -> float:
+        """What the first step on ``candidate`` loses while the units joining when ``built``
+        were built ahead (less those) build: its generation on the units built (or the builds,
+        if they take longer) against generation on every unit."""
+        joining = dag.joining_for(built) - built  # those built ahead: see ``staged_cost``
+        if not joining:
+            return 0.0
+        ready = {
+            name: tuple(u for u in candidate.model_stage(name).units if (name, u) not in joining)
+            for name in {n for n, _ in joining if n.endswith("@generation")}
+        }
+        eff = self.calibrator.efficiency()
+        partial = on_ready(candidate, workload, self.acc, ready)
+        whole_s = stage_prices(candidate, workload, self.acc, efficiency=eff)["generation"]
+        ready_s = stage_prices(partial, workload, self.acc, efficiency=eff)["generation"]
+        return max(ready_s, dag.build_makespan(joining)) - whole_s
 
     def _salvage(self, trigger: Trigger, workload: PpoWorkload, engine: Engine) -> bool:
         """When the planner's candidate cannot be reached live: keep running on what survived.
@@ -1142,11 +1178,10 @@ class Controller:
             self._restart(pending.plan, workload, engine, because="approved")
             return "restarted"
         try:
-            dag = self._compile(engine, pending.plan, workload)
+            dag = self._compile(engine, pending.plan, workload, built_ahead=pending.ahead)
         except TransitionRefusedError as exc:
             self.emit({"event": "control.stale", "proposal": proposal_id, "reason": str(exc)})
             return "stale"
-        dag.built_ahead = dag.ahead & pending.ahead
         self._apply(pending.plan, workload, dag, engine)
         return "applied"
 
@@ -1169,7 +1204,7 @@ class Controller:
     ) -> Event:
         """``step``: when the decision is taken, if not at its trigger (a deferred one);
         ``ahead``: the verdict priced building the new units ahead (its cost is then not the
-        DAG's ``predicted_s``)."""
+        DAG's ``cost_s``)."""
         step = trigger.step if step is None else step
         return {
             "event": "control.decision",
@@ -1182,6 +1217,7 @@ class Controller:
             "horizon_steps": self.monitor.horizon_of(trigger.signal),
             "gamma": self.policy.gamma,
             "predicted_transition_s": None if dag is None else dag.predicted_s,
+            "joining_s": None if dag is None else dag.joining_s,
             "outlook": None if outlook is None else outlook.to_json(),
             "route": route,
             "built_ahead": ahead,

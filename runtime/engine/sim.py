@@ -29,12 +29,12 @@ from runtime.planner import cost, memory
 from runtime.planner.catalog import Accelerator
 from runtime.planner.cost import DEFAULT_EFFICIENCY
 from runtime.planner.plan import Plan
-from runtime.planner.search import stage_time
+from runtime.planner.search import on_ready, stage_time
 from runtime.planner.shapes import LayoutShape
 from runtime.planner.workload import PpoWorkload
 from runtime.transition import cost as transition_cost
 from runtime.transition.compiler import DEFAULT_REBUILD_S
-from runtime.transition.dag import TransitionDag
+from runtime.transition.dag import TransitionDag, build_order
 from runtime.transition.simulate import simulate
 from runtime.transition.units import Units, bytes_on, persists, units_of
 
@@ -124,6 +124,9 @@ class SimulatedEngine:
         """Steps lost with the state (those since the checkpoint): a restart does them again."""
         self._ahead: dict[tuple[str, tuple[int, ...]], float] = {}
         """Units being built ahead of a transition: when each is ready (simulated seconds)."""
+        self._joining: dict[tuple[str, tuple[int, ...]], float] = {}
+        """Derived units a transition did not wait for (``TransitionDag.joining``): when each is
+        ready. The next step generates on the others meanwhile (``search.on_ready``)."""
 
     @property
     def rebuild_s(self) -> tuple[tuple[str, float], ...]:
@@ -145,6 +148,7 @@ class SimulatedEngine:
         self._check_fits(plan)
         self._units = units_of(plan, workload)
         self._lost.clear()
+        self._joining.clear()
 
     def units(self) -> Units:
         return dict(self._units)
@@ -166,13 +170,14 @@ class SimulatedEngine:
             return self._stalled(step, f"{missing[0]}: no units hold its state (simulated)")
         gen_len = self.trace.gen_len_at(step) * math.exp(self.rng.gauss(0, 0.02))
         now = workload.with_gen_len(max(1, round(gen_len)))
+        runs_on, building_s = self._joined(plan, now)
         eff = self.truth.efficiency_at(self.clock)
         modes = {s.stage: s.mode for s in plan.stages}
         per_stage: dict[str, list[float]] = {}
         op_times: list[tuple[str, float, float]] = []
         peak = 0.0
         for ms in now.model_stages():
-            shape = LayoutShape.of_plan(ms, now, self.acc, plan)
+            shape = LayoutShape.of_plan(ms, now, self.acc, runs_on)
             ideal, _ = cost.ideal_breakdown(shape, num_slots=plan.num_slots)
             total, _ = cost.predict(shape, num_slots=plan.num_slots, efficiency=eff)
             jitter = math.exp(self.rng.gauss(0, self.truth.noise))
@@ -189,6 +194,9 @@ class SimulatedEngine:
             )
             peak = max(peak, scaled / self.acc.memory_bytes)
         stage_seconds = {stage: stage_time(modes[stage], ts) for stage, ts in per_stage.items()}
+        # The units still building hold their slots until they are built: the next stage
+        # (on every slot) waits for them.
+        stage_seconds["generation"] = max(stage_seconds["generation"], building_s)
         seconds = sum(stage_seconds.values())
         ok, failure = True, ""
         if peak > 1.0:
@@ -218,6 +226,24 @@ class SimulatedEngine:
             simulated=True,
         )
 
+    def _joined(self, plan: Plan, workload: PpoWorkload) -> tuple[Plan, float]:
+        """The plan this step runs (generation on the units that are built: those a transition
+        did not wait for are built by the end of this step's generation) and how long the last
+        of them still builds."""
+        building = {
+            key: ready
+            for key, ready in self._joining.items()
+            if ready > self.clock and key[1] in plan.model_stage(key[0]).units
+        }
+        self._joining = {}
+        if not building:
+            return plan, 0.0
+        ready = {
+            name: tuple(u for u in plan.model_stage(name).units if (name, u) not in building)
+            for name in {n for n, _ in building if n.endswith("@generation")}
+        }
+        return on_ready(plan, workload, self.acc, ready), max(building.values()) - self.clock
+
     def _stalled(self, step: int, failure: str) -> StepReport:
         """A step the job cannot run: it waits ``STALL_S`` for the world to change."""
         self._advance(STALL_S)
@@ -240,15 +266,25 @@ class SimulatedEngine:
         result = simulate(dag, durations=true_seconds)
         took = {name: self._build_s(name) for name in dag.rebuilds}
         rebuild = dag.rebuild_makespan(took)
-        for name in {n for n, _ in dag.built_ahead}:
-            took.pop(name, None)  # a model-stage built ahead was learned from when it was built
-        for key in dag.built_ahead:  # waited for where still building
+        built_here = {
+            name
+            for name, units in dag.rebuild_units.items()
+            for u in units
+            if (name, u) not in dag.built_ahead | dag.joining
+        }
+        for key in dag.built_ahead - dag.joining:  # waited for where still building
             ready = self._ahead.get(key, self.clock + self._build_s(key[0]))
             rebuild = max(rebuild, ready - self.clock)
-        self._ahead.clear()
-        for name, seconds in took.items():
-            self._learn_build(name, seconds)
+        for name in built_here:  # those built ahead or joining are learned from as they build
+            self._learn_build(name, took[name])
         result = dataclasses.replace(result, makespan_s=result.makespan_s + rebuild)
+        end = self.clock + result.makespan_s
+        joining = {
+            key: self._ahead[key] for key in dag.joining & dag.built_ahead if key in self._ahead
+        }
+        rest = sorted(dag.joining - set(joining), key=lambda key: (build_order(key[0]), key[1]))
+        joining.update(self._schedule(rest, start=end))
+        self._ahead.clear()
         lost = self.trace.failures_between(self.clock, self.clock + result.makespan_s)
         self._advance(result.makespan_s)
         if not result.ok or lost:
@@ -262,6 +298,7 @@ class SimulatedEngine:
                 rebuild_s=rebuild,
             )
         self._units = dict(dag.target)
+        self._joining.update(joining)
         return TransitionOutcome(
             ok=True,
             seconds=result.makespan_s,
@@ -274,14 +311,24 @@ class SimulatedEngine:
         self, plan: Plan, workload: PpoWorkload, units: dict[str, tuple[tuple[int, ...], ...]]
     ) -> None:
         """Start the builds now, in the engines' order; the clock does not wait for them."""
+        keys = [
+            (name, tuple(slots)) for name in sorted(units, key=build_order) for slots in units[name]
+        ]
+        self._ahead.update(self._schedule(keys, start=self.clock))
+
+    def _schedule(self, keys, *, start: float) -> dict[tuple[str, tuple[int, ...]], float]:
+        """When each of these units ((model-stage, slots), in the engines' order) is built, the
+        builds starting at ``start``: each as soon as all its slots are free."""
+        seconds = {name: self._build_s(name) for name in sorted({n for n, _ in keys})}
+        for name, took in seconds.items():
+            self._learn_build(name, took)
         free: dict[int, float] = {}
-        for name in sorted(units):
-            seconds = self._build_s(name)
-            self._learn_build(name, seconds)
-            for slots in units[name]:
-                ready = max(free.get(s, self.clock) for s in slots) + seconds
-                free.update(dict.fromkeys(slots, ready))
-                self._ahead[(name, tuple(slots))] = ready
+        out = {}
+        for name, slots in keys:
+            ready = max(free.get(s, start) for s in slots) + seconds[name]
+            free.update(dict.fromkeys(slots, ready))
+            out[(name, slots)] = ready
+        return out
 
     def _build_s(self, model_stage: str) -> float:
         """The true seconds one unit of ``model_stage`` takes to build now."""
@@ -319,6 +366,7 @@ class SimulatedEngine:
         self._advance(seconds)
         self._units = units_of(plan, workload)
         self._lost.clear()
+        self._joining.clear()
         return seconds
 
     # --- the world moving on ----------------------------------------------------------------------

@@ -502,6 +502,25 @@ def stage_time(mode: str, seconds: Sequence[float]) -> float:
     return sum(seconds) if mode == "colocated" else max(seconds)
 
 
+def stage_prices(
+    plan_: Plan,
+    workload: PpoWorkload,
+    accelerator: Accelerator,
+    *,
+    efficiency: Mapping[str, float] | None = None,
+) -> dict[str, float]:
+    """Predicted seconds of each stage of an existing plan's layouts under a workload and
+    efficiencies."""
+    eff = _efficiencies(efficiency)
+    modes = {s.stage: s.mode for s in plan_.stages}
+    seconds = {stage: [] for stage in STAGES}
+    for ms in workload.model_stages():
+        shape = LayoutShape.of_plan(ms, workload, accelerator, plan_)
+        total, _ = cost.predict(shape, num_slots=plan_.num_slots, efficiency=eff)
+        seconds[ms.stage].append(float(total[0]))
+    return {stage: stage_time(modes[stage], ts) for stage, ts in seconds.items()}
+
+
 def price_plan(
     plan_: Plan,
     workload: PpoWorkload,
@@ -511,11 +530,38 @@ def price_plan(
 ) -> float:
     """Predicted step seconds of an existing plan's layouts under a workload and efficiencies
     (for comparing the running plan with a candidate under the same calibrated model)."""
+    return sum(stage_prices(plan_, workload, accelerator, efficiency=efficiency).values())
+
+
+def on_ready(
+    plan_: Plan,
+    workload: PpoWorkload,
+    accelerator: Accelerator,
+    ready: Mapping[str, Sequence[tuple[int, ...]]],
+    *,
+    efficiency: Mapping[str, float] | None = None,
+) -> Plan:
+    """``plan_`` as it runs while some of its generation units are still being built: each
+    model-stage in ``ready`` on those of its units only, which share its sequences between them.
+    Each decodes as many at once as the search would give it (the fastest that fits), and never
+    fewer than a unit of the whole plan does, which fits. Generation units are independent
+    engines, so a generation stage can run on any of its units."""
     eff = _efficiencies(efficiency)
-    modes = {s.stage: s.mode for s in plan_.stages}
-    seconds = {stage: [] for stage in STAGES}
-    for ms in workload.model_stages():
-        shape = LayoutShape.of_plan(ms, workload, accelerator, plan_)
-        total, _ = cost.predict(shape, num_slots=plan_.num_slots, efficiency=eff)
-        seconds[ms.stage].append(float(total[0]))
-    return sum(stage_time(modes[stage], ts) for stage, ts in seconds.items())
+    changed = {}
+    for name, units in ready.items():
+        running = plan_.model_stage(name)
+        if not name.endswith("@generation"):
+            raise ValueError(f"ready.{name}: only generation runs on part of its units")
+        units = tuple(units)
+        if not units or not set(units) <= set(running.units):
+            raise ValueError(f"ready.{name}: must be some of the plan's units, got {units}")
+        ms = next(m for m in workload.model_stages() if m.name == name)
+        layout = dataclasses.replace(running.layout, dp=len(units))
+        whole = LayoutShape.of_plan(ms, workload, accelerator, plan_)
+        shape = LayoutShape.of_layout(ms, workload, accelerator, layout)
+        _, fits, micro, _ = fitting(shape, plan_.num_slots, eff)
+        size = int(micro[0]) if fits[0] else int(whole.concurrent[0])
+        changed[name] = dataclasses.replace(running, layout=layout, units=units, micro_batch=size)
+    return dataclasses.replace(
+        plan_, model_stages=tuple(changed.get(ms.name, ms) for ms in plan_.model_stages)
+    )

@@ -41,6 +41,7 @@ from runtime.engine.slots import Pending, SlotError
 from runtime.planner import cost, default_catalog
 from runtime.planner.catalog import ModelConfig
 from runtime.planner.plan import Plan
+from runtime.planner.search import on_ready
 from runtime.planner.shapes import LayoutShape
 from runtime.planner.workload import PpoWorkload
 from runtime.ppo import algorithm as ppo
@@ -52,6 +53,7 @@ from runtime.ppo.parallel import check_tensor_parallel
 from runtime.ppo.tasks import EOS, PAD, TaskSet, reward_function
 from runtime.ppo.trainer_local import supervised_warmup
 from runtime.ppo.weights import CheckpointError, read_state_dict
+from runtime.transition.dag import build_order
 from runtime.transition.units import persists, unit_layout
 
 REWARDS = ("length", "correct", "partial", "model")
@@ -160,6 +162,11 @@ class PpoJobConfig:
             raise PpoConfigError(str(exc)) from None
 
 
+def _build_key(unit: Unit) -> tuple:
+    """Derived units build in the engines' ``build_order``, on every slot in the same order."""
+    return (build_order(unit.model_stage), unit.unit_id)
+
+
 def _step_seed(seed: int, step: int, stream: int) -> int:
     return (seed * 1_000_003 + step * 8_191 + stream) % 2**63
 
@@ -189,6 +196,17 @@ class Checkpoint:
 class _Ahead:
     """Builds started on idle slots (``PpoRuntime.build_ahead``)."""
 
+    pending: Pending
+    stage_of: dict[str, str]
+    """Unit id → its stage."""
+    units: tuple[Unit, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Joining:
+    """Derived units building while the step generates on the others (``_joining``)."""
+
+    units: tuple[Unit, ...]
     pending: Pending
     stage_of: dict[str, str]
     """Unit id → its stage."""
@@ -237,6 +255,9 @@ class PpoRuntime:
         """Per stage, the longest unit built ahead since the last step reported its builds."""
         self.last_ahead: dict[str, float] = {}
         """Unit id → seconds, of the last batch built ahead that finished."""
+        self._built: set[tuple] = set()
+        """The derived units whose workspaces are built on every one of their slots
+        (``slot_work.workspace_key``)."""
         if config.init_from:
             self._check_initial(config.init_from)
 
@@ -379,7 +400,7 @@ class PpoRuntime:
         planned = self.units_for(engine, plan, workload)
         ahead = sorted(
             (u for group in planned.values() for u in group if (u.model_stage, u.slots) in wanted),
-            key=lambda u: u.unit_id,
+            key=_build_key,
         )
         if not ahead:
             return 0
@@ -392,7 +413,7 @@ class PpoRuntime:
             slot_work.build_workspaces, on=slots, units=ahead, frozen=self._frozen_weights()
         )
         stage_of = {u.unit_id: u.model_stage.partition("@")[2] for u in ahead}
-        self._ahead = _Ahead(pending=pending, stage_of=stage_of)
+        self._ahead = _Ahead(pending=pending, stage_of=stage_of, units=tuple(ahead))
         return len(ahead)
 
     def finish_ahead(self) -> None:
@@ -408,6 +429,7 @@ class PpoRuntime:
             logger.warning("units built ahead are dropped: %s", exc)
             return
         self.last_ahead = {}
+        self._built.update(slot_work.workspace_key(u) for u in ahead.units)
         for took in results:
             for unit_id, seconds in took.items():
                 self.last_ahead[unit_id] = seconds
@@ -424,9 +446,10 @@ class PpoRuntime:
 
     def _prepare(
         self, engine: UnitEngine, units: dict[str, tuple[Unit, ...]], workload: PpoWorkload
-    ) -> dict[str, float]:
+    ) -> tuple[dict[str, float], _Joining | None]:
         """Create, collectively over the pool, the groups and meshes these units need, and build
-        the derived units' workspaces; returns, per stage, the longest a new unit took."""
+        the derived units' workspaces; returns, per stage, the longest a new unit took, and the
+        joining generation units, whose builds it starts and leaves running (``_joining``)."""
         every = [u for group in units.values() for u in group]
         dp_groups = self._dp_groups(units)
         key = (tuple(sorted(u.unit_id + str(u.slots) for u in every)), tuple(sorted(dp_groups)))
@@ -446,22 +469,52 @@ class PpoRuntime:
             engine.prepare_groups(dp_groups)
             self._grouped.add(key)
         engine.pool.run(slot_work.keep_workspaces, on=live, units=every)
-        # New derived units (a transition's, or the first step's) are built now, every slot at
-        # once, rather than one after another when each stage first syncs weights into them.
+        self._built &= {slot_work.workspace_key(u) for u in every}
         stage_of = {
             u.unit_id: ms.stage
             for ms in workload.model_stages()
             if not persists(ms)
             for u in units[ms.name]
         }
-        derived = sorted((u for u in every if u.unit_id in stage_of), key=lambda u: u.unit_id)
+        new = [
+            u
+            for u in every
+            if u.unit_id in stage_of and slot_work.workspace_key(u) not in self._built
+        ]
+        joining = self._joining(units, new)
+        # New derived units (a transition's, or the first step's) are built now, every slot at
+        # once, rather than one after another when each stage first syncs weights into them;
+        # those joining, while the step generates.
+        derived = sorted((u for u in new if u not in joining), key=_build_key)
         for took in engine.pool.run(
             slot_work.build_workspaces, on=live, units=derived, frozen=self._frozen_weights()
         ):
             for unit_id, seconds in took.items():
                 stage = stage_of[unit_id]
                 rebuild_s[stage] = max(rebuild_s.get(stage, 0.0), seconds)
-        return rebuild_s
+        self._built.update(slot_work.workspace_key(u) for u in derived)
+        if not joining:
+            return rebuild_s, None
+        joining = tuple(sorted(joining, key=_build_key))
+        pending = engine.pool.start(
+            slot_work.build_workspaces,
+            on=sorted({s for u in joining for s in u.slots}),
+            units=list(joining),
+            frozen=self._frozen_weights(),
+        )
+        return rebuild_s, _Joining(units=joining, pending=pending, stage_of=stage_of)
+
+    @staticmethod
+    def _joining(units: dict[str, tuple[Unit, ...]], new: list[Unit]) -> tuple[Unit, ...]:
+        """Of the derived units not built yet (``new``), those built while the step generates:
+        when some generation units are built, the step generates on them (a generation unit is
+        an engine of its own, so any of them can serve) while the new units on other slots
+        build; new generation units join from the next step, and the inference stage waits
+        for its units (``TransitionDag.joining``)."""
+        generating = {s for u in units["actor@generation"] if u not in new for s in u.slots}
+        if not generating:
+            return ()
+        return tuple(u for u in new if not generating & set(u.slots))
 
     @staticmethod
     def _dp_groups(units) -> list[tuple[int, ...]]:
@@ -510,21 +563,41 @@ class PpoRuntime:
         c = self.config
         started = time.perf_counter()
         units = self.units_for(engine, plan, workload)
-        rebuild_s = self._prepare(engine, units, workload)
+        rebuild_s, joining = self._prepare(engine, units, workload)
         stage_s: dict[str, float] = {}
         self._measured: dict[str, float] = {}
 
-        # 1. generation
+        # 1. generation, on the units that are built (``_joining``)
         t0 = time.perf_counter()
         prompts = self.tasks.sample(c.batch_size, seed=_step_seed(c.seed, step, 0))
         params = c.sampling(_step_seed(c.seed, step, 1))
-        sync_bytes = self._sync(engine, (units["actor@training"], units["actor@generation"]))
-        micro_batches = plan.micro_batches(workload.micro_batch)
+        ran, generators, training = plan, units["actor@generation"], units["actor@training"]
+        if joining is not None:
+            generators = tuple(u for u in generators if u not in joining.units)
+        if len(generators) < len(units["actor@generation"]):
+            ran = on_ready(
+                plan,
+                workload,
+                default_catalog().accelerator(plan.accelerator),
+                {"actor@generation": tuple(u.slots for u in generators)},
+            )
+        if joining is not None:
+            # Weights come from training units off the building slots, where there are any.
+            building = set(joining.pending.slots)
+            training = tuple(u for u in training if not building & set(u.slots)) or training
+        sync_bytes = self._sync(engine, (training, generators))
+        micro_batches = ran.micro_batches(workload.micro_batch)
         rollout = self._generate(
-            engine, units["actor@generation"], prompts, params, micro_batches["actor@generation"]
+            engine, generators, prompts, params, micro_batches["actor@generation"]
         )
+        self._measured["actor@generation"] = time.perf_counter() - t0
+        if joining is not None:  # the next stages run on every slot: the builds end first
+            for took in joining.pending.wait():
+                for unit_id, seconds in took.items():
+                    stage = joining.stage_of[unit_id]
+                    rebuild_s[stage] = max(rebuild_s.get(stage, 0.0), seconds)
+            self._built.update(slot_work.workspace_key(u) for u in joining.units)
         stage_s["generation"] = time.perf_counter() - t0
-        self._measured["actor@generation"] = stage_s["generation"]
 
         # 2. inference
         t0 = time.perf_counter()
@@ -590,7 +663,7 @@ class PpoRuntime:
             **totals,
         )
         self.stats.append(stats)
-        op_times = self._op_times(plan, workload, stage_s["training"])
+        op_times = self._op_times(ran, workload, stage_s["training"])
         self.state.next_step = step + 1
         self.state.kl_coef = self.kl.value
         peak = max(m["peak_bytes"] for m in self._memory(engine))
@@ -605,7 +678,12 @@ class PpoRuntime:
             peak_memory=peak / default_catalog().accelerator("cpu-slot").memory_bytes,
             op_times=op_times,
             rebuild_seconds=rebuild_s,
-            extra={"stats": stats.to_json(), "sync_bytes": sync_bytes, "ppo_step": step},
+            extra={
+                "stats": stats.to_json(),
+                "sync_bytes": sync_bytes,
+                "ppo_step": step,
+                "generated_on": [u.unit_id for u in generators],
+            },
         )
 
     def _op_times(self, plan: Plan, workload: PpoWorkload, training_s: float):
@@ -778,11 +856,13 @@ class PpoRuntime:
     def regrouped(self) -> None:
         """The slots' group was re-formed: every group and workspace must be made again."""
         self._grouped.clear()
+        self._built.clear()
         self._ahead = None  # their groups, and maybe their processes, are gone
 
     def lost_state(self) -> None:
         """A step failed part-way: the units are gone; a restart resumes from a checkpoint."""
         self._grouped.clear()
+        self._built.clear()
         self._ahead = None
 
     # --- checkpoints ----------------------------------------------------------------------------
@@ -826,12 +906,14 @@ class PpoRuntime:
         self.load_state(ckpt.state)
         del self.stats[ckpt.step :]
         self._grouped.clear()
+        self._built.clear()
 
     def release(self, engine: UnitEngine) -> None:
         """Drop this job's workspaces on every live slot (its units are the engine's to free)."""
         live = sorted(set(range(engine.pool.num_slots)) - engine.lost_slots)
         engine.pool.run(slot_work.keep_workspaces, on=live, units=[])
         self._grouped.clear()
+        self._built.clear()
 
     # --- state ----------------------------------------------------------------------------------
 

@@ -85,14 +85,15 @@ class Workspace:
         return self.last and self.tp_rank == 0
 
 
-def _key(unit: Unit) -> tuple:
+def workspace_key(unit: Unit) -> tuple:
+    """What names a unit's workspace on a slot (a unit reshaped or moved is another one)."""
     return (unit.unit_id, unit.layout.tp, unit.layout.pp, unit.slots)
 
 
 def workspace(ctx: SlotContext, unit: Unit) -> Workspace:
     """This slot's workspace of ``unit`` (built on first use; the unit's meshes must exist)."""
     cache = ctx.state.setdefault("ppo_workspaces", {})
-    found = cache.get(_key(unit))
+    found = cache.get(workspace_key(unit))
     if found is not None:
         return found
     layout = unit.layout
@@ -127,7 +128,7 @@ def workspace(ctx: SlotContext, unit: Unit) -> Workspace:
         last_stage_slot=at(layout.pp - 1),
         earlier_slots=tuple(at(p) for p in range(layout.pp - 1)),
     )
-    cache[_key(unit)] = ws
+    cache[workspace_key(unit)] = ws
     return ws
 
 
@@ -143,7 +144,7 @@ def build_workspaces(
     frozen = frozen or {}
     took = {}
     for unit in units:
-        if ctx.rank in unit.slots and _key(unit) not in cache:
+        if ctx.rank in unit.slots and workspace_key(unit) not in cache:
             if len(unit.slots) > 1:
                 dist.barrier(group=checkpoint._group(ctx, unit.slots))
             started = time.perf_counter()
@@ -157,7 +158,7 @@ def build_workspaces(
 def keep_workspaces(ctx: SlotContext, *, units: list[Unit]) -> int:
     """Drop the workspaces of units not in ``units`` (replaced by a transition); returns the count."""
     cache = ctx.state.setdefault("ppo_workspaces", {})
-    keep = {_key(u) for u in units}
+    keep = {workspace_key(u) for u in units}
     gone = [k for k in cache if k not in keep]
     for k in gone:
         del cache[k]

@@ -188,6 +188,7 @@ def _diff(current, target, cluster, workload, efficiency, tag, derived_from, rou
     if before is not None:
         busy.update(s for ms in before.model_stages for u in ms.units for s in u)
     ahead = set()
+    generating: set[int] = set()  # slots of the generation units kept in place
     for ms in workload.model_stages():
         if ms.name in final:
             continue
@@ -199,12 +200,17 @@ def _diff(current, target, cluster, workload, efficiency, tag, derived_from, rou
         )
         kept = set(was.units) if same_shape else set()
         new_units = [u for u in now.units if u not in kept]
+        if ms.stage == "generation":
+            generating.update(s for u in kept.intersection(now.units) for s in u)
         if new_units:  # units kept in place keep what they have built
             dag.rebuilds[ms.name] = rebuild.get(ms.stage, 0.0)
             dag.rebuild_units[ms.name] = tuple(new_units)
             if before is not None:
                 ahead.update((ms.name, u) for u in new_units if not busy.intersection(u))
     dag.ahead = frozenset(ahead)
+    # Generation units are independent engines: the first step can generate on those kept in
+    # place while the new units elsewhere build (``TransitionDag.joining``).
+    dag.generating = frozenset(generating)
     _add_resource_edges(dag)
     # What admission uses: the executor's policy played out on predicted times (slots run one
     # primitive at a time, so this is at least the critical path).

@@ -143,6 +143,13 @@ def max_closure(
     return positive - flow, chosen
 
 
+def build_order(model_stage: str) -> tuple[bool, str]:
+    """The order engines build new derived units in: by model-stage name, generation's last (a
+    generation unit can join a running stage once built, so the units a step must wait for come
+    first); a model-stage's units one after another in slot order."""
+    return (model_stage.endswith("@generation"), model_stage)
+
+
 class TransitionDag:
     """Nodes keyed by id (in creation order), edges with their kind (``data`` or ``resource``)."""
 
@@ -170,14 +177,21 @@ class TransitionDag:
         building one of their units takes (they move no state, so they are not nodes)."""
         self.rebuild_units: dict[str, tuple[tuple[int, ...], ...]] = {}
         """For each model-stage in ``rebuilds``, its new units' slots. Engines build them in
-        model-stage name order (the order of their unit ids), every slot at once, each unit as
-        soon as all its slots are free (its members build it together)."""
+        ``build_order``, every slot at once, each unit as soon as all its slots are free (its
+        members build it together)."""
         self.ahead: frozenset[tuple[str, tuple[int, ...]]] = frozenset()
         """(model-stage, slots) of the new derived units on slots the running plan leaves idle
         (a granted slot, say): an engine can build them while the job still steps."""
         self.built_ahead: frozenset[tuple[str, tuple[int, ...]]] = frozenset()
         """Those of ``ahead`` that were built before the transition runs: ``predicted_s`` and
         ``rebuild_makespan`` no longer charge them."""
+        self.generating: frozenset[int] = frozenset()
+        """Slots of the generation units the transition keeps in place (built, so the first
+        step can generate on them); see ``joining``."""
+        self.joining_s = 0.0
+        """What the first step on the target loses while ``joining`` builds: its generation on
+        the ready units (or the builds, if longer) against generation on all of them. Set by
+        whoever prices plans (the controller); part of ``cost_s``."""
         for a, b in edges:
             self.add_edge(a, b, "data")
 
@@ -283,13 +297,46 @@ class TransitionDag:
         }
 
     @property
+    def joining(self) -> frozenset[tuple[str, tuple[int, ...]]]:
+        """``joining_for(built_ahead)``."""
+        return self.joining_for(self.built_ahead)
+
+    def joining_for(self, built) -> frozenset[tuple[str, tuple[int, ...]]]:
+        """(model-stage, slots) of the new derived units the transition does not wait for when
+        ``built`` were built ahead: the first step generates on the generation units kept in
+        place (else on those built ahead, which it waits for) while these build on other
+        slots. New generation units join once built; the inference stage waits for whatever
+        is still building. ``rebuild_makespan`` does not charge them; ``joining_s`` does."""
+        generating = set(self.generating) or {
+            s for name, unit in built if name.endswith("@generation") for s in unit
+        }
+        if not generating:
+            return frozenset()
+        return frozenset(
+            (name, unit)
+            for name, units in self.rebuild_units.items()
+            for unit in units
+            if not generating.intersection(unit)
+        )
+
+    @property
+    def moving_s(self) -> float:
+        """The predicted time of moving state: the executor's schedule on predicted durations
+        when the compiler has played it out, else the critical path."""
+        if self.predicted_makespan_s is not None:
+            return self.predicted_makespan_s
+        return self.critical_path()[0]
+
+    @property
     def predicted_s(self) -> float:
-        """The predicted transition time: the executor's schedule on predicted durations when
-        the compiler has played it out (else the critical path), plus the rebuilds."""
-        moving = self.predicted_makespan_s
-        if moving is None:
-            moving = self.critical_path()[0]
-        return moving + self.rebuild_makespan()
+        """The predicted transition time: moving state, then the rebuilds it waits for."""
+        return self.moving_s + self.rebuild_makespan()
+
+    @property
+    def cost_s(self) -> float:
+        """What the move costs the job: the transition, and what the first step on the target
+        loses while the ``joining`` units build."""
+        return self.predicted_s + self.joining_s
 
     def rebuild_makespan(
         self,
@@ -300,17 +347,28 @@ class TransitionDag:
         """How long building the new derived units takes, played in the engines' order: a unit
         starts once every one of its slots is done with the units before it. ``seconds``
         overrides ``rebuilds`` (an engine's true per-unit times). Units in ``skip`` (by default
-        ``built_ahead``) are not charged."""
+        ``built_ahead`` and ``joining``) are not charged."""
         return self._build_makespan(
-            [(n, u) for n in sorted(self.rebuild_units) for u in self.rebuild_units[n]],
+            [
+                (n, u)
+                for n in sorted(self.rebuild_units, key=build_order)
+                for u in self.rebuild_units[n]
+            ],
             self.rebuilds if seconds is None else seconds,
-            skip=self.built_ahead if skip is None else skip,
+            skip=self.built_ahead | self.joining if skip is None else skip,
         )
 
     def ahead_makespan(self, seconds: dict[str, float] | None = None) -> float:
         """How long building the ``ahead`` units takes, in the same order, on their own."""
+        return self.build_makespan(self.ahead, seconds)
+
+    def build_makespan(self, units, seconds: dict[str, float] | None = None) -> float:
+        """How long building ``units`` ((model-stage, slots)) takes, in the engines' order, on
+        their own."""
         return self._build_makespan(
-            sorted(self.ahead), self.rebuilds if seconds is None else seconds, skip=frozenset()
+            sorted(units, key=lambda key: (build_order(key[0]), key[1])),
+            self.rebuilds if seconds is None else seconds,
+            skip=frozenset(),
         )
 
     @staticmethod
@@ -404,6 +462,9 @@ class TransitionDag:
             "rebuild_s": self.rebuild_makespan(),
             "ahead": [{"model_stage": n, "slots": list(u)} for n, u in sorted(self.ahead)],
             "built_ahead": len(self.built_ahead),
+            "joining": [{"model_stage": n, "slots": list(u)} for n, u in sorted(self.joining)],
+            "joining_s": self.joining_s,
+            "cost_s": self.cost_s,
             "target": {
                 ms: [{"id": u.unit_id, "slots": list(u.slots)} for u in units]
                 for ms, units in self.target.items()

@@ -264,6 +264,10 @@
     $("dag-summary").textContent = `Transition ${t.index} (${t.simulated ? "simulated" : "real"}): ` +
       `${t.ok ? "complete" : "failed"} — ${t.nodes} nodes, predicted ${num(t.predicted_s)} s, actual ` +
       `${num(t.actual_s)} s; critical path (thick) ${num(t.dag.critical_path_s)} s.` +
+      ((t.dag.joining || []).length
+        ? ` ${t.dag.joining.length} new units were built while the first step generated on the ` +
+          `built ones (predicted to cost that step ${num(t.dag.joining_s)} s).`
+        : "") +
       (perNode ? "" : " The simulated engine reports the transition as a whole, so node states " +
         "follow its outcome and per-node actual times are not reported.");
     $("dag").dataset.state = t.ok ? "done" : "failed";

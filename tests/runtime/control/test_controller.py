@@ -6,9 +6,10 @@ import math
 import pytest
 
 from runtime.control import Controller, JobPolicy, run_job
-from runtime.engine.sim import SimulatedEngine, TrueModel
+from runtime.engine.sim import REBUILD_TRUTH, SimulatedEngine, TrueModel
 from runtime.engine.traces import Trace
 from runtime.planner import PpoWorkload, default_catalog
+from runtime.transition.compiler import DEFAULT_REBUILD_S
 
 CATALOG = default_catalog()
 ACC = CATALOG.accelerator("h100-sxm")
@@ -218,11 +219,11 @@ def test_an_unreachable_best_plan_gives_way_to_the_fastest_reachable_one(monkeyp
     compile_ = control.Controller._compile
     refused, tried = [], []
 
-    def compile_unless_first(self, engine_, candidate, workload):
+    def compile_unless_first(self, engine_, candidate, workload, **kwargs):
         if not refused:
             refused.append(candidate)
             raise TransitionRefusedError("target: refused by the test")
-        dag = compile_(self, engine_, candidate, workload)  # raises where it really cannot
+        dag = compile_(self, engine_, candidate, workload, **kwargs)  # raises where it cannot
         tried.append(candidate)
         return dag
 
@@ -503,14 +504,48 @@ def test_new_units_on_granted_slots_are_built_ahead_during_one_more_step():
     events = controller.events
     transition = events[ahead + 3]
     assert transition["ok"] and transition["dag"]["built_ahead"] == events[ahead]["units"] > 0
-    # Building them took longer than the step (generation then four inference units per slot):
-    # the transition waited for the rest only.
+    # Building them (four inference units, then generation, per slot; each 1.25 times the
+    # estimate on this cluster) took longer than the step. The transition did not wait for the
+    # rest: the next step generated on the generation units kept in place while it finished,
+    # and its inference stage waited for it.
     step_s = events[ahead + 1]["seconds"]
-    assert 0 < transition["rebuild_s"] < events[ahead]["predicted_s"] * 1.25 - step_s + 1e-6
+    left = events[ahead]["predicted_s"] * 1.25 - step_s - transition["actual_s"]
+    assert left > 0 and transition["rebuild_s"] == 0.0
+    assert {"model_stage", "slots"} <= set(transition["dag"]["joining"][0])
+    after = events[ahead + 4]
+    assert after["event"] == "step" and after["stage_seconds"]["generation"] >= left - 1e-6
     assert summary.transitions == 1
     assert summary.seconds == pytest.approx(
         summary.step_seconds + summary.transition_seconds + summary.restart_seconds
     )
+
+
+def test_a_move_whose_generation_joins_is_priced_by_what_its_first_step_loses():
+    """The pool doubles; the plan for 32 slots keeps the running generation units in place and
+    adds more on the new slots. Its transition waits for none of the new units: the first step
+    generates on the kept ones while they build. Admission charges that step's loss
+    (``joining_s``), and the loss the cluster then shows is the one charged, but for the
+    builds taking longer than the engine has yet measured (it learns that from this one)."""
+    engine, controller = _growing(((60.0, 32),))
+    controller.policy = JobPolicy(admission="never")  # the test makes the move itself
+    controller.initial_plan(engine)
+    _steps(controller, engine, range(8))  # calibrated on 16 slots; the pool is 32 by now
+    assert engine.pool_size() == 32
+    candidate = controller._candidate(engine, WORKLOAD)
+    dag = controller._compile(engine, candidate, WORKLOAD)
+    generation = {n for n, _ in dag.joining if n.endswith("@generation")}
+    assert generation == {"actor@generation"} and dag.generating
+    assert dag.joining_s > 0 and dag.cost_s == dag.predicted_s + dag.joining_s
+    outcome = engine.transition(dag)
+    assert outcome.ok and outcome.rebuild_s == 0.0
+    first, second = (engine.step(candidate, WORKLOAD, s) for s in (8, 9))
+    lost = first.stage_seconds["generation"] - second.stage_seconds["generation"]
+    truth = {name: seconds * REBUILD_TRUTH for name, seconds in DEFAULT_REBUILD_S}
+    slower = dag.build_makespan(
+        dag.joining, {n: truth[n.partition("@")[2]] for n in dag.rebuilds}
+    ) - dag.build_makespan(dag.joining)
+    assert slower > 0
+    assert lost == pytest.approx(dag.joining_s + slower, rel=0.1)
 
 
 def test_a_staged_transition_is_dropped_when_its_slots_go_during_the_step():

@@ -43,6 +43,7 @@ SCALED = {
     **PIPELINE,
     "actor@training": (3, 1, 2),
     "critic@training": (3, 2, 1),
+    "actor@generation": (3, 2, 1),
     "ref@inference": (3, 1, 1),
 }
 
@@ -94,7 +95,7 @@ def _state(engine):
 
 def test_transitions_between_steps_keep_the_trajectory_and_the_state(runtime):
     workload_slots = {0: (START, 4), 2: (TP_TO_DP, 4), 3: (PIPELINE, 4), 5: (SCALED, 6)}
-    steps = 6
+    steps = 7
 
     fixed_engine, fixed_job = runtime()
     plan = _plan(fixed_job, START, 4)
@@ -142,6 +143,8 @@ def test_transitions_between_steps_keep_the_trajectory_and_the_state(runtime):
             ).ahead
             idle = set(range(6)) - {s for ms in plan.model_stages for s in ms.slots}
             assert ahead and all(set(slots) <= idle for _, slots in ahead)
+            # Those on slots 2-3 are left to the step after the transition.
+            ahead = {(name, slots) for name, slots in ahead if set(slots) <= {4, 5}}
             units = {}
             for name, slots in sorted(ahead):
                 units.setdefault(name, []).append(slots)
@@ -162,7 +165,18 @@ def test_transitions_between_steps_keep_the_trajectory_and_the_state(runtime):
             assert job._ahead is None and "inference" in report.rebuild_seconds
             built = {uid.partition("/")[0] + "@" + uid.rpartition("@")[2] for uid in job.last_ahead}
             assert built == {f"{name}@{'-'.join(map(str, slots))}" for name, slots in ahead}
-            assert report.rebuild_seconds["inference"] >= max(job.last_ahead.values())
+            for uid, seconds in job.last_ahead.items():
+                stage = uid.partition("/")[0].partition("@")[2]
+                assert report.rebuild_seconds[stage] >= seconds
+            # Generation grew from one tp-2 unit (slots 0-1, kept) to three: the one on slots
+            # 4-5 was built ahead, the one on slots 2-3 was built while this step generated on
+            # the other two, and joins from the next step.
+            assert report.extra["generated_on"] == [
+                "actor@generation/2x1@0-1",
+                "actor@generation/2x1@4-5",
+            ]
+        if step == 6:
+            assert len(report.extra["generated_on"]) == 3 and report.rebuild_seconds == {}
         reference = fixed[step]
         assert moved_stats["mean_response_length"] == reference["mean_response_length"], step
         for key in ("mean_reward", "kl", "policy_loss", "value_loss", "entropy"):

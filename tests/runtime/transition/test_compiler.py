@@ -337,14 +337,52 @@ def test_rebuilds_count_only_new_derived_units_and_slots_build_side_by_side():
     }
     # Slots 4 and 5 build a generation unit and then an inference one; slot 1 builds one
     # inference unit meanwhile: 13 s, where building model-stage after model-stage took 16.
-    assert dag.rebuild_makespan() == 13.0
-    assert dag.rebuild_makespan({"actor@generation": 1.0, "ref@inference": 5.0}) == 5.0
+    every = frozenset()
+    assert dag.rebuild_makespan(skip=every) == 13.0
+    assert dag.rebuild_makespan({"actor@generation": 1.0, "ref@inference": 5.0}, skip=every) == 5.0
+    # Generation keeps its first unit in place (slots 2-3): the first step generates on it
+    # while every new unit elsewhere builds (the new generation unit joins once built), so the
+    # transition waits for none of them.
+    assert dag.joining == {
+        ("actor@generation", (4, 5)),
+        ("actor@inference", (4, 5)),
+        ("ref@inference", (1,)),
+    }
+    assert dag.rebuild_makespan() == 0.0
+    assert dag.build_makespan(dag.joining) == 13.0
     moving = dag.predicted_makespan_s
-    assert dag.predicted_s == moving + 13.0
-    assert dag.to_json()["rebuild_s"] == 13.0
+    assert dag.predicted_s == moving and dag.cost_s == dag.predicted_s
+    dag.joining_s = 4.0  # what the controller prices the first step's loss at
+    assert dag.cost_s == moving + 4.0 and dag.predicted_s == moving
+    data = dag.to_json()
+    assert data["rebuild_s"] == 0.0 and data["cost_s"] == moving + 4.0
+    assert {"model_stage": "actor@generation", "slots": [4, 5]} in data["joining"]
+    # A new unit on the kept unit's slots cannot build while it generates: ref@inference on
+    # slot 2 is waited for.
+    _, on_kept, _ = _growing_generation(ref_units=((2,),))
+    dag = diff(current, on_kept, cluster, WORKLOAD)
+    assert ("ref@inference", (2,)) not in dag.joining and dag.rebuild_makespan() == 3.0
+    # Compiled from the held units alone, where the derived units run is unknown: every
+    # generation unit is new, and none joins.
+    held = diff(units_of(current, WORKLOAD), target, cluster, WORKLOAD)
+    assert held.joining == frozenset() and held.rebuild_makespan() == 13.0
     # Nothing derived changes: nothing is rebuilt.
     same = diff(current, current, cluster, WORKLOAD)
     assert same.rebuilds == {} and same.rebuild_makespan() == 0.0
+
+
+def test_generation_joins_only_where_it_keeps_a_unit_in_place():
+    """Reshaped (one tp-2 unit into two tp-1 ones on the same slots), generation keeps no unit
+    that could generate while the new ones build: the transition waits for them."""
+    current, _, cluster = _growing_generation(ref_units=((1,),))
+    base = {n: (Layout(dp=1, tp=1, pp=1), ((0,),)) for n in NAMES}
+    reshaped = _plan(
+        {**base, "actor@generation": (Layout(dp=2, tp=1, pp=1), ((2,), (3,)))}, num_slots=6
+    )
+    dag = diff(current, reshaped, cluster, WORKLOAD)
+    assert dag.joining == frozenset()
+    assert dag.rebuild_units == {"actor@generation": ((2,), (3,))}
+    assert dag.rebuild_makespan() == 10.0
 
 
 def test_new_units_on_slots_the_running_plan_leaves_idle_can_be_built_ahead():
@@ -360,7 +398,7 @@ def test_new_units_on_slots_the_running_plan_leaves_idle_can_be_built_ahead():
     }
     assert dag.ahead_makespan() == 13.0  # slots 4-5: generation, then inference
     moving = dag.predicted_makespan_s
-    assert dag.rebuild_makespan() == 13.0 and dag.predicted_s == moving + 13.0
+    assert dag.rebuild_makespan(skip=frozenset()) == 13.0
     assert dag.rebuild_makespan(skip=dag.ahead) == 3.0  # what building them ahead would leave
     dag.built_ahead = dag.ahead
     # Left to build during the transition: ref@inference on slot 2, which the plan still uses.
@@ -375,19 +413,25 @@ def test_new_units_on_slots_the_running_plan_leaves_idle_can_be_built_ahead():
 
 
 def test_a_unit_waits_for_every_one_of_its_slots_to_be_done_building():
-    """The engines' order: actor@generation on slot 0, then actor@inference on slots 0-1, then
-    ref@inference on slot 1. The tp-2 inference unit waits for slot 0's generation unit, and slot
-    1's own unit comes after it: g + 2i, not the g + i of adding each slot's units alone."""
+    """The engines' order: actor@inference on slot 0, then critic@inference on slots 0-1, then
+    ref@inference on slot 1. The tp-2 unit waits for slot 0's unit, and slot 1's own unit comes
+    after it: 3i, not the 2i of adding each slot's units alone. Generation builds last."""
     dag = _only(
         "actor@training", (Layout(dp=1, tp=1, pp=1), ((0,),)), (Layout(dp=1, tp=1, pp=1), ((0,),))
     )
-    dag.rebuilds = {"actor@generation": 10.0, "actor@inference": 3.0, "ref@inference": 3.0}
+    dag.rebuilds = {"actor@inference": 3.0, "critic@inference": 3.0, "ref@inference": 3.0}
     dag.rebuild_units = {
         "ref@inference": ((1,),),
-        "actor@generation": ((0,),),
-        "actor@inference": ((0, 1),),
+        "actor@inference": ((0,),),
+        "critic@inference": ((0, 1),),
     }
-    assert dag.rebuild_makespan() == 16.0
+    every = frozenset()  # none skipped (built ahead or joining)
+    assert dag.rebuild_makespan(skip=every) == 9.0
+    # A generation unit on slot 0 builds after its inference units there (at 6 s), not first
+    # (which would hold every inference unit behind it: 19 s).
+    dag.rebuilds["actor@generation"] = 10.0
+    dag.rebuild_units["actor@generation"] = ((0,),)
+    assert dag.rebuild_makespan(skip=every) == 16.0
 
 
 # --- bad input -------------------------------------------------------------------------------------
