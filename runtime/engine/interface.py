@@ -78,7 +78,10 @@ class Engine(Protocol):
 
     def transition(self, dag: TransitionDag) -> TransitionOutcome:
         """Run ``dag``; its ``built_ahead`` units were started by ``build_ahead``, and the
-        transition waits only for whatever of them is still building."""
+        transition waits only for whatever of them is still building. Its ``joining`` units
+        it does not wait for: the next step generates on the generation units that are built
+        while they build (new generation units join once built; the inference stage waits for
+        whatever still builds on its slots)."""
 
     def build_ahead(
         self, plan: Plan, workload: PpoWorkload, units: dict[str, tuple[tuple[int, ...], ...]]
