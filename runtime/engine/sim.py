@@ -170,7 +170,7 @@ class SimulatedEngine:
             return self._stalled(step, f"{missing[0]}: no units hold its state (simulated)")
         gen_len = self.trace.gen_len_at(step) * math.exp(self.rng.gauss(0, 0.02))
         now = workload.with_gen_len(max(1, round(gen_len)))
-        runs_on, building_s = self._joined(plan, now)
+        runs_on, building_s, blocked_s = self._joined(plan, now)
         eff = self.truth.efficiency_at(self.clock)
         modes = {s.stage: s.mode for s in plan.stages}
         per_stage: dict[str, list[float]] = {}
@@ -196,7 +196,7 @@ class SimulatedEngine:
         stage_seconds = {stage: stage_time(modes[stage], ts) for stage, ts in per_stage.items()}
         # The units still building hold their slots until they are built: the next stage
         # (on every slot) waits for them.
-        stage_seconds["generation"] = max(stage_seconds["generation"], building_s)
+        stage_seconds["generation"] = max(stage_seconds["generation"], building_s) + blocked_s
         seconds = sum(stage_seconds.values())
         ok, failure = True, ""
         if peak > 1.0:
@@ -226,10 +226,11 @@ class SimulatedEngine:
             simulated=True,
         )
 
-    def _joined(self, plan: Plan, workload: PpoWorkload) -> tuple[Plan, float]:
+    def _joined(self, plan: Plan, workload: PpoWorkload) -> tuple[Plan, float, float]:
         """The plan this step runs (generation on the units that are built: those a transition
-        did not wait for are built by the end of this step's generation) and how long the last
-        of them still builds."""
+        did not wait for are built by the end of this step's generation), how long the last of
+        them still builds, and how long the step waits before it can start (no generation unit
+        of a model-stage built yet)."""
         building = {
             key: ready
             for key, ready in self._joining.items()
@@ -237,12 +238,15 @@ class SimulatedEngine:
         }
         self._joining = {}
         if not building:
-            return plan, 0.0
+            return plan, 0.0, 0.0
         ready = {
             name: tuple(u for u in plan.model_stage(name).units if (name, u) not in building)
             for name in {n for n, _ in building if n.endswith("@generation")}
         }
-        return on_ready(plan, workload, self.acc, ready), max(building.values()) - self.clock
+        last = max(building.values()) - self.clock
+        if not all(ready.values()):  # none built yet (a second transition before any step):
+            return plan, 0.0, last  # the step waits for every build, as a transition would
+        return on_ready(plan, workload, self.acc, ready), last, 0.0
 
     def _stalled(self, step: int, failure: str) -> StepReport:
         """A step the job cannot run: it waits ``STALL_S`` for the world to change."""

@@ -15,15 +15,18 @@ CATALOG = default_catalog()
 ACC = CATALOG.accelerator("h100-sxm")
 WORKLOAD = PpoWorkload.for_model(CATALOG.model("llama-3.1-8b"), gen_len=1024)
 BUILD = {stage: seconds * REBUILD_TRUTH for stage, seconds in DEFAULT_REBUILD_S}
+INFERENCE = [ms.name for ms in WORKLOAD.model_stages() if ms.stage == "inference"]
 """What one new unit of each derived stage truly takes to build (the engine has no noise)."""
 
 
-def _plan(num_slots: int, generation: tuple[int, int]) -> Plan:
-    """Everything tensor-parallel over 8 GPUs across ``num_slots``; generation (dp, tp)."""
+def _plan(num_slots: int, generation: tuple[int, int], first: int = 0) -> Plan:
+    """Everything tensor-parallel over 8 GPUs across ``num_slots``; generation (dp, tp) from
+    slot ``first``."""
     layouts = {}
     for ms in WORKLOAD.model_stages():
         dp, tp = generation if ms.stage == "generation" else (num_slots // 8, 8)
-        units = tuple(tuple(range(i * tp, (i + 1) * tp)) for i in range(dp))
+        start = first if ms.stage == "generation" else 0
+        units = tuple(tuple(range(start + i * tp, start + (i + 1) * tp)) for i in range(dp))
         layouts[ms.name] = (Layout(dp=dp, tp=tp, pp=1), units)
     return Plan.of_units(accelerator=ACC.name, num_slots=32, layouts=layouts)
 
@@ -100,3 +103,28 @@ def test_without_a_generation_unit_built_the_transition_waits_for_every_build():
     assert first.stage_seconds["generation"] == pytest.approx(
         second.stage_seconds["generation"], rel=0.05
     )
+
+
+def test_a_step_whose_generation_units_are_all_still_building_waits_for_them():
+    """Generation grows onto slots 16-31 (the units on 0-15 stay); before any step, a second
+    move keeps only the new units, which are still building: the step cannot start its
+    generation until they are built."""
+    wider = _plan(32, (16, 2))
+    upper = _plan(32, (8, 2), first=16)
+    engine = _engine()
+    engine.start(SMALL, WORKLOAD)
+    engine.step(SMALL, WORKLOAD, 0)
+    cluster = Cluster(accelerator=ACC, num_slots=32, rebuild_s=engine.rebuild_s)
+    first = diff(engine.units(), wider, cluster, WORKLOAD, derived_from=SMALL)
+    assert {n for n, _ in first.joining} == {"actor@generation", *INFERENCE}
+    assert engine.transition(first).ok
+    second = diff(engine.units(), upper, cluster, WORKLOAD, derived_from=wider)
+    assert second.rebuild_units == {}  # as far as the plans tell, those units are there
+    assert engine.transition(second).ok
+    blocked = engine.step(upper, WORKLOAD, 1)
+    normal = engine.step(upper, WORKLOAD, 2)
+    assert blocked.ok and normal.ok
+    # Slots 16-31 build their inference units, then generation: the step's generation starts
+    # when they are built and then takes what it takes.
+    waited = blocked.stage_seconds["generation"] - normal.stage_seconds["generation"]
+    assert waited == pytest.approx(4 * BUILD["inference"] + BUILD["generation"], rel=0.05)
