@@ -668,10 +668,11 @@ def markdown(results: dict) -> str:
         "on granted slots were built during one more step on the old plan, so that the "
         "transition waited only for what was left of their build (that step's forgone saving "
         "is counted in the step time, and admission priced it). Where some generation units "
-        "were built (kept in place, or built ahead), the transition waited for no new unit "
-        "elsewhere: the first step generated on the built ones while the rest built (the "
-        "table's last columns: the units that joined so, what admission charged that step for "
-        "it, and that step's generation seconds against the next one's).",
+        "were built (kept in place, or built ahead), the transition waited for no other new "
+        "unit off their slots: the first step generated on the built ones while those built "
+        "(the table's last columns: the units that joined so, what admission charged that "
+        "step for it, and that step's generation seconds against the next one's). Builds "
+        "started ahead end before a transition, as the Ray engine's must.",
         "",
         "How long each new plan must keep fitting as the length grows (`policy.memory_runway`; "
         "the default is `shortest`), micro-batches planned or pinned, and admission's dead "

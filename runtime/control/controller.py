@@ -181,6 +181,8 @@ class Controller:
         self.last_step: int | None = None
         """The run's last step (``run_job`` sets it); a move must repay before then."""
         self.staged: Staged | None = None
+        self._settling = False
+        """The next step follows a transition whose new units join during it (``joining``)."""
         """An admitted transition building its units ahead; it runs after the next step."""
 
     # --- events ---------------------------------------------------------------------------------
@@ -299,16 +301,23 @@ class Controller:
             except ValueError as exc:
                 logger.info("calibration sample dropped: %s", exc)
         triggers: list[Trigger] = []
-        self._learn_memory(report)
+        # The first step after a transition whose new units joined during it generated on part
+        # of its units while they built: its time, efficiency and peak are not the plan's, and
+        # neither drift nor the memory model learns from them.
+        settling = self._settling and report.ok
+        self._settling = self._settling and not report.ok
+        if not settling:
+            self._learn_memory(report)
         if report.ok:
             self._gen_len = report.gen_len
-            predicted = self._price(self.plan, self._workload(report.gen_len))
-            signals = {
-                "gen_len": report.gen_len,
-                "step_time": report.seconds,
-                "peak_memory": report.peak_memory,
-                "efficiency": predicted / report.seconds if report.seconds > 0 else 1.0,
-            }
+            signals = {"gen_len": report.gen_len}
+            if not settling:
+                predicted = self._price(self.plan, self._workload(report.gen_len))
+                signals |= {
+                    "step_time": report.seconds,
+                    "peak_memory": report.peak_memory,
+                    "efficiency": predicted / report.seconds if report.seconds > 0 else 1.0,
+                }
             triggers += self.monitor.observe(report.step, signals, pool=engine.pool_size())
             triggers += self._memory_ahead(report.step)
         else:
@@ -909,9 +918,9 @@ class Controller:
         self, dag, candidate: Plan, workload: PpoWorkload, *, built: frozenset = frozenset()
     ) -> float:
         """What the first step on ``candidate`` loses while the units joining when ``built``
-        were built ahead (less those) build: its generation on the units built (or the builds,
-        if they take longer) against generation on every unit."""
-        joining = dag.joining_for(built) - built  # those built ahead: see ``staged_cost``
+        were built ahead build: its generation on the units built (or the builds, if they take
+        longer) against generation on every unit."""
+        joining = dag.joining_for(built)
         if not joining:
             return 0.0
         ready = {
@@ -919,10 +928,11 @@ class Controller:
             for name in {n for n, _ in joining if n.endswith("@generation")}
         }
         eff = self.calibrator.efficiency()
-        partial = on_ready(candidate, workload, self.acc, ready)
+        partial = on_ready(candidate, workload, self._measured_accelerator(), ready)
         whole_s = stage_prices(candidate, workload, self.acc, efficiency=eff)["generation"]
         ready_s = stage_prices(partial, workload, self.acc, efficiency=eff)["generation"]
-        return max(ready_s, dag.build_makespan(joining)) - whole_s
+        # Never a gain: the whole plan's units could decode as the built ones do.
+        return max(0.0, max(ready_s, dag.build_makespan(joining)) - whole_s)
 
     def _salvage(self, trigger: Trigger, workload: PpoWorkload, engine: Engine) -> bool:
         """When the planner's candidate cannot be reached live: keep running on what survived.
@@ -1044,6 +1054,7 @@ class Controller:
         if outcome.ok:
             self.plan = candidate
             self._memory_quiet_until = -1
+            self._settling = bool(dag.joining)
             return
         # Replan from the intact units; where none can be made, the urgent path restarts.
         self.replan(Trigger(kind="failure", detail=outcome.failure), engine)
@@ -1079,6 +1090,7 @@ class Controller:
         self.restarts += 1
         self.restart_s += seconds
         self.plan = candidate
+        self._settling = False  # every unit was placed anew
         self.emit(
             {
                 "event": "control.restart",

@@ -246,7 +246,12 @@ class SimulatedEngine:
         last = max(building.values()) - self.clock
         if not all(ready.values()):  # none built yet (a second transition before any step):
             return plan, 0.0, last  # the step waits for every build, as a transition would
-        return on_ready(plan, workload, self.acc, ready), last, 0.0
+        # The built units decode as many sequences at once as truly fit (as vLLM sizes its KV
+        # cache from the memory it finds free): the device as its larger true footprint sees it.
+        device = dataclasses.replace(
+            self.acc, memory_bytes=self.acc.memory_bytes / self.truth.memory_factor
+        )
+        return on_ready(plan, workload, device, ready), last, 0.0
 
     def _stalled(self, step: int, failure: str) -> StepReport:
         """A step the job cannot run: it waits ``STALL_S`` for the world to change."""
@@ -276,18 +281,15 @@ class SimulatedEngine:
             for u in units
             if (name, u) not in dag.built_ahead | dag.joining
         }
-        for key in dag.built_ahead - dag.joining:  # waited for where still building
+        for key in dag.built_ahead:  # waited for where still building
             ready = self._ahead.get(key, self.clock + self._build_s(key[0]))
             rebuild = max(rebuild, ready - self.clock)
         for name in built_here:  # those built ahead or joining are learned from as they build
             self._learn_build(name, took[name])
         result = dataclasses.replace(result, makespan_s=result.makespan_s + rebuild)
         end = self.clock + result.makespan_s
-        joining = {
-            key: self._ahead[key] for key in dag.joining & dag.built_ahead if key in self._ahead
-        }
-        rest = sorted(dag.joining - set(joining), key=lambda key: (build_order(key[0]), key[1]))
-        joining.update(self._schedule(rest, start=end))
+        keys = sorted(dag.joining, key=lambda key: (build_order(key[0]), key[1]))
+        joining = self._schedule(keys, start=end)
         self._ahead.clear()
         lost = self.trace.failures_between(self.clock, self.clock + result.makespan_s)
         self._advance(result.makespan_s)

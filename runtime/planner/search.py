@@ -543,9 +543,10 @@ def on_ready(
 ) -> Plan:
     """``plan_`` as it runs while some of its generation units are still being built: each
     model-stage in ``ready`` on those of its units only, which share its sequences between them.
-    Each decodes as many at once as the search would give it (the fastest that fits), and never
-    fewer than a unit of the whole plan does, which fits. Generation units are independent
-    engines, so a generation stage can run on any of its units."""
+    Each decodes as many at once as the search would give it: the fastest that fits
+    ``accelerator``'s memory (pass the memory the devices really give), else as many as a unit
+    of the whole plan does. Generation units are independent engines, so a generation stage can
+    run on any of its units."""
     eff = _efficiencies(efficiency)
     changed = {}
     for name, units in ready.items():

@@ -510,11 +510,16 @@ class PpoRuntime:
         when some generation units are built, the step generates on them (a generation unit is
         an engine of its own, so any of them can serve) while the new units on other slots
         build; new generation units join from the next step, and the inference stage waits
-        for its units (``TransitionDag.joining``)."""
+        for its units (``TransitionDag.joining``). The built ones take their weights from a
+        training unit off the building slots: without one, nothing joins."""
         generating = {s for u in units["actor@generation"] if u not in new for s in u.slots}
         if not generating:
             return ()
-        return tuple(u for u in new if not generating & set(u.slots))
+        joining = tuple(u for u in new if not generating & set(u.slots))
+        building = {s for u in joining for s in u.slots}
+        if all(building & set(u.slots) for u in units["actor@training"]):
+            return ()
+        return joining
 
     @staticmethod
     def _dp_groups(units) -> list[tuple[int, ...]]:
@@ -581,10 +586,9 @@ class PpoRuntime:
                 default_catalog().accelerator(plan.accelerator),
                 {"actor@generation": tuple(u.slots for u in generators)},
             )
-        if joining is not None:
-            # Weights come from training units off the building slots, where there are any.
+        if joining is not None:  # weights from the training units off the building slots
             building = set(joining.pending.slots)
-            training = tuple(u for u in training if not building & set(u.slots)) or training
+            training = tuple(u for u in training if not building & set(u.slots))
         sync_bytes = self._sync(engine, (training, generators))
         micro_batches = ran.micro_batches(workload.micro_batch)
         rollout = self._generate(

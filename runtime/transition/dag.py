@@ -146,7 +146,7 @@ def max_closure(
 def build_order(model_stage: str) -> tuple[bool, str]:
     """The order engines build new derived units in: by model-stage name, generation's last (a
     generation unit can join a running stage once built, so the units a step must wait for come
-    first); a model-stage's units one after another in slot order."""
+    first). A model-stage's units share no slot, so their order among themselves is free."""
     return (model_stage.endswith("@generation"), model_stage)
 
 
@@ -303,21 +303,29 @@ class TransitionDag:
 
     def joining_for(self, built) -> frozenset[tuple[str, tuple[int, ...]]]:
         """(model-stage, slots) of the new derived units the transition does not wait for when
-        ``built`` were built ahead: the first step generates on the generation units kept in
-        place (else on those built ahead, which it waits for) while these build on other
-        slots. New generation units join once built; the inference stage waits for whatever
-        is still building. ``rebuild_makespan`` does not charge them; ``joining_s`` does."""
+        ``built`` were built ahead (a transition waits for those: the Ray engine makes its
+        groups collectively on every slot, so builds started ahead end first). The first step
+        generates on the generation units kept in place (else on those built ahead) while these
+        build on other slots: new generation units join once built, and the inference stage
+        waits for whatever is still building. The generation units take their weights from a
+        training unit off those slots, so there must be one (else nothing joins).
+        ``rebuild_makespan`` does not charge them; ``joining_s`` does."""
         generating = set(self.generating) or {
             s for name, unit in built if name.endswith("@generation") for s in unit
         }
         if not generating:
             return frozenset()
-        return frozenset(
+        joining = frozenset(
             (name, unit)
             for name, units in self.rebuild_units.items()
             for unit in units
-            if not generating.intersection(unit)
+            if not generating.intersection(unit) and (name, unit) not in built
         )
+        building = {s for _, unit in joining for s in unit}
+        sources = self.target.get("actor@training", ())
+        if sources and all(building.intersection(u.slots) for u in sources):
+            return frozenset()
+        return joining
 
     @property
     def moving_s(self) -> float:

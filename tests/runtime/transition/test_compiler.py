@@ -3,6 +3,7 @@
 Pure Python: the DAG is played out by ``simulate`` against its own memory model, in every order the
 executor may pick, and must end with exactly the target's units (layouts and slots)."""
 
+import dataclasses
 import itertools
 import json
 import random
@@ -357,6 +358,19 @@ def test_rebuilds_count_only_new_derived_units_and_slots_build_side_by_side():
     data = dag.to_json()
     assert data["rebuild_s"] == 0.0 and data["cost_s"] == moving + 4.0
     assert {"model_stage": "actor@generation", "slots": [4, 5]} in data["joining"]
+    # Generating units take their weights from a training unit off the building slots: with
+    # actor@training only on a unit that spans one of them, nothing joins.
+    _, spanning, _ = _growing_generation(ref_units=((1,),))
+    spanning = dataclasses.replace(
+        spanning,
+        model_stages=tuple(
+            dataclasses.replace(ms, layout=Layout(dp=1, tp=2, pp=1), units=((0, 4),))
+            if ms.name == "actor@training"
+            else ms
+            for ms in spanning.model_stages
+        ),
+    )
+    assert diff(current, spanning, cluster, WORKLOAD).joining == frozenset()
     # A new unit on the kept unit's slots cannot build while it generates: ref@inference on
     # slot 2 is waited for.
     _, on_kept, _ = _growing_generation(ref_units=((2,),))
