@@ -102,16 +102,16 @@ def simulate(
         return 2
     if events_file:
         Path(events_file).write_text("\n".join(json.dumps(e) for e in controller.events) + "\n")
-    built_ahead = sum(
-        e["event"] == "control.transition" and e["dag"]["built_ahead"] > 0
-        for e in controller.events
-    )
+    transitions = [e for e in controller.events if e["event"] == "control.transition"]
+    built_ahead = sum(e["dag"]["built_ahead"] > 0 for e in transitions)
+    joined = sum(bool(e["dag"]["joining"]) for e in transitions)
     result = {
         "simulated": True,
         "trace": trace.name,
         "policy": policy,
         **summary.to_json(),
         "built_ahead": built_ahead,
+        "joined": joined,
     }
     if as_json:
         typer.echo(json.dumps(result, indent=2))
@@ -126,7 +126,8 @@ def simulate(
     typer.echo(
         f"  transitions        {summary.transitions}, {summary.transition_seconds:.1f} s "
         f"({summary.transition_seconds / summary.seconds:.3%} of the run; "
-        f"{built_ahead} with new units built ahead on idle slots)"
+        f"{built_ahead} with new units built ahead on idle slots, {joined} with new units "
+        "built while the next step generated on the built ones)"
     )
     typer.echo(f"  restarts           {summary.restarts}, {summary.restart_seconds:.1f} s")
     return 0

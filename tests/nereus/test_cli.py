@@ -176,6 +176,7 @@ def test_simulate_prints_simulated_figures_and_names_bad_input(tmp_path):
     data = json.loads(done.stdout)
     assert data["simulated"] is True and data["steps"] == 20 and data["mean_step_s"] > 0
     assert 0 <= data["built_ahead"] <= data["transitions"]
+    assert 0 <= data["joined"] <= data["transitions"]
     text = _run(["simulate", "--trace", "gen:growth", "--gpus", "16", "--steps", "5"], env)
     assert text.stdout.startswith("SIMULATED:")
     trace = tmp_path / "bad.jsonl"
