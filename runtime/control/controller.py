@@ -780,6 +780,7 @@ class Controller:
         assert self.staged is not None
         staged, self.staged = self.staged, None
         if not report.ok or any(t.urgent for t in triggers) or self._off_pool(engine):
+            engine.drop_ahead()
             self.emit(
                 self._decision(
                     staged.trigger, staged.plan, None, "staged transition dropped: replanning"
@@ -1179,6 +1180,7 @@ class Controller:
             raise ValueError(f"proposal: {proposal_id} is not waiting")
         self.pending = None
         if kind == "reject":
+            engine.drop_ahead()
             self.emit({"event": "control.rejected", "proposal": proposal_id})
             return "rejected"
         if _unit_ids(engine) != pending.units_at:
@@ -1199,6 +1201,7 @@ class Controller:
 
     def _expire_pending(self, engine: Engine) -> None:
         if self.pending and engine.now() - self.pending.created_s > self.policy.approval_timeout_s:
+            engine.drop_ahead()
             self.emit({"event": "control.expired", "proposal": self.pending.proposal_id})
             self.pending = None
 

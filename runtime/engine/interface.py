@@ -90,5 +90,9 @@ class Engine(Protocol):
         each unit's slots), all on slots the running plan does not use: the job's next step
         runs on the others meanwhile."""
 
+    def drop_ahead(self) -> None:
+        """The units building ahead will not be used (their proposal was rejected or expired,
+        their staged move dropped): free them once built, without waiting for the builds."""
+
     def restart(self, plan: Plan, workload: PpoWorkload) -> float:
         """Checkpoint/restart onto ``plan``; returns its seconds."""

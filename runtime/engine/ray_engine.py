@@ -231,6 +231,11 @@ class RayEngine:
             return
         self._event({"event": "engine.building_ahead", "units": started})
 
+    def drop_ahead(self) -> None:
+        """The job frees the units built ahead at its first step after their builds end."""
+        if self.job is not None:
+            self.job.drop_ahead()
+
     def restart(self, plan: Plan, workload: PpoWorkload) -> float:
         """Checkpoint/restart onto ``plan``. Each persistent model-stage is saved with DCP from
         one intact unit, everything is released, and the new plan's units load it (DCP reshards).

@@ -322,6 +322,9 @@ class SimulatedEngine:
         ]
         self._ahead.update(self._schedule(keys, start=self.clock))
 
+    def drop_ahead(self) -> None:
+        self._ahead.clear()
+
     def _schedule(self, keys, *, start: float) -> dict[tuple[str, tuple[int, ...]], float]:
         """When each of these units ((model-stage, slots), in the engines' order) is built, the
         builds starting at ``start``: each as soon as all its slots are free."""

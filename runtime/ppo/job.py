@@ -200,6 +200,8 @@ class _Ahead:
     stage_of: dict[str, str]
     """Unit id → its stage."""
     units: tuple[Unit, ...] = ()
+    unwanted: bool = False
+    """No transition will use them (``drop_ahead``): freed once built."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -436,6 +438,12 @@ class PpoRuntime:
                 stage = ahead.stage_of[unit_id]
                 self._built_ahead[stage] = max(self._built_ahead.get(stage, 0.0), seconds)
 
+    def drop_ahead(self) -> None:
+        """The units building ahead will not be used: the first step after their builds end
+        frees them (a build already running cannot be stopped, and the step does not wait)."""
+        if self._ahead is not None:
+            self._ahead = dataclasses.replace(self._ahead, unwanted=True)
+
     def building_ahead(self) -> frozenset[int]:
         """Slots still running a build started ahead (finished or failed ones are not)."""
         return self._ahead.pending.running() if self._ahead is not None else frozenset()
@@ -456,8 +464,10 @@ class PpoRuntime:
         if self._ahead is not None and (
             key not in self._grouped  # groups are made on every slot: let the builds end first
             or {s for u in every for s in u.slots} & set(self._ahead.pending.slots)  # needed
+            or (self._ahead.unwanted and not self._ahead.pending.running())  # to be freed
         ):
-            self.finish_ahead()
+            self.finish_ahead()  # ended, their slots are among the live ones below, whose
+            # workspaces of units this step does not use are dropped
         rebuild_s, self._built_ahead = self._built_ahead, {}
         building = set(self._ahead.pending.slots) if self._ahead is not None else set()
         # Slots still building ahead hold nothing this step uses: leave them to it.

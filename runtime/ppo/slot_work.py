@@ -155,6 +155,11 @@ def build_workspaces(
     return took
 
 
+def workspaces(ctx: SlotContext) -> list[str]:
+    """The unit ids of the workspaces this slot holds."""
+    return sorted(key[0] for key in ctx.state.get("ppo_workspaces", {}))
+
+
 def keep_workspaces(ctx: SlotContext, *, units: list[Unit]) -> int:
     """Drop the workspaces of units not in ``units`` (replaced by a transition); returns the count."""
     cache = ctx.state.setdefault("ppo_workspaces", {})

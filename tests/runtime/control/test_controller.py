@@ -477,6 +477,30 @@ def test_an_approved_restart_proposal_restarts(monkeypatch):
     assert controller.restarts == 1 and controller.plan == proposal.plan
 
 
+@pytest.mark.parametrize("ending", ["reject", "expire"])
+def test_a_proposal_rejected_or_expired_frees_the_units_it_built_ahead(monkeypatch, ending):
+    """Its units on idle slots will not be used: the engine is told to free them."""
+    engine = _engine()
+    policy = JobPolicy(
+        admission="always_faster",
+        approval="manual",
+        approval_timeout_s=60.0 if ending == "expire" else 1e9,
+    )
+    controller = Controller(WORKLOAD, ACC, policy)
+    dropped = []
+    monkeypatch.setattr(engine, "drop_ahead", lambda: dropped.append(engine.now()))
+    controller.initial_plan(engine)
+    _steps(controller, engine, range(2))  # the pool grows to 32 during step 0
+    proposal = controller.pending
+    assert proposal is not None and proposal.ahead and not dropped
+    if ending == "reject":
+        assert controller.command("reject", proposal.proposal_id, engine) == "rejected"
+    else:
+        _steps(controller, engine, range(2, 8))  # past its 60 s
+        assert "control.expired" in _kinds(controller)
+    assert len(dropped) == 1
+
+
 # --- building ahead ---------------------------------------------------------------------------------
 
 

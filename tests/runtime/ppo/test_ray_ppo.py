@@ -4,6 +4,7 @@ steps that the job does not notice but for the pause."""
 
 import dataclasses
 import statistics
+import time
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from runtime.engine.ray_cluster import ray_connection
 from runtime.engine.ray_engine import RayEngine
 from runtime.engine.slots import SlotPool
 from runtime.planner import default_catalog
+from runtime.ppo import slot_work
 from runtime.ppo.algorithm import PPOConfig
 from runtime.ppo.job import PpoConfigError, PpoJobConfig, PpoRuntime, plan_by_hand
 from runtime.transition import Cluster, diff
@@ -191,6 +193,33 @@ def test_transitions_between_steps_keep_the_trajectory_and_the_state(runtime):
         torch.testing.assert_close(params[key], tensor, rtol=1e-4, atol=1e-5)
     # Units now span all six slots: the scale from 4 to 6 really happened.
     assert {s for us in engine.units().values() for u in us for s in u.slots} == set(range(6))
+
+
+def test_units_built_ahead_for_a_move_that_never_comes_are_freed(runtime):
+    """A proposal rejected (or a staged move dropped) leaves units built ahead on idle slots:
+    once their builds end, the next step frees them."""
+    engine, job = runtime()
+    plan = _plan(job, START, 4)
+    engine.start(plan, job.workload())
+    engine.step(plan, job.workload(), 0)
+    scaled = _plan(job, SCALED, 6)
+    cluster = Cluster(accelerator=CPU, num_slots=6)
+    ahead = diff(engine.units(), scaled, cluster, job.workload(), derived_from=plan).ahead
+    units = {}
+    for name, slots in sorted(ahead):
+        units.setdefault(name, []).append(slots)
+    idle = sorted({s for _, slots in ahead for s in slots})
+    engine.build_ahead(scaled, job.workload(), units)
+    engine.drop_ahead()
+    deadline = time.monotonic() + 120
+    while job.building_ahead() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    held = engine.engine.pool.run(slot_work.workspaces, on=idle)
+    assert any(held)  # built, and still held
+    engine.step(plan, job.workload(), 1)
+    assert engine.engine.pool.run(slot_work.workspaces, on=idle) == [[] for _ in idle]
+    # The running plan's own workspaces stay.
+    assert engine.engine.pool.run(slot_work.workspaces, on=[0])[0]
 
 
 def test_smaller_micro_batches_and_generation_waves_make_the_same_update(runtime):
