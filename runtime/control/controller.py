@@ -181,9 +181,9 @@ class Controller:
         self.last_step: int | None = None
         """The run's last step (``run_job`` sets it); a move must repay before then."""
         self.staged: Staged | None = None
+        """An admitted transition building its units ahead; it runs after the next step."""
         self._settling = False
         """The next step follows a transition whose new units join during it (``joining``)."""
-        """An admitted transition building its units ahead; it runs after the next step."""
 
     # --- events ---------------------------------------------------------------------------------
 
@@ -924,12 +924,9 @@ class Controller:
         joining = dag.joining_for(built)
         if not joining:
             return 0.0
-        ready = {
-            name: tuple(u for u in candidate.model_stage(name).units if (name, u) not in joining)
-            for name in {n for n, _ in joining if n.endswith("@generation")}
-        }
         eff = self.calibrator.efficiency()
-        partial = on_ready(candidate, workload, self._measured_accelerator(), ready)
+        partial = on_ready(candidate, workload, self._measured_accelerator(), joining)
+        assert partial is not None  # units join only beside generation units that are built
         whole_s = stage_prices(candidate, workload, self.acc, efficiency=eff)["generation"]
         ready_s = stage_prices(partial, workload, self.acc, efficiency=eff)["generation"]
         # Never a gain: the whole plan's units could decode as the built ones do.
@@ -1115,7 +1112,7 @@ class Controller:
     ) -> None:
         """Ask a person; meanwhile build the move's new units on idle slots (``dag.ahead``):
         the job runs on as it would anyway, and if the move is approved its transition waits
-        only for what is left of them (rejected, they are dropped with the next transition)."""
+        only for what is left of them (rejected or expired, the engine frees them)."""
         pending = self.pending
         if (
             pending is not None

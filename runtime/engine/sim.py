@@ -34,7 +34,7 @@ from runtime.planner.shapes import LayoutShape
 from runtime.planner.workload import PpoWorkload
 from runtime.transition import cost as transition_cost
 from runtime.transition.compiler import DEFAULT_REBUILD_S
-from runtime.transition.dag import TransitionDag, build_order
+from runtime.transition.dag import TransitionDag, in_build_order
 from runtime.transition.simulate import simulate
 from runtime.transition.units import Units, bytes_on, persists, units_of
 
@@ -239,19 +239,16 @@ class SimulatedEngine:
         self._joining = {}
         if not building:
             return plan, 0.0, 0.0
-        ready = {
-            name: tuple(u for u in plan.model_stage(name).units if (name, u) not in building)
-            for name in {n for n, _ in building if n.endswith("@generation")}
-        }
         last = max(building.values()) - self.clock
-        if not all(ready.values()):  # none built yet (a second transition before any step):
-            return plan, 0.0, last  # the step waits for every build, as a transition would
         # The built units decode as many sequences at once as truly fit (as vLLM sizes its KV
         # cache from the memory it finds free): the device as its larger true footprint sees it.
         device = dataclasses.replace(
             self.acc, memory_bytes=self.acc.memory_bytes / self.truth.memory_factor
         )
-        return on_ready(plan, workload, device, ready), last, 0.0
+        runs_on = on_ready(plan, workload, device, building)
+        if runs_on is None:  # none built yet (a second transition before any step): the
+            return plan, 0.0, last  # step waits for every build, as a transition would
+        return runs_on, last, 0.0
 
     def _stalled(self, step: int, failure: str) -> StepReport:
         """A step the job cannot run: it waits ``STALL_S`` for the world to change."""
@@ -288,8 +285,7 @@ class SimulatedEngine:
             self._learn_build(name, took[name])
         result = dataclasses.replace(result, makespan_s=result.makespan_s + rebuild)
         end = self.clock + result.makespan_s
-        keys = sorted(dag.joining, key=lambda key: (build_order(key[0]), key[1]))
-        joining = self._schedule(keys, start=end)
+        joining = self._schedule(dag.joining, start=end)
         self._ahead.clear()
         lost = self.trace.failures_between(self.clock, self.clock + result.makespan_s)
         self._advance(result.makespan_s)
@@ -317,17 +313,16 @@ class SimulatedEngine:
         self, plan: Plan, workload: PpoWorkload, units: dict[str, tuple[tuple[int, ...], ...]]
     ) -> None:
         """Start the builds now, in the engines' order; the clock does not wait for them."""
-        keys = [
-            (name, tuple(slots)) for name in sorted(units, key=build_order) for slots in units[name]
-        ]
+        keys = [(name, tuple(slots)) for name, group in units.items() for slots in group]
         self._ahead.update(self._schedule(keys, start=self.clock))
 
     def drop_ahead(self) -> None:
         self._ahead.clear()
 
     def _schedule(self, keys, *, start: float) -> dict[tuple[str, tuple[int, ...]], float]:
-        """When each of these units ((model-stage, slots), in the engines' order) is built, the
-        builds starting at ``start``: each as soon as all its slots are free."""
+        """When each of these units ((model-stage, slots)) is built, the builds starting at
+        ``start`` in the engines' order: each as soon as all its slots are free."""
+        keys = in_build_order(keys)
         seconds = {name: self._build_s(name) for name in sorted({n for n, _ in keys})}
         for name, took in seconds.items():
             self._learn_build(name, took)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 import numpy as np
 
@@ -537,32 +537,34 @@ def on_ready(
     plan_: Plan,
     workload: PpoWorkload,
     accelerator: Accelerator,
-    ready: Mapping[str, Sequence[tuple[int, ...]]],
+    building: Collection[tuple[str, tuple[int, ...]]],
     *,
     efficiency: Mapping[str, float] | None = None,
-) -> Plan:
-    """``plan_`` as it runs while some of its generation units are still being built: each
-    model-stage in ``ready`` on those of its units only, which share its sequences between them.
-    Each decodes as many at once as the search would give it: the fastest that fits
-    ``accelerator``'s memory (pass the memory the devices really give), else as many as a unit
-    of the whole plan does. Generation units are independent engines, so a generation stage can
-    run on any of its units."""
+) -> Plan | None:
+    """``plan_`` as it runs while its units ``building`` ((model-stage, slots)) are still being
+    built: each generation model-stage among them on its other units only, which share its
+    sequences between them (the other stages wait for their units). Each decodes as many at
+    once as the search would give it: the fastest that fits ``accelerator``'s memory (pass the
+    memory the devices really give), else as many as a unit of the whole plan does. Generation
+    units are independent engines, so a generation stage can run on any of its units. None
+    when some generation model-stage has no unit built yet."""
     eff = _efficiencies(efficiency)
     changed = {}
-    for name, units in ready.items():
-        running = plan_.model_stage(name)
-        if not name.endswith("@generation"):
-            raise ValueError(f"ready.{name}: only generation runs on part of its units")
-        units = tuple(units)
-        if not units or not set(units) <= set(running.units):
-            raise ValueError(f"ready.{name}: must be some of the plan's units, got {units}")
-        ms = next(m for m in workload.model_stages() if m.name == name)
+    for ms in workload.model_stages():
+        running = plan_.model_stage(ms.name)
+        if ms.stage != "generation" or not any((ms.name, u) in building for u in running.units):
+            continue
+        units = tuple(u for u in running.units if (ms.name, u) not in building)
+        if not units:
+            return None
         layout = dataclasses.replace(running.layout, dp=len(units))
         whole = LayoutShape.of_plan(ms, workload, accelerator, plan_)
         shape = LayoutShape.of_layout(ms, workload, accelerator, layout)
         _, fits, micro, _ = fitting(shape, plan_.num_slots, eff)
         size = int(micro[0]) if fits[0] else int(whole.concurrent[0])
-        changed[name] = dataclasses.replace(running, layout=layout, units=units, micro_batch=size)
+        changed[ms.name] = dataclasses.replace(
+            running, layout=layout, units=units, micro_batch=size
+        )
     return dataclasses.replace(
         plan_, model_stages=tuple(changed.get(ms.name, ms) for ms in plan_.model_stages)
     )

@@ -53,7 +53,7 @@ from runtime.ppo.parallel import check_tensor_parallel
 from runtime.ppo.tasks import EOS, PAD, TaskSet, reward_function
 from runtime.ppo.trainer_local import supervised_warmup
 from runtime.ppo.weights import CheckpointError, read_state_dict
-from runtime.transition.dag import build_order
+from runtime.transition.dag import build_order, joining_units
 from runtime.transition.units import persists, unit_layout
 
 REWARDS = ("length", "correct", "partial", "model")
@@ -516,20 +516,16 @@ class PpoRuntime:
 
     @staticmethod
     def _joining(units: dict[str, tuple[Unit, ...]], new: list[Unit]) -> tuple[Unit, ...]:
-        """Of the derived units not built yet (``new``), those built while the step generates:
-        when some generation units are built, the step generates on them (a generation unit is
-        an engine of its own, so any of them can serve) while the new units on other slots
-        build; new generation units join from the next step, and the inference stage waits
-        for its units (``TransitionDag.joining``). The built ones take their weights from a
-        training unit off the building slots: without one, nothing joins."""
+        """Of the derived units not built yet (``new``), those built while the step generates
+        on the generation units that are built (``TransitionDag.joining``): new generation
+        units join from the next step, and the inference stage waits for its units."""
         generating = {s for u in units["actor@generation"] if u not in new for s in u.slots}
-        if not generating:
-            return ()
-        joining = tuple(u for u in new if not generating & set(u.slots))
-        building = {s for u in joining for s in u.slots}
-        if all(building & set(u.slots) for u in units["actor@training"]):
-            return ()
-        return joining
+        keys = joining_units(
+            generating,
+            [(u.model_stage, u.slots) for u in new],
+            [u.slots for u in units["actor@training"]],
+        )
+        return tuple(u for u in new if (u.model_stage, u.slots) in keys)
 
     @staticmethod
     def _dp_groups(units) -> list[tuple[int, ...]]:
@@ -589,14 +585,13 @@ class PpoRuntime:
         ran, generators, training = plan, units["actor@generation"], units["actor@training"]
         if joining is not None:
             generators = tuple(u for u in generators if u not in joining.units)
-        if len(generators) < len(units["actor@generation"]):
             ran = on_ready(
                 plan,
                 workload,
                 default_catalog().accelerator(plan.accelerator),
-                {"actor@generation": tuple(u.slots for u in generators)},
+                {(u.model_stage, u.slots) for u in joining.units},
             )
-        if joining is not None:  # weights from the training units off the building slots
+            # Weights from the training units off the building slots.
             building = set(joining.pending.slots)
             training = tuple(u for u in training if not building & set(u.slots))
         sync_bytes = self._sync(engine, (training, generators))

@@ -150,6 +150,28 @@ def build_order(model_stage: str) -> tuple[bool, str]:
     return (model_stage.endswith("@generation"), model_stage)
 
 
+def in_build_order(keys):
+    """(model-stage, slots) keys in ``build_order``, a model-stage's in slot order."""
+    return sorted(keys, key=lambda key: (build_order(key[0]), key[1]))
+
+
+def joining_units(generating, new, sources):
+    """Of the new derived units ``new`` ((model-stage, slots)), those that build while a step
+    generates on the generation units that are built (on the slots ``generating``): the ones
+    off those slots. The generating units take their weights from a training unit off the
+    building slots, so one of ``sources`` (the training units' slots, if any) must be; else
+    nothing joins. The one rule the compiler prices and the Ray job follows."""
+    generating = set(generating)
+    if not generating:
+        return frozenset()
+    joining = frozenset(key for key in new if not generating.intersection(key[1]))
+    building = {s for _, unit in joining for s in unit}
+    sources = list(sources)
+    if sources and all(building.intersection(slots) for slots in sources):
+        return frozenset()
+    return joining
+
+
 class TransitionDag:
     """Nodes keyed by id (in creation order), edges with their kind (``data`` or ``resource``)."""
 
@@ -310,22 +332,12 @@ class TransitionDag:
         waits for whatever is still building. The generation units take their weights from a
         training unit off those slots, so there must be one (else nothing joins).
         ``rebuild_makespan`` does not charge them; ``joining_s`` does."""
-        generating = set(self.generating) or {
+        generating = self.generating or {
             s for name, unit in built if name.endswith("@generation") for s in unit
         }
-        if not generating:
-            return frozenset()
-        joining = frozenset(
-            (name, unit)
-            for name, units in self.rebuild_units.items()
-            for unit in units
-            if not generating.intersection(unit) and (name, unit) not in built
-        )
-        building = {s for _, unit in joining for s in unit}
-        sources = self.target.get("actor@training", ())
-        if sources and all(building.intersection(u.slots) for u in sources):
-            return frozenset()
-        return joining
+        new = [(n, u) for n, us in self.rebuild_units.items() for u in us if (n, u) not in built]
+        sources = [u.slots for u in self.target.get("actor@training", ())]
+        return joining_units(generating, new, sources)
 
     @property
     def moving_s(self) -> float:
@@ -357,11 +369,7 @@ class TransitionDag:
         overrides ``rebuilds`` (an engine's true per-unit times). Units in ``skip`` (by default
         ``built_ahead`` and ``joining``) are not charged."""
         return self._build_makespan(
-            [
-                (n, u)
-                for n in sorted(self.rebuild_units, key=build_order)
-                for u in self.rebuild_units[n]
-            ],
+            in_build_order((n, u) for n, us in self.rebuild_units.items() for u in us),
             self.rebuilds if seconds is None else seconds,
             skip=self.built_ahead | self.joining if skip is None else skip,
         )
@@ -374,7 +382,7 @@ class TransitionDag:
         """How long building ``units`` ((model-stage, slots)) takes, in the engines' order, on
         their own."""
         return self._build_makespan(
-            sorted(units, key=lambda key: (build_order(key[0]), key[1])),
+            in_build_order(units),
             self.rebuilds if seconds is None else seconds,
             skip=frozenset(),
         )
