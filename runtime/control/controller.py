@@ -1112,7 +1112,8 @@ class Controller:
     ) -> None:
         """Ask a person; meanwhile build the move's new units on idle slots (``dag.ahead``):
         the job runs on as it would anyway, and if the move is approved its transition waits
-        only for what is left of them (rejected or expired, the engine frees them)."""
+        only for what is left of them (rejected, expired or superseded, the engine frees
+        them)."""
         pending = self.pending
         if (
             pending is not None
@@ -1130,6 +1131,7 @@ class Controller:
             )
             return
         if pending is not None:  # a different candidate replaces the one still waiting
+            engine.drop_ahead()  # its units built ahead will not be used
             self.emit(
                 {
                     "event": "control.stale",

@@ -477,8 +477,10 @@ def test_an_approved_restart_proposal_restarts(monkeypatch):
     assert controller.restarts == 1 and controller.plan == proposal.plan
 
 
-@pytest.mark.parametrize("ending", ["reject", "expire"])
-def test_a_proposal_rejected_or_expired_frees_the_units_it_built_ahead(monkeypatch, ending):
+@pytest.mark.parametrize("ending", ["reject", "expire", "supersede"])
+def test_a_proposal_rejected_expired_or_superseded_frees_the_units_it_built_ahead(
+    monkeypatch, ending
+):
     """Its units on idle slots will not be used: the engine is told to free them."""
     engine = _engine()
     policy = JobPolicy(
@@ -495,6 +497,9 @@ def test_a_proposal_rejected_or_expired_frees_the_units_it_built_ahead(monkeypat
     assert proposal is not None and proposal.ahead and not dropped
     if ending == "reject":
         assert controller.command("reject", proposal.proposal_id, engine) == "rejected"
+    elif ending == "supersede":  # another change is asked for while it waits
+        controller._propose(controller.plan, proposal.verdict, proposal.trigger, engine)
+        assert controller.pending.proposal_id != proposal.proposal_id
     else:
         _steps(controller, engine, range(2, 8))  # past its 60 s
         assert "control.expired" in _kinds(controller)

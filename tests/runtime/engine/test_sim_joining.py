@@ -1,6 +1,8 @@
 """The simulated cluster's step while a transition's new derived units are still building: the
 generation units that are built generate, the others join once built, and the step's next stage
-waits for whatever is still building on its slots."""
+waits for whatever is still building on its slots. Every second here is simulated: the
+engine's true model without noise, so the assertions check what the model plays out, not how
+fast anything runs."""
 
 import pytest
 
