@@ -4,7 +4,12 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
+#include <tuple>
+#include <unordered_map>
 #include <vector>
+
+#include "geometry.h"
 
 namespace nereus {
 
@@ -43,6 +48,11 @@ inline std::vector<Slice> plan_slices(const std::vector<at::Tensor>& tensors, co
     p.block = p.length * inner * e;
     p.stride = size * inner * e;
     p.first = p.start * inner * e;
+    if (p.stride == p.block) {  // the slice spans its dimension: one contiguous run
+      p.block *= p.outer;
+      p.stride = p.block;
+      p.outer = p.block ? 1 : 0;
+    }
     p.buffer_offset = offset;
     offset += p.outer * p.block;
     plan.push_back(p);
@@ -56,24 +66,62 @@ inline int64_t total_bytes(const std::vector<Slice>& plan) {
   return total;
 }
 
-// Overlapping destinations would make the result depend on the order: refuse before writing.
-inline void check_distinct(const std::vector<at::Tensor>& tensors, const char* op) {
-  for (size_t a = 0; a < tensors.size(); ++a) {
-    for (size_t b = a + 1; b < tensors.size(); ++b) {
-      TORCH_CHECK(!tensors[a].is_alias_of(tensors[b]), op, ": destinations ", a, " and ", b,
-                  " share storage");
+// The copy work of a plan in chunks of at most `limit` bytes (see Chunk in geometry.h).
+inline std::vector<Chunk> chunk_plan(const std::vector<Slice>& plan, int64_t limit) {
+  std::vector<Chunk> chunks;
+  for (size_t i = 0; i < plan.size(); ++i) {
+    const Slice& p = plan[i];
+    const int64_t slice = static_cast<int64_t>(i);
+    if (p.outer == 0 || p.block == 0) continue;
+    if (p.block >= limit) {
+      for (int64_t o = 0; o < p.outer; ++o) {
+        for (int64_t k = 0; k < p.block; k += limit) {
+          chunks.push_back(Chunk{slice, o, 1, k, std::min(limit, p.block - k)});
+        }
+      }
+    } else {
+      const int64_t span = limit / p.block;
+      for (int64_t o = 0; o < p.outer; o += span) {
+        chunks.push_back(Chunk{slice, o, std::min(span, p.outer - o), 0, p.block});
+      }
     }
+  }
+  return chunks;
+}
+
+// Overlapping destinations would make the result depend on the order: refuse before writing.
+// Both checks are O(n log n), so that a transition's thousands of small slices stay cheap.
+inline void check_distinct(const std::vector<at::Tensor>& tensors, const char* op) {
+  std::unordered_map<const void*, size_t> owner;
+  owner.reserve(tensors.size());
+  for (size_t b = 0; b < tensors.size(); ++b) {
+    const auto [it, fresh] = owner.emplace(tensors[b].storage().unsafeGetStorageImpl(), b);
+    TORCH_CHECK(fresh, op, ": destinations ", it->second, " and ", b, " share storage");
   }
 }
 
 inline void check_disjoint(const std::vector<Slice>& plan, const char* op) {
-  for (size_t a = 0; a < plan.size(); ++a) {
-    for (size_t b = a + 1; b < plan.size(); ++b) {
-      const Slice &x = plan[a], &y = plan[b];
-      if (x.tensor != y.tensor || x.length == 0 || y.length == 0) continue;
-      TORCH_CHECK(x.dim == y.dim && (x.start + x.length <= y.start || y.start + y.length <= x.start), op,
-                  ": slices ", a, " and ", b, " overlap in destination ", x.tensor);
+  std::vector<size_t> order;
+  for (size_t i = 0; i < plan.size(); ++i) {
+    if (plan[i].length) order.push_back(i);
+  }
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    const Slice &x = plan[a], &y = plan[b];
+    return std::tie(x.tensor, x.start, a) < std::tie(y.tensor, y.start, b);
+  });
+  // Per destination, by start: slices along different dimensions always meet; along one, a
+  // slice meets an earlier one if it starts before the furthest end so far (`reach`'s).
+  size_t reach = 0;
+  for (size_t k = 0; k < order.size(); ++k) {
+    const Slice& y = plan[order[k]];
+    if (k == 0 || plan[order[k - 1]].tensor != y.tensor) {
+      reach = order[k];
+      continue;
     }
+    const Slice& x = plan[reach];
+    TORCH_CHECK(x.dim == y.dim && x.start + x.length <= y.start, op, ": slices ", std::min(reach, order[k]), " and ",
+                std::max(reach, order[k]), " overlap in destination ", y.tensor);
+    if (y.start + y.length > x.start + x.length) reach = order[k];
   }
 }
 
@@ -107,6 +155,15 @@ inline void check_global(const at::Tensor& data, at::IntArrayRef shape, at::IntA
     TORCH_CHECK(offset[d] >= 0 && offset[d] <= shape[d] && data.size(d) <= shape[d] - offset[d], "checksum: dim ", d, " slice [",
                 offset[d], ", ", offset[d] + data.size(d), ") outside [0, ", shape[d], ")");
   }
+}
+
+// The checked geometry of a checksum's piece (contiguous: callers pass data.contiguous()).
+inline Geometry geometry_of(const at::Tensor& data, at::IntArrayRef shape, at::IntArrayRef offset) {
+  check_global(data, shape, offset);
+  Geometry g;
+  TORCH_CHECK(make_geometry(data.dim(), data.sizes().data(), shape.data(), offset.data(), &g),
+              "checksum: more than ", kMaxDims, " dimensions that cannot be merged");
+  return g;
 }
 
 }  // namespace nereus

@@ -11,34 +11,34 @@
 namespace nereus {
 namespace {
 
-constexpr int kMaxDims = 8;
 constexpr int kThreads = 256;
+constexpr int64_t kTileElements = 1 << 14;  // per block of the checksum
+constexpr int64_t kChunkBytes = 1 << 16;     // per block of pack/unpack
+constexpr int64_t kMaxBlocks = 1 << 16;
 
-struct Geometry {
-  int64_t dims;
-  int64_t local[kMaxDims];
-  int64_t offset[kMaxDims];
-  int64_t gstride[kMaxDims];
-};
-
-__device__ __forceinline__ uint64_t mix(uint64_t x) {
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
-  return x ^ (x >> 31);
-}
-
+// Grid-stride over the tiles of geometry.h; each block sums its tiles' terms, then adds its sum
+// to `out` (wrapping modulo 2**64, as the CPU sum does).
 template <typename Bits>
-__global__ void checksum_kernel(const Bits* data, int64_t n, Geometry g, unsigned long long* out) {
+__global__ void checksum_kernel(const Bits* data, Geometry g, Tiling tiling, unsigned long long* out) {
   __shared__ unsigned long long partial[kThreads];
   uint64_t sum = 0;
-  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
-    int64_t rest = i, index = 0;
-    for (int64_t d = g.dims - 1; d >= 0; --d) {
-      const int64_t local = rest % g.local[d];
-      rest /= g.local[d];
-      index += (g.offset[d] + local) * g.gstride[d];
+  for (int64_t t = blockIdx.x; t < tiling.count; t += gridDim.x) {
+    const Tile tile = tile_at(g, tiling, t);
+    if (tile.nrows == 1) {
+      const uint64_t start = static_cast<uint64_t>(row_start(g, tile.row) + tile.col);
+      const Bits* row = data + tile.row * g.cols + tile.col;
+      for (int64_t j = threadIdx.x; j < tile.ncols; j += blockDim.x) {
+        sum += checksum_term(start + static_cast<uint64_t>(j), static_cast<uint64_t>(row[j]));
+      }
+    } else {  // whole short rows: elements of the tile, row by row
+      const int64_t n = tile.nrows * g.cols;
+      const Bits* first = data + tile.row * g.cols;
+      for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+        const int64_t r = i / g.cols, j = i - r * g.cols;
+        const uint64_t index = static_cast<uint64_t>(row_start(g, tile.row + r) + j);
+        sum += checksum_term(index, static_cast<uint64_t>(first[i]));
+      }
     }
-    sum += mix((static_cast<uint64_t>(index) * 0x9E3779B97F4A7C15ULL) ^ static_cast<uint64_t>(data[i]));
   }
   partial[threadIdx.x] = sum;
   __syncthreads();
@@ -46,94 +46,119 @@ __global__ void checksum_kernel(const Bits* data, int64_t n, Geometry g, unsigne
     if (threadIdx.x < step) partial[threadIdx.x] += partial[threadIdx.x + step];
     __syncthreads();
   }
-  if (threadIdx.x == 0) atomicAdd(out, partial[0]);  // wraps modulo 2**64, like the CPU sum
+  if (threadIdx.x == 0) atomicAdd(out, partial[0]);
 }
 
 int64_t checksum_cuda(const at::Tensor& data, at::IntArrayRef global_shape, at::IntArrayRef global_offset) {
-  check_global(data, global_shape, global_offset);
-  TORCH_CHECK(data.dim() <= kMaxDims, "checksum: at most ", kMaxDims, " dimensions");
   const c10::cuda::CUDAGuard guard(data.device());
   const at::Tensor t = data.contiguous();
-  Geometry g{};
-  g.dims = t.dim();
-  int64_t stride = 1;
-  for (int64_t d = t.dim() - 1; d >= 0; --d) {
-    g.local[d] = t.size(d);
-    g.offset[d] = global_offset[d];
-    g.gstride[d] = stride;
-    stride *= global_shape[d];
-  }
-  if (t.dim() == 0) {
-    g.dims = 1;
-    g.local[0] = 1;
-    g.offset[0] = 0;
-    g.gstride[0] = 1;
-  }
+  const Geometry g = geometry_of(t, global_shape, global_offset);
+  if (t.numel() == 0) return 0;
+  const Tiling tiling = make_tiling(g, kTileElements);
   at::Tensor out = at::zeros({1}, t.options().dtype(at::kLong));
-  const int64_t n = t.numel();
-  if (n == 0) return 0;
-  const int blocks = static_cast<int>(std::min<int64_t>((n + kThreads - 1) / kThreads, 4096));
+  const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(tiling.count, kMaxBlocks));
   auto stream = c10::cuda::getCurrentCUDAStream();
   auto* result = reinterpret_cast<unsigned long long*>(out.data_ptr<int64_t>());
   switch (t.element_size()) {
-    case 1: checksum_kernel<uint8_t><<<blocks, kThreads, 0, stream>>>(static_cast<const uint8_t*>(t.data_ptr()), n, g, result); break;
-    case 2: checksum_kernel<uint16_t><<<blocks, kThreads, 0, stream>>>(static_cast<const uint16_t*>(t.data_ptr()), n, g, result); break;
-    case 4: checksum_kernel<uint32_t><<<blocks, kThreads, 0, stream>>>(static_cast<const uint32_t*>(t.data_ptr()), n, g, result); break;
-    case 8: checksum_kernel<uint64_t><<<blocks, kThreads, 0, stream>>>(static_cast<const uint64_t*>(t.data_ptr()), n, g, result); break;
+    case 1: checksum_kernel<uint8_t><<<blocks, kThreads, 0, stream>>>(static_cast<const uint8_t*>(t.data_ptr()), g, tiling, result); break;
+    case 2: checksum_kernel<uint16_t><<<blocks, kThreads, 0, stream>>>(static_cast<const uint16_t*>(t.data_ptr()), g, tiling, result); break;
+    case 4: checksum_kernel<uint32_t><<<blocks, kThreads, 0, stream>>>(static_cast<const uint32_t*>(t.data_ptr()), g, tiling, result); break;
+    case 8: checksum_kernel<uint64_t><<<blocks, kThreads, 0, stream>>>(static_cast<const uint64_t*>(t.data_ptr()), g, tiling, result); break;
     default: TORCH_CHECK(false, "checksum: unsupported element size ", t.element_size());
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out.item<int64_t>();
 }
 
-// One descriptor per slice; one kernel moves all of them (a block per slice, 16-byte words where
-// every run is aligned, bytes otherwise).
+// One descriptor per chunk of geometry.h (a block each): the chunk's runs, where they are in the
+// tensor and in the buffer, and the widest word (16, 8, 4, 2 or 1 bytes) every address and length
+// of the chunk is aligned to.
 struct Run {
   uint8_t* tensor;
-  int64_t buffer_offset, outer, block, stride, first;
+  uint8_t* buffer;  // the chunk's first run's bytes in the buffer
+  int64_t stride;   // bytes between the chunk's runs in the tensor
+  int64_t block;    // bytes between them in the buffer
+  int32_t nruns;
+  int32_t words;    // per run
+  int32_t unit;
 };
 
-template <bool kPack>
-__global__ void copy_kernel(const Run* runs, uint8_t* buffer) {
-  const Run r = runs[blockIdx.x];
-  const bool wide = (r.block % 16 == 0) && (r.stride % 16 == 0) && (r.first % 16 == 0) &&
-                    (r.buffer_offset % 16 == 0) && (reinterpret_cast<uintptr_t>(r.tensor) % 16 == 0) &&
-                    (reinterpret_cast<uintptr_t>(buffer) % 16 == 0);
-  const int64_t unit = wide ? 16 : 1;
-  const int64_t per_run = r.block / unit;
-  const int64_t total = r.outer * per_run;
-  for (int64_t i = threadIdx.x; i < total; i += blockDim.x) {
-    const int64_t o = i / per_run, k = i % per_run;
-    uint8_t* t = r.tensor + r.first + o * r.stride + k * unit;
-    uint8_t* b = buffer + r.buffer_offset + o * r.block + k * unit;
-    if (wide) {
-      if (kPack) *reinterpret_cast<uint4*>(b) = *reinterpret_cast<const uint4*>(t);
-      else *reinterpret_cast<uint4*>(t) = *reinterpret_cast<const uint4*>(b);
-    } else {
-      if (kPack) *b = *t;
-      else *t = *b;
-    }
+template <typename Word, bool kPack>
+__device__ __forceinline__ void copy_word(const Run& r, int32_t run, int32_t w) {
+  Word* t = reinterpret_cast<Word*>(r.tensor + run * r.stride) + w;
+  Word* b = reinterpret_cast<Word*>(r.buffer + run * r.block) + w;
+  if (kPack) {
+    *b = *t;
+  } else {
+    *t = *b;
+  }
+}
+
+template <typename Word, bool kPack>
+__device__ __forceinline__ void copy_words(const Run& r) {
+  if (r.nruns == 1) {
+    for (int32_t w = threadIdx.x; w < r.words; w += blockDim.x) copy_word<Word, kPack>(r, 0, w);
+    return;
+  }
+  const int32_t total = r.nruns * r.words;  // a chunk holds at most kChunkBytes
+  for (int32_t i = threadIdx.x; i < total; i += blockDim.x) {
+    const int32_t run = i / r.words;
+    copy_word<Word, kPack>(r, run, i - run * r.words);
   }
 }
 
 template <bool kPack>
+__global__ void copy_kernel(const Run* runs) {
+  const Run r = runs[blockIdx.x];
+  switch (r.unit) {
+    case 16: copy_words<uint4, kPack>(r); break;
+    case 8: copy_words<uint2, kPack>(r); break;
+    case 4: copy_words<uint32_t, kPack>(r); break;
+    case 2: copy_words<uint16_t, kPack>(r); break;
+    default: copy_words<uint8_t, kPack>(r); break;
+  }
+}
+
+int32_t widest_word(std::initializer_list<uint64_t> values) {
+  int32_t unit = 16;
+  for (uint64_t v : values) {
+    while (unit > 1 && v % unit) unit /= 2;
+  }
+  return unit;
+}
+
+// Validation is done (plan_*); this only checks devices, before any byte is written, then
+// launches one kernel for every chunk of every slice. Stream-ordered like any torch op: the
+// descriptors go up from pageable memory, which the copy reads before it returns.
+template <bool kPack>
 void launch(const std::vector<at::Tensor>& tensors, const std::vector<Slice>& plan, at::Tensor& buffer) {
-  if (plan.empty()) return;
+  for (const at::Tensor& t : tensors) {
+    TORCH_CHECK(t.device() == buffer.device(), kPack ? "pack" : "unpack", ": every tensor must be on the buffer's device (",
+                buffer.device(), "), not ", t.device());
+  }
+  const std::vector<Chunk> chunks = chunk_plan(plan, kChunkBytes);
+  if (chunks.empty()) return;
   std::vector<Run> host;
-  for (const Slice& p : plan) {
-    TORCH_CHECK(tensors[p.tensor].device() == buffer.device(), kPack ? "pack" : "unpack",
-                ": every tensor must be on the buffer's device");
-    host.push_back(Run{static_cast<uint8_t*>(tensors[p.tensor].data_ptr()), p.buffer_offset, p.outer, p.block,
-                       p.stride, p.first});
+  host.reserve(chunks.size());
+  uint8_t* base = buffer.data_ptr<uint8_t>();
+  for (const Chunk& c : chunks) {
+    const Slice& p = plan[c.slice];
+    uint8_t* t = static_cast<uint8_t*>(tensors[p.tensor].data_ptr()) + chunk_tensor_byte(c, p.first, p.stride, 0);
+    uint8_t* b = base + chunk_buffer_byte(c, p.buffer_offset, p.block, 0);
+    const int32_t unit = widest_word({reinterpret_cast<uintptr_t>(t), reinterpret_cast<uintptr_t>(b),
+                                      static_cast<uint64_t>(c.bytes), static_cast<uint64_t>(c.nruns > 1 ? p.stride : 0),
+                                      static_cast<uint64_t>(c.nruns > 1 ? p.block : 0)});
+    host.push_back(Run{t, b, p.stride, p.block, static_cast<int32_t>(c.nruns), static_cast<int32_t>(c.bytes / unit), unit});
   }
   at::Tensor runs = at::empty({static_cast<int64_t>(host.size() * sizeof(Run))}, buffer.options());
   auto stream = c10::cuda::getCurrentCUDAStream();
   C10_CUDA_CHECK(cudaMemcpyAsync(runs.data_ptr(), host.data(), host.size() * sizeof(Run), cudaMemcpyHostToDevice,
                                  stream));
-  copy_kernel<kPack><<<static_cast<unsigned>(host.size()), kThreads, 0, stream>>>(
-      reinterpret_cast<const Run*>(runs.data_ptr()), buffer.data_ptr<uint8_t>());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  C10_CUDA_CHECK(cudaStreamSynchronize(stream));  // `host` and `runs` must outlive the copy
+  for (size_t first = 0; first < host.size(); first += kMaxBlocks) {
+    const unsigned blocks = static_cast<unsigned>(std::min<size_t>(kMaxBlocks, host.size() - first));
+    copy_kernel<kPack><<<blocks, kThreads, 0, stream>>>(reinterpret_cast<const Run*>(runs.data_ptr()) + first);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
 }
 
 at::Tensor pack_cuda(at::TensorList sources, const at::Tensor& slices) {

@@ -1,5 +1,8 @@
 """The csrc/ kernels against their pure-PyTorch oracle: bit equality over random shapes, dtypes and
-slices; pack/unpack round trips; opcheck; and bad input refused before any byte is written."""
+slices; pack/unpack round trips; opcheck; and bad input refused before any byte is written.
+
+Every test that takes ``device`` runs on the CPU here and in CI, and on the GPU as well on a
+machine with one and a CUDA build of the kernels (the device machine): one suite for both."""
 
 import itertools
 import os
@@ -12,6 +15,21 @@ from hypothesis import strategies as st
 from runtime import kernels
 from runtime.kernels import reference
 from runtime.kernels.paths import library_path
+
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(
+                not torch.cuda.is_available() or kernels.backend() != "compiled",
+                reason="needs a GPU and the compiled kernels",
+            ),
+        ],
+    ),
+]
+on_every_device = pytest.mark.parametrize("device", DEVICES)
 
 DTYPES = [
     torch.bfloat16,
@@ -32,17 +50,21 @@ def test_compiled_kernels_are_in_use_in_ci():
     assert (kernels.backend() == "compiled") == library_path().exists()
 
 
-def _tensor(shape, dtype, seed):
+def _tensor(shape, dtype, seed, device="cpu"):
     gen = torch.Generator().manual_seed(seed)
     if dtype.is_floating_point:
-        return torch.randn(shape, generator=gen).to(dtype)
-    return torch.randint(
-        -(2**30) if dtype != torch.uint8 else 0,
-        2**30 if dtype != torch.uint8 else 255,
-        shape,
-        generator=gen,
-        dtype=torch.int64,
-    ).to(dtype)
+        return torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
+    return (
+        torch.randint(
+            -(2**30) if dtype != torch.uint8 else 0,
+            2**30 if dtype != torch.uint8 else 255,
+            shape,
+            generator=gen,
+            dtype=torch.int64,
+        )
+        .to(dtype)
+        .to(device)
+    )
 
 
 @st.composite
@@ -54,11 +76,12 @@ def pieces(draw):
     return shape, dtype, dim, cuts, draw(st.integers(0, 2**31))
 
 
+@on_every_device
 @settings(max_examples=60, deadline=None)
 @given(pieces())
-def test_checksum_matches_the_oracle_and_ignores_how_the_tensor_is_cut(case):
+def test_checksum_matches_the_oracle_and_ignores_how_the_tensor_is_cut(device, case):
     shape, dtype, dim, cuts, seed = case
-    whole = _tensor(shape, dtype, seed)
+    whole = _tensor(shape, dtype, seed, device)
     expected = reference.checksum(whole, shape, (0,) * len(shape))
     assert kernels.checksum(whole, shape, (0,) * len(shape)) == expected
     total = 0
@@ -71,8 +94,9 @@ def test_checksum_matches_the_oracle_and_ignores_how_the_tensor_is_cut(case):
     assert total & (2**64 - 1) == expected
 
 
-def test_checksum_sees_a_single_bit():
-    x = torch.randn(100, 100)
+@on_every_device
+def test_checksum_sees_a_single_bit(device):
+    x = torch.randn(100, 100, device=device)
     before = kernels.checksum(x, x.shape, (0, 0))
     x.view(torch.int32)[42, 7] ^= 1 << 3
     assert kernels.checksum(x, x.shape, (0, 0)) != before
@@ -93,10 +117,12 @@ def slice_sets(draw):
     return tensors, torch.tensor(rows, dtype=torch.int64)
 
 
+@on_every_device
 @settings(max_examples=60, deadline=None)
 @given(slice_sets())
-def test_pack_equals_oracle_and_unpack_round_trips(case):
+def test_pack_equals_oracle_and_unpack_round_trips(device, case):
     tensors, slices = case
+    tensors = [t.to(device) for t in tensors]
     packed = kernels.pack(tensors, slices)
     assert torch.equal(packed, reference.pack(tensors, slices))
     restored = [torch.zeros_like(t) for t in tensors]
@@ -109,9 +135,10 @@ def test_pack_equals_oracle_and_unpack_round_trips(case):
         )
 
 
+@on_every_device
 @pytest.mark.parametrize("impl", [kernels, reference], ids=["dispatch", "reference"])
-def test_bad_input_is_refused_before_any_byte_is_written(impl):
-    dest = [torch.zeros(4, 4), torch.zeros(3)]
+def test_bad_input_is_refused_before_any_byte_is_written(impl, device):
+    dest = [torch.zeros(4, 4, device=device), torch.zeros(3, device=device)]
     for slices, nbytes, message in [
         ([[0, 0, 0, 1], [1, 0, 2, 2]], 24, r"outside \[0, 3\)"),
         ([[0, 0, 0, 1], [2, 0, 0, 1]], 20, "names tensor 2 of 2"),
@@ -120,24 +147,30 @@ def test_bad_input_is_refused_before_any_byte_is_written(impl):
         ([[0, 2, 0, 1]], 16, "dim 2 outside a 2-d tensor"),
         ([[0, 0, 0, 2]], 24, "slices cover 32 bytes, the buffer holds 24"),
     ]:
-        buffer = torch.full((nbytes,), 7, dtype=torch.uint8)
+        buffer = torch.full((nbytes,), 7, dtype=torch.uint8, device=device)
         with pytest.raises(RuntimeError, match=message):
             impl.unpack(buffer, dest, torch.tensor(slices, dtype=torch.int64))
         assert all(not t.any() for t in dest), message
-    buffer = torch.zeros(12, dtype=torch.uint8)
+    buffer = torch.zeros(12, dtype=torch.uint8, device=device)
     with pytest.raises(RuntimeError, match="buffer must be a contiguous 1-d uint8 tensor"):
         impl.unpack(buffer.float(), dest, torch.tensor([[1, 0, 0, 3]], dtype=torch.int64))
     with pytest.raises(RuntimeError, match="slices must be an int64 tensor"):
         impl.pack(dest, torch.tensor([[0, 0, 0]], dtype=torch.int64))
     with pytest.raises(RuntimeError, match="is not contiguous"):
-        impl.pack([torch.zeros(4, 4).t()], torch.tensor([[0, 0, 0, 1]], dtype=torch.int64))
+        impl.pack(
+            [torch.zeros(4, 4, device=device).t()], torch.tensor([[0, 0, 0, 1]], dtype=torch.int64)
+        )
     with pytest.raises(RuntimeError, match=r"checksum: dim 0 slice \[3, 7\) outside \[0, 5\)"):
-        impl.checksum(torch.zeros(4), (5,), (3,))
+        impl.checksum(torch.zeros(4, device=device), (5,), (3,))
 
 
+@on_every_device
 @pytest.mark.skipif(kernels.backend() != "compiled", reason="opcheck needs the compiled ops")
-def test_opcheck():
-    tensors = [torch.randn(6, 5), torch.arange(12, dtype=torch.int32).view(3, 4)]
+def test_opcheck(device):
+    tensors = [
+        torch.randn(6, 5, device=device),
+        torch.arange(12, dtype=torch.int32, device=device).view(3, 4),
+    ]
     slices = torch.tensor([[0, 1, 1, 3], [1, 0, 1, 2]], dtype=torch.int64)
     torch.library.opcheck(
         torch.ops.nereus.pack.default,
@@ -150,7 +183,7 @@ def test_opcheck():
         (tensors, slices, torch.empty_like(buffer)),
         test_utils=("test_schema", "test_autograd_registration", "test_faketensor"),
     )
-    dest = [torch.zeros(6, 5), torch.zeros(3, 4, dtype=torch.int32)]
+    dest = [torch.zeros(6, 5, device=device), torch.zeros(3, 4, dtype=torch.int32, device=device)]
     torch.library.opcheck(
         torch.ops.nereus.unpack.default,
         (buffer, dest, slices),
@@ -163,19 +196,24 @@ def test_opcheck():
     )
 
 
+@on_every_device
 @pytest.mark.parametrize("impl", [kernels, reference], ids=["dispatch", "reference"])
-def test_huge_offsets_and_aliased_destinations_are_refused(impl):
+def test_huge_offsets_and_aliased_destinations_are_refused(impl, device):
     """Found by review: start + length overflowed int64 in the C++ bounds check."""
-    dest = torch.zeros(4)
+    dest = torch.zeros(4, device=device)
     with pytest.raises(RuntimeError, match="outside"):
-        impl.unpack(torch.zeros(4, dtype=torch.uint8), [dest], torch.tensor([[0, 0, 2**63 - 1, 1]]))
+        impl.unpack(
+            torch.zeros(4, dtype=torch.uint8, device=device),
+            [dest],
+            torch.tensor([[0, 0, 2**63 - 1, 1]]),
+        )
     assert not dest.any()
     with pytest.raises(RuntimeError, match="outside"):
-        impl.checksum(torch.zeros(4), (4,), (2**63 - 1,))
-    shared = torch.zeros(8)
+        impl.checksum(torch.zeros(4, device=device), (4,), (2**63 - 1,))
+    shared = torch.zeros(8, device=device)
     with pytest.raises(RuntimeError, match="share storage"):
         impl.unpack(
-            torch.ones(32, dtype=torch.uint8),
+            torch.ones(32, dtype=torch.uint8, device=device),
             [shared[:4], shared[4:]],
             torch.tensor([[0, 0, 0, 4], [1, 0, 0, 4]]),
         )
@@ -187,3 +225,95 @@ def test_zero_dimensional_tensors_pack_the_same_everywhere():
     for rows in ([[0, 0, 0, 1], [1, 0, 0, 1]], [[0, 0, 0, 0], [1, 0, 0, 1]]):
         slices = torch.tensor(rows, dtype=torch.int64)
         assert torch.equal(kernels.pack(scalars, slices), reference.pack(scalars, slices))
+
+
+@pytest.mark.parametrize(
+    ("shape", "offset", "sizes"),
+    [
+        ((300_000,), (0,), (300_000,)),  # one long row, cut into several tiles
+        ((200_000, 3), (25_000, 1), (150_000, 2)),  # many short rows, tiles of whole rows
+        ((4, 3, 140_000), (1, 1, 20_000), (2, 2, 100_000)),  # two row dimensions, long rows
+        ((5, 6, 7, 8), (1, 0, 2, 0), (3, 6, 4, 8)),  # inner dimensions merged with cut ones
+    ],
+)
+@on_every_device
+def test_checksum_of_large_and_oddly_cut_pieces_matches_the_oracle(shape, offset, sizes, device):
+    """Pieces big enough that the kernels split them into several tiles, and cut so that some
+    dimensions merge and some locate rows: the arithmetic the CUDA kernel shares with the CPU."""
+    whole = _tensor(shape, torch.float32, 5, device)
+    piece = whole[tuple(slice(o, o + n) for o, n in zip(offset, sizes, strict=True))]
+    assert kernels.checksum(piece, shape, offset) == reference.checksum(piece, shape, offset)
+
+
+@on_every_device
+def test_pack_of_slices_larger_than_a_chunk_matches_the_oracle_and_round_trips(device):
+    tensors = [
+        _tensor((600, 1024), torch.float32, 1, device),  # 2.4 MiB
+        _tensor((3, 400_000), torch.float32, 2, device),
+        _tensor((600, 1024), torch.bfloat16, 3, device),
+        _tensor((501, 77), torch.uint8, 4, device),  # odd rows: no run is aligned to a word
+    ]
+    slices = torch.tensor(
+        [
+            [0, 0, 100, 400],  # one contiguous run of 1.6 MB: two chunks
+            [1, 1, 1000, 390_000],  # three runs of 1.56 MB, each split in two
+            [2, 1, 10, 890],  # 600 runs of 1,780 bytes, several runs per chunk
+            [3, 1, 3, 71],  # 501 runs of 71 bytes at odd offsets
+        ],
+        dtype=torch.int64,
+    )
+    packed = kernels.pack(tensors, slices)
+    assert torch.equal(packed, reference.pack(tensors, slices))
+    restored = [torch.zeros_like(t) for t in tensors]
+    kernels.unpack(packed, restored, slices)
+    for (index, dim, start, length), tensor in zip(slices.tolist(), restored, strict=True):
+        assert torch.equal(
+            tensor.narrow(dim, start, length), tensors[index].narrow(dim, start, length)
+        )
+        assert not tensor.narrow(dim, 0, start).any()
+
+
+@st.composite
+def crowded_slices(draw):
+    """Several slices per destination, along any dimension: some sets overlap, most do not."""
+    shapes = [
+        tuple(draw(st.lists(st.integers(1, 6), min_size=1, max_size=3)))
+        for _ in range(draw(st.integers(1, 3)))
+    ]
+    rows = []
+    for index, shape in enumerate(shapes):
+        dim = draw(st.integers(0, len(shape) - 1))
+        cuts = sorted(draw(st.lists(st.integers(0, shape[dim]), min_size=2, max_size=5)))
+        for start, stop in itertools.pairwise(cuts):
+            rows.append([index, dim, start, stop - start])
+        if draw(st.booleans()):  # one more, anywhere: it may overlap
+            other = draw(st.integers(0, len(shape) - 1))
+            start = draw(st.integers(0, shape[other]))
+            rows.append([index, other, start, draw(st.integers(0, shape[other] - start))])
+    rows = draw(st.permutations(rows))
+    return shapes, torch.tensor(rows, dtype=torch.int64).view(-1, 4)
+
+
+@on_every_device
+@settings(max_examples=80, deadline=None)
+@given(crowded_slices())
+def test_unpack_refuses_overlaps_exactly_where_the_oracle_does(device, case):
+    shapes, slices = case
+    sources = [_tensor(shape, torch.float32, i, device) for i, shape in enumerate(shapes)]
+    buffer = reference.pack(sources, slices)
+    refused = {}
+    results = {}
+    for name, impl in (("kernels", kernels), ("reference", reference)):
+        dest = [torch.zeros(shape, device=device) for shape in shapes]
+        try:
+            impl.unpack(buffer, dest, slices)
+        except RuntimeError as exc:
+            assert "overlap in destination" in str(exc)
+            assert all(not t.any() for t in dest), "a refused unpack wrote bytes"
+            refused[name] = True
+        else:
+            refused[name] = False
+        results[name] = dest
+    assert refused["kernels"] == refused["reference"]
+    for ours, theirs in zip(results["kernels"], results["reference"], strict=True):
+        assert torch.equal(ours, theirs)

@@ -38,3 +38,15 @@ def test_pack_and_unpack_match_the_cpu():
         assert torch.equal(
             t.cpu().narrow(dim, start, length), tensors[i].narrow(dim, start, length)
         )
+
+
+def test_tensors_on_another_device_are_refused_before_any_byte_is_written():
+    slices = torch.tensor([[0, 0, 0, 2], [1, 0, 0, 2]], dtype=torch.int64)
+    on_gpu, on_cpu = torch.zeros(4, 4).cuda(), torch.zeros(4, 4)
+    with pytest.raises(RuntimeError, match="every tensor must be on the buffer's device"):
+        kernels.unpack(torch.full((64,), 7, dtype=torch.uint8).cuda(), [on_gpu, on_cpu], slices)
+    assert not on_gpu.any() and not on_cpu.any()
+    out = torch.zeros(64, dtype=torch.uint8).cuda()
+    with pytest.raises(RuntimeError, match="every tensor must be on the buffer's device"):
+        kernels.pack([torch.ones(4, 4).cuda(), torch.ones(4, 4)], slices, out=out)
+    assert not out.any()

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The GPU checks of csrc/, in one run on a machine with an NVIDIA GPU, nvcc and a CUDA build of
+# PyTorch (no project install needed: only torch, pytest and hypothesis):
+#   1. build the kernels (C++ and CUDA) with that PyTorch;
+#   2. the kernel tests, every one that takes a device on the CPU and on the GPU;
+#   3. compute-sanitizer's memcheck over the GPU tests of odd alignments, chunks and bad input;
+#   4. benchmarks/kernels.py --device cuda (GB/s against copy_ and the catalogued bandwidth).
+# Logs and the benchmark's JSON go to $OUT (default /tmp/nereus-device).
+#
+#     bash benchmarks/device_kernels.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/nereus-device}
+PYTHON=${PYTHON:-python3}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+export MAX_JOBS=${MAX_JOBS:-$(nproc)} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
+status=0
+
+echo "== environment" | tee "$OUT/summary.txt"
+"$PYTHON" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
+'device', torch.cuda.get_device_name() if torch.cuda.is_available() else None)" 2>&1 \
+  | tee -a "$OUT/summary.txt"
+nvcc --version 2>&1 | tail -1 | tee -a "$OUT/summary.txt"
+
+echo "== build" | tee -a "$OUT/summary.txt"
+if ! "$PYTHON" -m runtime.kernels.build --verbose >"$OUT/build.log" 2>&1; then
+  tail -40 "$OUT/build.log"
+  exit 1
+fi
+tail -1 "$OUT/build.log" | tee -a "$OUT/summary.txt"
+
+# The project's pytest configuration names plugins (Django, asyncio) this machine may lack, and
+# the kernel tests need none of them or of the shared conftest.
+PYTEST=("$PYTHON" -m pytest -q -c /dev/null --rootdir . --noconftest -p no:cacheprovider)
+
+echo "== tests" | tee -a "$OUT/summary.txt"
+"${PYTEST[@]}" -rs tests/runtime/kernels >"$OUT/tests.log" 2>&1 || status=1
+tail -3 "$OUT/tests.log" | tee -a "$OUT/summary.txt"
+
+echo "== memcheck" | tee -a "$OUT/summary.txt"
+if command -v compute-sanitizer >/dev/null; then
+  timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 "${PYTEST[@]}" \
+    tests/runtime/kernels -k "(cuda and (chunk or oddly or bad_input or opcheck)) or another_device" \
+    >"$OUT/memcheck.log" 2>&1 || status=1
+  grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -2 | tee -a "$OUT/summary.txt"
+else
+  echo "compute-sanitizer: not found" | tee -a "$OUT/summary.txt"
+fi
+
+echo "== benchmark" | tee -a "$OUT/summary.txt"
+"$PYTHON" benchmarks/kernels.py --device cuda 2>&1 | tee "$OUT/bench.log" | tee -a "$OUT/summary.txt" \
+  || status=1
+cp benchmarks/results/kernels_cuda.json "$OUT/" 2>/dev/null || true
+exit $status
