@@ -5,7 +5,9 @@
 // index arithmetic the GPU runs too. No ATen here: this header is compiled for the device.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #if defined(__CUDACC__) || defined(__HIPCC__)
 #define NEREUS_HD __host__ __device__ __forceinline__
@@ -127,6 +129,33 @@ NEREUS_HD Tile tile_at(const Geometry& g, const Tiling& t, int64_t index) {
   return Tile{row, (g.rows - row < t.row_span) ? g.rows - row : t.row_span, 0, g.cols};
 }
 
+// A slice row, validated and measured in bytes (slices.h plans them).
+struct Slice {
+  int64_t tensor, dim, start, length;
+  int64_t outer, block;  // `outer` contiguous runs of `block` bytes each
+  int64_t stride;        // bytes between runs in the tensor
+  int64_t first;         // byte offset of the first run in the tensor
+  int64_t buffer_offset;
+};
+
+// The runs of a slice row (already checked against its tensor) of a contiguous tensor of `ndim`
+// dimensions, `sizes`, whose bytes start at `buffer_offset` in the buffer.
+inline Slice measure_slice(int64_t tensor, int64_t dim, int64_t start, int64_t length, int64_t ndim,
+                           const int64_t* sizes, int64_t element_size, int64_t buffer_offset) {
+  int64_t outer = 1, inner = 1;
+  for (int64_t d = 0; d < dim; ++d) outer *= sizes[d];
+  for (int64_t d = dim + 1; d < ndim; ++d) inner *= sizes[d];
+  const int64_t size = ndim ? sizes[dim] : 1;
+  Slice p{tensor, dim, start, length, outer, length * inner * element_size, size * inner * element_size,
+          start * inner * element_size, buffer_offset};
+  if (p.stride == p.block) {  // the slice spans its dimension: one contiguous run
+    p.block *= p.outer;
+    p.stride = p.block;
+    p.outer = p.block ? 1 : 0;
+  }
+  return p;
+}
+
 // Pack and unpack work is cut into chunks of at most `limit` bytes of one slice: whole runs
 // (a slice is `outer` runs of `block` contiguous bytes, `stride` bytes apart in its tensor,
 // starting at byte `first`) where runs are short, part of one run where they are long.
@@ -143,6 +172,29 @@ NEREUS_HD int64_t chunk_tensor_byte(const Chunk& c, int64_t first, int64_t strid
 
 NEREUS_HD int64_t chunk_buffer_byte(const Chunk& c, int64_t buffer_offset, int64_t block, int64_t r) {
   return buffer_offset + (c.run + r) * block + c.skip;
+}
+
+// The copy work of a plan in chunks of at most `limit` bytes (host only).
+inline std::vector<Chunk> chunk_plan(const std::vector<Slice>& plan, int64_t limit) {
+  std::vector<Chunk> chunks;
+  for (size_t i = 0; i < plan.size(); ++i) {
+    const Slice& p = plan[i];
+    const int64_t slice = static_cast<int64_t>(i);
+    if (p.outer == 0 || p.block == 0) continue;
+    if (p.block >= limit) {
+      for (int64_t o = 0; o < p.outer; ++o) {
+        for (int64_t k = 0; k < p.block; k += limit) {
+          chunks.push_back(Chunk{slice, o, 1, k, std::min(limit, p.block - k)});
+        }
+      }
+    } else {
+      const int64_t span = limit / p.block;
+      for (int64_t o = 0; o < p.outer; o += span) {
+        chunks.push_back(Chunk{slice, o, std::min(span, p.outer - o), 0, p.block});
+      }
+    }
+  }
+  return chunks;
 }
 
 }  // namespace nereus

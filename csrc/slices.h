@@ -13,14 +13,6 @@
 
 namespace nereus {
 
-struct Slice {
-  int64_t tensor, dim, start, length;
-  int64_t outer, block;  // `outer` contiguous runs of `block` bytes each
-  int64_t stride;        // bytes between runs in the tensor
-  int64_t first;         // byte offset of the first run in the tensor
-  int64_t buffer_offset;
-};
-
 inline std::vector<Slice> plan_slices(const std::vector<at::Tensor>& tensors, const at::Tensor& slices,
                                       const char* op) {
   TORCH_CHECK(slices.scalar_type() == at::kLong && slices.dim() == 2 && slices.size(1) == 4, op,
@@ -40,20 +32,7 @@ inline std::vector<Slice> plan_slices(const std::vector<at::Tensor>& tensors, co
     const int64_t size = t.dim() ? t.size(p.dim) : 1;
     TORCH_CHECK(p.start >= 0 && p.length >= 0 && p.start <= size && p.length <= size - p.start, op, ": slice ", i, " [",
                 p.start, ", ", p.start + p.length, ") outside [0, ", size, ") of tensor ", p.tensor);
-    int64_t outer = 1, inner = 1;
-    for (int64_t d = 0; d < p.dim; ++d) outer *= t.size(d);
-    for (int64_t d = p.dim + 1; d < t.dim(); ++d) inner *= t.size(d);
-    const int64_t e = t.element_size();
-    p.outer = outer;
-    p.block = p.length * inner * e;
-    p.stride = size * inner * e;
-    p.first = p.start * inner * e;
-    if (p.stride == p.block) {  // the slice spans its dimension: one contiguous run
-      p.block *= p.outer;
-      p.stride = p.block;
-      p.outer = p.block ? 1 : 0;
-    }
-    p.buffer_offset = offset;
+    p = measure_slice(p.tensor, p.dim, p.start, p.length, t.dim(), t.sizes().data(), t.element_size(), offset);
     offset += p.outer * p.block;
     plan.push_back(p);
   }
@@ -64,29 +43,6 @@ inline int64_t total_bytes(const std::vector<Slice>& plan) {
   int64_t total = 0;
   for (const Slice& p : plan) total += p.outer * p.block;
   return total;
-}
-
-// The copy work of a plan in chunks of at most `limit` bytes (see Chunk in geometry.h).
-inline std::vector<Chunk> chunk_plan(const std::vector<Slice>& plan, int64_t limit) {
-  std::vector<Chunk> chunks;
-  for (size_t i = 0; i < plan.size(); ++i) {
-    const Slice& p = plan[i];
-    const int64_t slice = static_cast<int64_t>(i);
-    if (p.outer == 0 || p.block == 0) continue;
-    if (p.block >= limit) {
-      for (int64_t o = 0; o < p.outer; ++o) {
-        for (int64_t k = 0; k < p.block; k += limit) {
-          chunks.push_back(Chunk{slice, o, 1, k, std::min(limit, p.block - k)});
-        }
-      }
-    } else {
-      const int64_t span = limit / p.block;
-      for (int64_t o = 0; o < p.outer; o += span) {
-        chunks.push_back(Chunk{slice, o, std::min(span, p.outer - o), 0, p.block});
-      }
-    }
-  }
-  return chunks;
 }
 
 // Overlapping destinations would make the result depend on the order: refuse before writing.

@@ -15,6 +15,13 @@ from hypothesis import strategies as st
 from runtime import kernels
 from runtime.kernels import reference
 from runtime.kernels.paths import library_path
+from tests.runtime.kernels.cases import (
+    LARGE_PIECES,
+    large_slice_set,
+    pieces,
+    random_tensor,
+    slice_sets,
+)
 
 DEVICES = [
     "cpu",
@@ -31,16 +38,6 @@ DEVICES = [
 ]
 on_every_device = pytest.mark.parametrize("device", DEVICES)
 
-DTYPES = [
-    torch.bfloat16,
-    torch.float16,
-    torch.float32,
-    torch.float64,
-    torch.int32,
-    torch.int64,
-    torch.uint8,
-]
-
 
 def test_compiled_kernels_are_in_use_in_ci():
     """make install builds them; CI must exercise the compiled ops, not only the fallback."""
@@ -50,38 +47,12 @@ def test_compiled_kernels_are_in_use_in_ci():
     assert (kernels.backend() == "compiled") == library_path().exists()
 
 
-def _tensor(shape, dtype, seed, device="cpu"):
-    gen = torch.Generator().manual_seed(seed)
-    if dtype.is_floating_point:
-        return torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
-    return (
-        torch.randint(
-            -(2**30) if dtype != torch.uint8 else 0,
-            2**30 if dtype != torch.uint8 else 255,
-            shape,
-            generator=gen,
-            dtype=torch.int64,
-        )
-        .to(dtype)
-        .to(device)
-    )
-
-
-@st.composite
-def pieces(draw):
-    shape = tuple(draw(st.lists(st.integers(1, 9), min_size=1, max_size=3)))
-    dtype = draw(st.sampled_from(DTYPES))
-    dim = draw(st.integers(0, len(shape) - 1))
-    cuts = sorted(set(draw(st.lists(st.integers(0, shape[dim]), max_size=4))) | {0, shape[dim]})
-    return shape, dtype, dim, cuts, draw(st.integers(0, 2**31))
-
-
 @on_every_device
 @settings(max_examples=60, deadline=None)
 @given(pieces())
 def test_checksum_matches_the_oracle_and_ignores_how_the_tensor_is_cut(device, case):
     shape, dtype, dim, cuts, seed = case
-    whole = _tensor(shape, dtype, seed, device)
+    whole = random_tensor(shape, dtype, seed, device)
     expected = reference.checksum(whole, shape, (0,) * len(shape))
     assert kernels.checksum(whole, shape, (0,) * len(shape)) == expected
     total = 0
@@ -102,21 +73,6 @@ def test_checksum_sees_a_single_bit(device):
     assert kernels.checksum(x, x.shape, (0, 0)) != before
 
 
-@st.composite
-def slice_sets(draw):
-    tensors = []
-    for i in range(draw(st.integers(1, 4))):
-        shape = tuple(draw(st.lists(st.integers(1, 7), min_size=1, max_size=3)))
-        tensors.append(_tensor(shape, draw(st.sampled_from(DTYPES)), i))
-    rows = []
-    for index, tensor in enumerate(tensors):
-        dim = draw(st.integers(0, tensor.dim() - 1))
-        start = draw(st.integers(0, tensor.shape[dim]))
-        length = draw(st.integers(0, tensor.shape[dim] - start))
-        rows.append([index, dim, start, length])
-    return tensors, torch.tensor(rows, dtype=torch.int64)
-
-
 @on_every_device
 @settings(max_examples=60, deadline=None)
 @given(slice_sets())
@@ -127,7 +83,8 @@ def test_pack_equals_oracle_and_unpack_round_trips(device, case):
     assert torch.equal(packed, reference.pack(tensors, slices))
     restored = [torch.zeros_like(t) for t in tensors]
     kernels.unpack(packed, restored, slices)
-    for (index, dim, start, length), tensor in zip(slices.tolist(), restored, strict=True):
+    for index, dim, start, length in slices.tolist():
+        tensor = restored[index]
         original = tensors[index].narrow(dim, start, length)
         assert torch.equal(
             tensor.narrow(dim, start, length).view(torch.uint8),
@@ -227,46 +184,25 @@ def test_zero_dimensional_tensors_pack_the_same_everywhere():
         assert torch.equal(kernels.pack(scalars, slices), reference.pack(scalars, slices))
 
 
-@pytest.mark.parametrize(
-    ("shape", "offset", "sizes"),
-    [
-        ((300_000,), (0,), (300_000,)),  # one long row, cut into several tiles
-        ((200_000, 3), (25_000, 1), (150_000, 2)),  # many short rows, tiles of whole rows
-        ((4, 3, 140_000), (1, 1, 20_000), (2, 2, 100_000)),  # two row dimensions, long rows
-        ((5, 6, 7, 8), (1, 0, 2, 0), (3, 6, 4, 8)),  # inner dimensions merged with cut ones
-    ],
-)
+@pytest.mark.parametrize(("shape", "offset", "sizes"), LARGE_PIECES)
 @on_every_device
 def test_checksum_of_large_and_oddly_cut_pieces_matches_the_oracle(shape, offset, sizes, device):
     """Pieces big enough that the kernels split them into several tiles, and cut so that some
     dimensions merge and some locate rows: the arithmetic the CUDA kernel shares with the CPU."""
-    whole = _tensor(shape, torch.float32, 5, device)
+    whole = random_tensor(shape, torch.float32, 5, device)
     piece = whole[tuple(slice(o, o + n) for o, n in zip(offset, sizes, strict=True))]
     assert kernels.checksum(piece, shape, offset) == reference.checksum(piece, shape, offset)
 
 
 @on_every_device
 def test_pack_of_slices_larger_than_a_chunk_matches_the_oracle_and_round_trips(device):
-    tensors = [
-        _tensor((600, 1024), torch.float32, 1, device),  # 2.4 MiB
-        _tensor((3, 400_000), torch.float32, 2, device),
-        _tensor((600, 1024), torch.bfloat16, 3, device),
-        _tensor((501, 77), torch.uint8, 4, device),  # odd rows: no run is aligned to a word
-    ]
-    slices = torch.tensor(
-        [
-            [0, 0, 100, 400],  # one contiguous run of 1.6 MB: two chunks
-            [1, 1, 1000, 390_000],  # three runs of 1.56 MB, each split in two
-            [2, 1, 10, 890],  # 600 runs of 1,780 bytes, several runs per chunk
-            [3, 1, 3, 71],  # 501 runs of 71 bytes at odd offsets
-        ],
-        dtype=torch.int64,
-    )
+    tensors, slices = large_slice_set(device)
     packed = kernels.pack(tensors, slices)
     assert torch.equal(packed, reference.pack(tensors, slices))
     restored = [torch.zeros_like(t) for t in tensors]
     kernels.unpack(packed, restored, slices)
-    for (index, dim, start, length), tensor in zip(slices.tolist(), restored, strict=True):
+    for index, dim, start, length in slices.tolist():
+        tensor = restored[index]
         assert torch.equal(
             tensor.narrow(dim, start, length), tensors[index].narrow(dim, start, length)
         )
@@ -299,7 +235,7 @@ def crowded_slices(draw):
 @given(crowded_slices())
 def test_unpack_refuses_overlaps_exactly_where_the_oracle_does(device, case):
     shapes, slices = case
-    sources = [_tensor(shape, torch.float32, i, device) for i, shape in enumerate(shapes)]
+    sources = [random_tensor(shape, torch.float32, i, device) for i, shape in enumerate(shapes)]
     buffer = reference.pack(sources, slices)
     refused = {}
     results = {}

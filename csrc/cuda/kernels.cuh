@@ -1,0 +1,130 @@
+// The CUDA kernels of the nereus ops and the descriptors they read, without ATen: ops_cuda.cu
+// launches them, and tests/runtime/kernels/emulate_cuda.cpp runs this same source on the CPU (a
+// thread per CUDA thread, a barrier per __syncthreads) to check it where no GPU is.
+#pragma once
+
+#include <cstdint>
+#include <initializer_list>
+#include <vector>
+
+#include "../geometry.h"
+
+namespace nereus {
+
+constexpr int kThreads = 256;
+constexpr int64_t kTileElements = 1 << 14;  // per block of the checksum
+constexpr int64_t kChunkBytes = 1 << 16;     // per block of pack/unpack
+constexpr int64_t kMaxBlocks = 1 << 16;
+
+inline unsigned checksum_blocks(const Tiling& tiling) {
+  return static_cast<unsigned>(std::min<int64_t>(tiling.count, kMaxBlocks));
+}
+
+// Grid-stride over the tiles of geometry.h; each block sums its tiles' terms, then adds its sum
+// to `out` (wrapping modulo 2**64, as the CPU sum does).
+template <typename Bits>
+__global__ void checksum_kernel(const Bits* data, Geometry g, Tiling tiling, unsigned long long* out) {
+  __shared__ unsigned long long partial[kThreads];
+  uint64_t sum = 0;
+  for (int64_t t = blockIdx.x; t < tiling.count; t += gridDim.x) {
+    const Tile tile = tile_at(g, tiling, t);
+    if (tile.nrows == 1) {
+      const uint64_t start = static_cast<uint64_t>(row_start(g, tile.row) + tile.col);
+      const Bits* row = data + tile.row * g.cols + tile.col;
+      for (int64_t j = threadIdx.x; j < tile.ncols; j += blockDim.x) {
+        sum += checksum_term(start + static_cast<uint64_t>(j), static_cast<uint64_t>(row[j]));
+      }
+    } else {  // whole short rows: elements of the tile, row by row
+      const int64_t n = tile.nrows * g.cols;
+      const Bits* first = data + tile.row * g.cols;
+      for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+        const int64_t r = i / g.cols, j = i - r * g.cols;
+        const uint64_t index = static_cast<uint64_t>(row_start(g, tile.row + r) + j);
+        sum += checksum_term(index, static_cast<uint64_t>(first[i]));
+      }
+    }
+  }
+  partial[threadIdx.x] = sum;
+  __syncthreads();
+  for (unsigned step = blockDim.x / 2; step > 0; step /= 2) {
+    if (threadIdx.x < step) partial[threadIdx.x] += partial[threadIdx.x + step];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) atomicAdd(out, partial[0]);
+}
+
+// One descriptor per chunk of geometry.h (a block each): the chunk's runs, where they are in the
+// tensor and in the buffer, and the widest word (16, 8, 4, 2 or 1 bytes) every address and length
+// of the chunk is aligned to.
+struct Run {
+  uint8_t* tensor;
+  uint8_t* buffer;  // the chunk's first run's bytes in the buffer
+  int64_t stride;   // bytes between the chunk's runs in the tensor
+  int64_t block;    // bytes between them in the buffer
+  int32_t nruns;
+  int32_t words;    // per run
+  int32_t unit;
+};
+
+template <typename Word, bool kPack>
+__device__ __forceinline__ void copy_word(const Run& r, int32_t run, int32_t w) {
+  Word* t = reinterpret_cast<Word*>(r.tensor + run * r.stride) + w;
+  Word* b = reinterpret_cast<Word*>(r.buffer + run * r.block) + w;
+  if (kPack) {
+    *b = *t;
+  } else {
+    *t = *b;
+  }
+}
+
+template <typename Word, bool kPack>
+__device__ __forceinline__ void copy_words(const Run& r) {
+  if (r.nruns == 1) {
+    for (int32_t w = threadIdx.x; w < r.words; w += blockDim.x) copy_word<Word, kPack>(r, 0, w);
+    return;
+  }
+  const int32_t total = r.nruns * r.words;  // a chunk holds at most kChunkBytes
+  for (int32_t i = threadIdx.x; i < total; i += blockDim.x) {
+    const int32_t run = i / r.words;
+    copy_word<Word, kPack>(r, run, i - run * r.words);
+  }
+}
+
+template <bool kPack>
+__global__ void copy_kernel(const Run* runs) {
+  const Run r = runs[blockIdx.x];
+  switch (r.unit) {
+    case 16: copy_words<uint4, kPack>(r); break;
+    case 8: copy_words<uint2, kPack>(r); break;
+    case 4: copy_words<uint32_t, kPack>(r); break;
+    case 2: copy_words<uint16_t, kPack>(r); break;
+    default: copy_words<uint8_t, kPack>(r); break;
+  }
+}
+
+int32_t widest_word(std::initializer_list<uint64_t> values) {
+  int32_t unit = 16;
+  for (uint64_t v : values) {
+    while (unit > 1 && v % unit) unit /= 2;
+  }
+  return unit;
+}
+
+// The descriptors of a plan's chunks: `tensors` are the slices' tensors' first bytes.
+inline std::vector<Run> make_runs(const std::vector<Slice>& plan, const std::vector<Chunk>& chunks,
+                                  const std::vector<uint8_t*>& tensors, uint8_t* buffer) {
+  std::vector<Run> runs;
+  runs.reserve(chunks.size());
+  for (const Chunk& c : chunks) {
+    const Slice& p = plan[c.slice];
+    uint8_t* t = tensors[p.tensor] + chunk_tensor_byte(c, p.first, p.stride, 0);
+    uint8_t* b = buffer + chunk_buffer_byte(c, p.buffer_offset, p.block, 0);
+    const int32_t unit = widest_word({reinterpret_cast<uintptr_t>(t), reinterpret_cast<uintptr_t>(b),
+                                      static_cast<uint64_t>(c.bytes), static_cast<uint64_t>(c.nruns > 1 ? p.stride : 0),
+                                      static_cast<uint64_t>(c.nruns > 1 ? p.block : 0)});
+    runs.push_back(Run{t, b, p.stride, p.block, static_cast<int32_t>(c.nruns), static_cast<int32_t>(c.bytes / unit), unit});
+  }
+  return runs;
+}
+
+}  // namespace nereus

@@ -1,0 +1,163 @@
+"""The CUDA kernels' own source (csrc/cuda/kernels.cuh) run on the CPU against the oracle.
+
+No GPU exists here, so emulate_cuda.cpp stands in for one: it compiles the kernels with g++, runs
+each CUDA thread of a block as a std::thread (a std::barrier for __syncthreads) with the grid and
+block sizes ops_cuda.cu launches, and UBSan reports any word the kernels touch at an address not
+aligned to it. This checks the kernels' indexing, word widths and block reduction, not the GPU
+itself: test_ops.py's cuda cases and benchmarks/device_kernels.sh do that on a GPU machine.
+"""
+
+import ctypes
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+
+from runtime.kernels import reference
+from runtime.kernels.paths import CSRC
+from tests.runtime.kernels.cases import (
+    LARGE_PIECES,
+    large_slice_set,
+    pieces,
+    random_tensor,
+    slice_sets,
+)
+
+SOURCE = Path(__file__).with_name("emulate_cuda.cpp")
+
+
+@pytest.fixture(scope="module")
+def emulator(tmp_path_factory):
+    compiler = shutil.which("g++")
+    assert compiler, "g++ is needed (make install builds the kernels with it too)"
+    library = tmp_path_factory.mktemp("emulate_cuda") / "libemulate_cuda.so"
+    headers = [SOURCE, CSRC / "geometry.h", CSRC / "cuda" / "kernels.cuh"]
+    assert all(h.exists() for h in headers)
+    subprocess.run(
+        [
+            compiler,
+            "-std=c++20",
+            "-O1",
+            "-shared",
+            "-fPIC",
+            "-pthread",
+            "-fsanitize=alignment",
+            str(SOURCE),
+            "-o",
+            str(library),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    lib = ctypes.CDLL(str(library))
+    lib.nereus_emulate_copy.restype = ctypes.c_int64
+    lib.nereus_emulate_checksum.restype = ctypes.c_uint64
+    lib.nereus_emulate_misaligned_canary.restype = None
+    return lib
+
+
+def _int64s(values):
+    values = [int(v) for v in values]
+    return (ctypes.c_int64 * max(1, len(values)))(*values)
+
+
+def _copy(lib, pack: bool, tensors, slices, buffer) -> int:
+    shapes = [list(t.shape) for t in tensors]
+    return lib.nereus_emulate_copy(
+        ctypes.c_int(int(pack)),
+        ctypes.c_int64(len(tensors)),
+        _int64s(t.data_ptr() for t in tensors),
+        _int64s(len(s) for s in shapes),
+        _int64s(v for s in shapes for v in s),
+        _int64s(t.element_size() for t in tensors),
+        ctypes.c_int64(slices.shape[0]),
+        _int64s(slices.flatten().tolist()),
+        ctypes.c_int64(buffer.data_ptr()),
+    )
+
+
+def _checksum(lib, piece, shape, offset) -> int:
+    piece = piece.contiguous()
+    return lib.nereus_emulate_checksum(
+        ctypes.c_int64(piece.data_ptr()),
+        ctypes.c_int64(piece.element_size()),
+        ctypes.c_int64(piece.dim()),
+        _int64s(piece.shape),
+        _int64s(shape),
+        _int64s(offset),
+    )
+
+
+def _odd_buffer(nbytes: int) -> torch.Tensor:
+    """A buffer at an odd address: the kernels must fall back to narrower words."""
+    return torch.zeros(nbytes + 1, dtype=torch.uint8)[1:]
+
+
+def _round_trip(lib, tensors, slices, buffer):
+    expected = reference.pack(tensors, slices)
+    assert buffer.numel() == expected.numel()
+    _copy(lib, True, tensors, slices, buffer)
+    assert torch.equal(buffer, expected)
+    restored = [torch.zeros_like(t) for t in tensors]
+    _copy(lib, False, restored, slices, buffer)
+    for index, dim, start, length in slices.tolist():
+        tensor = restored[index]
+        assert torch.equal(
+            tensor.narrow(dim, start, length).view(torch.uint8),
+            tensors[index].narrow(dim, start, length).contiguous().view(torch.uint8),
+        )
+
+
+def test_the_alignment_check_is_live(emulator, capfd):
+    """Without this, 'no report' below could mean no checking."""
+    emulator.nereus_emulate_misaligned_canary()
+    err = capfd.readouterr().err
+    assert "misaligned address" in err and "type uint4" in err  # the emulator's own check
+    assert "type 'volatile uint32_t'" in err or "type 'volatile unsigned int'" in err  # UBSan
+
+
+# capfd collects stderr across the examples, which is what is wanted: no example may report.
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(slice_sets())
+def test_emulated_pack_and_unpack_equal_the_oracle(emulator, capfd, case):
+    tensors, slices = case
+    nbytes = reference.pack(tensors, slices).numel()
+    for buffer in (torch.zeros(nbytes, dtype=torch.uint8), _odd_buffer(nbytes)):
+        _round_trip(emulator, tensors, slices, buffer)
+    assert "runtime error" not in capfd.readouterr().err
+
+
+@settings(max_examples=40, deadline=None)
+@given(pieces())
+def test_emulated_checksum_equals_the_oracle(emulator, case):
+    shape, dtype, dim, cuts, seed = case
+    whole = random_tensor(shape, dtype, seed)
+    origin = (0,) * len(shape)
+    assert _checksum(emulator, whole, shape, origin) == reference.checksum(whole, shape, origin)
+    part = whole.narrow(dim, cuts[0], cuts[-1] - cuts[0])
+    offset = [0] * len(shape)
+    offset[dim] = cuts[0]
+    assert _checksum(emulator, part, shape, offset) == reference.checksum(part, shape, offset)
+
+
+@pytest.mark.parametrize(("shape", "offset", "sizes"), LARGE_PIECES)
+def test_emulated_checksum_of_large_and_oddly_cut_pieces(emulator, shape, offset, sizes):
+    whole = random_tensor(shape, torch.float32, 5)
+    piece = whole[tuple(slice(o, o + n) for o, n in zip(offset, sizes, strict=True))]
+    assert _checksum(emulator, piece, shape, offset) == reference.checksum(piece, shape, offset)
+
+
+def test_emulated_copy_of_slices_larger_than_a_chunk(emulator, capfd):
+    tensors, slices = large_slice_set()
+    nbytes = reference.pack(tensors, slices).numel()
+    blocks = _copy(emulator, True, tensors, slices, torch.empty(nbytes, dtype=torch.uint8))
+    assert blocks > len(slices), "every slice fitted one chunk: the chunking went untested"
+    for buffer in (torch.zeros(nbytes, dtype=torch.uint8), _odd_buffer(nbytes)):
+        _round_trip(emulator, tensors, slices, buffer)
+    assert "runtime error" not in capfd.readouterr().err
