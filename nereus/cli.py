@@ -312,5 +312,53 @@ def reject_command(
     _decide("reject", proposal_id, comment, as_json, url, token)
 
 
+@app.command("download", epilog=_API_EPILOG)
+def download_command(
+    job_id: Annotated[int, typer.Argument(min=1)],
+    artifact: Annotated[str, typer.Option(help="Which trained model (actor).")] = "actor",
+    out: Annotated[
+        str | None,
+        typer.Option(help="A new (or empty) folder (default: ./job-<id>-<artifact>)."),
+    ] = None,
+    as_json: _Json = False,
+    url: _Url = None,
+    token: _Token = None,
+) -> None:
+    """Download a job's trained model, a Hugging Face folder (GET /api/v1/jobs/<id>/artifacts/),
+    checking every file's SHA-256."""
+    from nereus.client_cli import download
+
+    raise typer.Exit(
+        code=download(
+            job_id=job_id, artifact=artifact, out=out, as_json=as_json, url=url, token=token
+        )
+    )
+
+
+@app.command("export")
+def export_command(
+    job_dir: Annotated[
+        str, typer.Argument(help="The job's working directory ($NEREUS_JOBS_DIR/<id>).")
+    ],
+    out: Annotated[str, typer.Option(help="The folder to write (replaced if it exists).")],
+    role: Annotated[str, typer.Option(help="actor or critic.")] = "actor",
+    step: Annotated[
+        int | None,
+        typer.Option(min=0, help="The checkpoint that resumes at this step (default: newest)."),
+    ] = None,
+    dtype: Annotated[str, typer.Option(help="bfloat16 or float32.")] = "bfloat16",
+) -> None:
+    """Export a trained model from a job's committed checkpoint as a Hugging Face folder (on
+    this machine, no service needed): for a job that stopped before its end."""
+    from runtime.ppo.export import ExportError, export_job_checkpoint
+
+    try:
+        folder = export_job_checkpoint(job_dir, out, role=role, step=step, dtype=dtype)
+    except ExportError as exc:
+        typer.echo(f"nereus export: {exc}", err=True)
+        raise typer.Exit(code=2) from None
+    typer.echo(f"{role} exported to {folder}")
+
+
 def main() -> None:
     app()

@@ -19,7 +19,9 @@ code  meaning
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import hashlib
 import http.client
 import json
 import os
@@ -27,6 +29,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import nereus
@@ -210,6 +213,52 @@ class Client:
                 return
             after = int(results[-1]["id"])
 
+    def job_artifacts(self, job_id: int) -> list[dict[str, Any]]:
+        """The job's trained models, each with its files (name, bytes, sha256)."""
+        return list(self._call("GET", f"/api/v1/jobs/{int(job_id)}/artifacts/")[1]["results"])
+
+    def artifact_download(
+        self, job_id: int, artifact: str, file: Mapping[str, Any], dest: Path
+    ) -> None:
+        """One file of an artifact into ``dest``, written aside and renamed into place only once
+        its size and SHA-256 are the manifest's (``file``); else ``ApiError``, nothing left."""
+        # The path is built here, not taken from the listing's absolute URL: that names the host
+        # as the server sees itself, and the token must only go to the configured service.
+        path = "/api/v1/jobs/{}/artifacts/{}/{}".format(
+            int(job_id),
+            urllib.parse.quote(artifact, safe=""),
+            urllib.parse.quote(file["name"], safe=""),
+        )
+        url = self.config.url + path
+        partial = dest.with_name(f".{dest.name}.partial")
+        digest, size = hashlib.sha256(), 0
+        try:
+            with (
+                self._open("GET", url, accept="application/octet-stream") as response,
+                partial.open("wb") as out,
+            ):
+                while True:
+                    try:
+                        block = response.read(1 << 20)
+                    except (OSError, http.client.HTTPException) as exc:
+                        raise self._unreachable("GET", url, exc) from None
+                    if not block:
+                        break
+                    out.write(block)
+                    digest.update(block)
+                    size += len(block)
+            if size != file["bytes"] or digest.hexdigest() != file["sha256"]:
+                raise ApiError(
+                    f"GET {url}: {size} bytes with SHA-256 {digest.hexdigest()[:16]}…, the "
+                    f"manifest says {file['bytes']} bytes and {str(file['sha256'])[:16]}…; "
+                    "nothing was kept",
+                    exit_code=EXIT_UNREACHABLE,
+                    code="corrupt_download",
+                )
+            partial.replace(dest)
+        finally:
+            partial.unlink(missing_ok=True)
+
     # --- proposals -------------------------------------------------------------------------
 
     def proposal_decide(self, proposal_id: int, *, decision: str, comment: str) -> dict[str, Any]:
@@ -232,9 +281,27 @@ class Client:
         headers: Mapping[str, str] | None = None,
     ) -> tuple[int, dict[str, Any]]:
         url = self.config.url + path
+        with self._open(method, url, body=body, headers=headers) as response:
+            try:
+                raw = response.read()
+            except (OSError, http.client.HTTPException) as exc:
+                raise self._unreachable(method, url, exc) from None
+            return response.status, _decode(raw, url=url, method=method)
+
+    @contextlib.contextmanager
+    def _open(
+        self,
+        method: str,
+        url: str,
+        *,
+        body: Any = None,
+        headers: Mapping[str, str] | None = None,
+        accept: str = "application/json",
+    ) -> Iterator[http.client.HTTPResponse]:
+        """The open response to a request; every failure as ``ApiError``."""
         request = urllib.request.Request(url, method=method)
         request.add_header("Authorization", f"Bearer {self.config.token}")
-        request.add_header("Accept", "application/json")
+        request.add_header("Accept", accept)
         request.add_header("User-Agent", f"nereus-cli/{nereus.__version__}")
         for key, value in (headers or {}).items():
             request.add_header(key, value)
@@ -242,21 +309,25 @@ class Client:
             request.data = json.dumps(body).encode("utf-8")
             request.add_header("Content-Type", "application/json")
         try:
-            with self._opener.open(request, timeout=self.config.timeout_s) as response:
-                return response.status, _decode(response.read(), url=url, method=method)
+            response = self._opener.open(request, timeout=self.config.timeout_s)
         except urllib.error.HTTPError as exc:
             with exc:
                 raise _http_error(exc, method=method, url=url) from None
         except (OSError, http.client.HTTPException) as exc:
-            # URLError (refused, unknown host), timeouts, resets, and a peer that does not speak
-            # HTTP all mean the same to a pipeline: no answer from the service.
-            reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
-            raise ApiError(
-                f"cannot reach the service at {self.config.url} ({method} {url}): {reason}; "
-                f"check {URL_VARIABLE} or --url",
-                exit_code=EXIT_UNREACHABLE,
-                code="unreachable",
-            ) from None
+            raise self._unreachable(method, url, exc) from None
+        with response:
+            yield response
+
+    def _unreachable(self, method: str, url: str, exc: Exception) -> ApiError:
+        # URLError (refused, unknown host), timeouts, resets, and a peer that does not speak
+        # HTTP all mean the same to a pipeline: no answer from the service.
+        reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
+        return ApiError(
+            f"cannot reach the service at {self.config.url} ({method} {url}): {reason}; "
+            f"check {URL_VARIABLE} or --url",
+            exit_code=EXIT_UNREACHABLE,
+            code="unreachable",
+        )
 
 
 def _decode(raw: bytes, *, url: str, method: str) -> dict[str, Any]:

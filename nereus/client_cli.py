@@ -1,4 +1,4 @@
-"""``nereus submit|status|watch|approve|reject``: the REST API from a CI pipeline.
+"""``nereus submit|status|watch|approve|reject|download``: the REST API from a CI pipeline.
 
 Each function returns the command's exit code (see ``nereus.client`` for the table). Errors go to
 stderr as ``nereus <command>: …`` with one line per field the API named; with ``--json`` they are
@@ -11,6 +11,8 @@ authenticates browser sessions only, not API tokens, so a token-holding client c
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import sys
 import time
 from collections.abc import Mapping
@@ -22,6 +24,7 @@ import typer
 
 from nereus.client import (
     EXIT_JOB_FAILED,
+    EXIT_NOT_FOUND,
     EXIT_OK,
     EXIT_UNREACHABLE,
     TERMINAL_STATES,
@@ -170,6 +173,61 @@ def decide(
         state = proposal.get("state") or ("approved" if decision == "approve" else "rejected")
         job = f" (job {proposal['job']})" if proposal.get("job") is not None else ""
         typer.echo(f"proposal {proposal_id}: {state}{job}")
+    return EXIT_OK
+
+
+def download(
+    *,
+    job_id: int,
+    artifact: str,
+    out: str | None,
+    as_json: bool,
+    url: str | None,
+    token: str | None,
+) -> int:
+    """Fetch a job's trained model (an artifact: a Hugging Face folder) into a new folder,
+    every file checked against the manifest's size and SHA-256."""
+    try:
+        client = _client(url, token)
+        found = {a["name"]: a for a in client.job_artifacts(job_id)}
+        if artifact not in found:
+            have = ", ".join(sorted(found)) or "none yet: one is written when the job ends"
+            raise ApiError(
+                f"artifact: job {job_id} has no artifact {artifact!r} (it has: {have})",
+                exit_code=EXIT_NOT_FOUND,
+                code="not_found",
+                fields={"artifact": [f"no artifact {artifact!r}"]},
+            )
+        chosen = found[artifact]
+        folder = Path(out) if out else Path(f"job-{job_id}-{artifact}")
+        if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
+            raise usage_error("--out", f"{folder} exists and is not an empty folder")
+        # Into a folder beside it, renamed into place when every file is checked: an
+        # interrupted or corrupt download leaves nothing that looks like a model.
+        staging = folder.with_name(f".{folder.name}.partial-{os.getpid()}")
+        try:
+            staging.mkdir(parents=True)
+            for file in chosen["files"]:
+                client.artifact_download(job_id, artifact, file, staging / file["name"])
+            if folder.exists():
+                folder.rmdir()
+            staging.rename(folder)
+        except OSError as exc:
+            raise usage_error("--out", f"cannot write {folder}: {exc}") from None
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    except ApiError as exc:
+        return _fail("download", exc, as_json=as_json)
+    if as_json:
+        typer.echo(json.dumps({"folder": str(folder), **chosen}))
+    else:
+        source = chosen.get("source") or {}
+        typer.echo(
+            f"{artifact} of job {job_id} ({chosen.get('architecture', '')}, "
+            f"{chosen.get('dtype', '')}, weights after step {source.get('step', '?')}) in {folder}"
+        )
+        for file in chosen["files"]:
+            typer.echo(f"  {file['name']:<24} {file['bytes']:>12,} bytes  sha256 ok")
     return EXIT_OK
 
 

@@ -24,6 +24,7 @@ from runtime.events import EventSink, RuntimeEvent
 from runtime.jobs.driver import Command, JobOutcome, apply_commands
 from runtime.jobs.spec import PpoJobSpec
 from runtime.planner import default_catalog
+from runtime.ppo.export import read_manifest
 from runtime.ppo.job import PpoRuntime
 
 
@@ -129,6 +130,7 @@ def run_ppo_job(
                 on_step=on_step,
             )
             forward_engine_events()
+            _export(job, engine, sink)
             engine.stop()
         finally:
             pool.close()
@@ -151,3 +153,31 @@ def run_ppo_job(
         )
     )
     return JobOutcome(status=status, steps_done=first + summary.steps, final_loss=None)
+
+
+def _export(job: PpoRuntime, engine: RayEngine, sink: EventSink) -> None:
+    """The trained actor, as a Hugging Face folder in the job's directory (``export/actor``),
+    whether the job ran to its end or was stopped. A failed export is said and leaves the job's
+    outcome alone (a committed checkpoint can be exported later: ``nereus export``)."""
+    if not any(u.model_stage == "actor@training" for u in engine.engine.units.values()):
+        sink.emit(RuntimeEvent(kind="job.export_failed", data={"reason": "no actor state held"}))
+        return
+    try:
+        folder = job.export(engine.engine, "actor")
+    except Exception as exc:  # the weights stay in the checkpoints; the job's result stands
+        sink.emit(
+            RuntimeEvent(kind="job.export_failed", data={"reason": f"{type(exc).__name__}: {exc}"})
+        )
+        return
+    manifest = read_manifest(folder)
+    sink.emit(
+        RuntimeEvent(
+            kind="job.exported",
+            data={
+                "artifact": folder.name,
+                "architecture": manifest["architecture"],
+                "step": manifest["source"]["step"],
+                "bytes": sum(f["bytes"] for f in manifest["files"]),
+            },
+        )
+    )

@@ -2,7 +2,7 @@
 
 Where vLLM and a GPU exist (the ``gpu`` extra), the actor's generation units can sample with vLLM
 instead of the torch backend: the actor's weights are written once as a Hugging Face Llama folder
-(``config.json`` and a safetensors file, the names ``runtime.ppo.model`` already uses) for vLLM to
+(``runtime.ppo.export``'s folder: ``config.json`` and a safetensors file) for vLLM to
 start from, and every step's new weights go in place through vLLM's worker extension hook
 (``worker_extension_cls`` and ``LLM.collective_rpc``, the pattern of vLLM's RLHF examples),
 without restarting the engine. Prompts go in as token ids (no tokenizer: the tasks are token-level).
@@ -12,52 +12,12 @@ This module imports vLLM only when a backend is made, so the CPU install never n
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
 
-from runtime.planner.catalog import ModelConfig
 from runtime.ppo.generate import Rollout, SamplingParams, left_pad
-from runtime.ppo.weights import write_safetensors
-
-
-def write_hf_folder(
-    folder: str | Path,
-    config: ModelConfig,
-    state_dict: Mapping[str, torch.Tensor],
-    *,
-    rope_theta: float = 10_000.0,
-    rms_norm_eps: float = 1e-5,
-    max_positions: int = 4096,
-) -> Path:
-    """A Hugging Face Llama checkpoint folder of ``state_dict`` (bf16) that vLLM can load."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    hf_config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": config.vocab_size,
-        "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size,
-        "num_hidden_layers": config.num_layers,
-        "num_attention_heads": config.num_heads,
-        "num_key_value_heads": config.num_kv_heads,
-        "head_dim": config.head_dim,
-        "rms_norm_eps": rms_norm_eps,
-        "rope_theta": rope_theta,
-        "max_position_embeddings": max_positions,
-        "tie_word_embeddings": config.tie_embeddings,
-        "attention_bias": config.qkv_bias,
-        "torch_dtype": "bfloat16",
-    }
-    (folder / "config.json").write_text(json.dumps(hf_config, indent=2))
-    write_safetensors(
-        folder / "model.safetensors",
-        {k: v.to(torch.bfloat16) for k, v in state_dict.items()},
-    )
-    return folder
 
 
 class WeightSync:

@@ -45,7 +45,7 @@ from runtime.planner.search import on_ready
 from runtime.planner.shapes import LayoutShape
 from runtime.planner.workload import PpoWorkload
 from runtime.ppo import algorithm as ppo
-from runtime.ppo import slot_work
+from runtime.ppo import export, slot_work
 from runtime.ppo.algorithm import PPOConfig, StepStats
 from runtime.ppo.generate import SamplingParams, left_pad
 from runtime.ppo.model import build_model
@@ -262,6 +262,7 @@ class PpoRuntime:
         (``slot_work.workspace_key``)."""
         if config.init_from:
             self._check_initial(config.init_from)
+        export.write_job_file(self.workdir, self.model, **self.export_fields())
 
     # --- set-up ---------------------------------------------------------------------------------
 
@@ -923,6 +924,37 @@ class PpoRuntime:
         engine.pool.run(slot_work.keep_workspaces, on=live, units=[])
         self._grouped.clear()
         self._built.clear()
+
+    # --- the trained model ----------------------------------------------------------------------
+
+    @property
+    def export_root(self) -> Path:
+        return self.workdir / "export"
+
+    def export(self, engine: UnitEngine, role: str = "actor") -> Path:
+        """Write ``role``'s weights, as its units hold them now, as a Hugging Face folder under
+        ``export_root`` (``runtime.ppo.export``); returns the folder."""
+        if role not in export.ROLES:
+            raise export.ExportError(
+                f"role: expected one of {', '.join(export.ROLES)}, got {role!r}"
+            )
+        self.finish_ahead()  # reading the units makes groups on their slots
+        return export.write_hf_folder(
+            self.export_root / role,
+            self.model,
+            self.parameters(engine, role),
+            scalar_head=role == "critic",
+            dtype="float32",  # the job trains in fp32: nothing is rounded away
+            source={"role": role, "step": self.state.next_step, "init_from": self.config.init_from},
+            **self.export_fields(),
+        )
+
+    def export_fields(self) -> dict:
+        """What a folder of this job's model says beyond its weights (its special tokens)."""
+        return {
+            "generation": {"eos_token_id": EOS, "pad_token_id": PAD},
+            "pad_token_id": PAD,
+        }
 
     # --- state ----------------------------------------------------------------------------------
 

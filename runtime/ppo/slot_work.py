@@ -348,7 +348,8 @@ def _generate_torch(ctx, ws: Workspace, prompts, rows, params, pad_token_id) -> 
 
 
 def _generate_vllm(ctx, ws: Workspace, prompts, rows, params, pad_token_id) -> dict:
-    from runtime.ppo.generate_vllm import VllmGenerationBackend, write_hf_folder
+    from runtime.ppo.export import write_hf_folder
+    from runtime.ppo.generate_vllm import VllmGenerationBackend
 
     if len(ws.unit.slots) != 1:
         raise ValueError(f"{ws.unit.unit_id}: the vLLM backend runs one-slot generation units")

@@ -423,6 +423,17 @@
       case "control.calibration":
         S.calibration = d; drawCalibration();
         break;
+      case "job.exported":
+        if ($("artifacts") && $("artifacts").hidden) {
+          $("artifacts").hidden = false;
+          $("artifacts-note").textContent = `The trained ${d.artifact} was exported ` +
+            `(${d.architecture}, ${num(d.bytes / 1e6)} MB, weights after step ${d.step}): ` +
+            "reload the page for its files, or run nereus download.";
+        }
+        break;
+      case "job.export_failed":
+        log("export failed", "", "", d.reason || "", "");
+        break;
       case "job.finished":
         $("job-summary").textContent = d.simulated
           ? `Finished (${d.status}): ${d.steps} steps in ${num(d.simulated_s, 4)} simulated seconds, ` +

@@ -1,4 +1,4 @@
-"""``nereus submit|status|watch|approve|reject`` against a real web server (a Daphne process on
+"""``nereus submit|status|watch|approve|reject|download`` against a real web server (a Daphne process on
 loopback with its own SQLite database), each command run as a subprocess with a project token,
 checking what it prints and the exit code a pipeline branches on."""
 
@@ -135,6 +135,61 @@ def test_submit_prints_the_id_and_a_resubmit_with_the_same_key_returns_it(servic
     assert conflict.returncode == client.EXIT_CONFLICT, conflict.stderr
     assert "HTTP 409" in conflict.stderr
     _no_traceback(conflict)
+
+
+def test_download_fetches_the_trained_model_and_checks_every_file(service, spec_file, tmp_path):
+    """The export a job's end writes (``runtime.ppo.export``, put in the job's directory here),
+    fetched with a viewer's token into a new folder that transformers loads."""
+    import torch
+    import transformers
+
+    from runtime.planner import default_catalog
+    from runtime.ppo.export import write_hf_folder
+    from runtime.ppo.model import build_model
+
+    submitted = _run(["submit", "--spec", str(spec_file)], service.cli_env())
+    job_id = int(submitted.stdout.strip())
+    config = default_catalog().model("tiny-sft")
+    model = build_model(config, scalar_head=False, seed=5)
+    folder = write_hf_folder(
+        Path(service.env["NEREUS_VAR_DIR"]) / "jobs" / str(job_id) / "export" / "actor",
+        config,
+        model.state_dict(),
+        dtype="float32",
+        source={"role": "actor", "step": 3},
+    )
+    env = service.cli_env("viewer")
+    out = tmp_path / "model"
+    done = _run(["download", str(job_id), "--out", str(out)], env)
+    assert done.returncode == 0, done.stderr
+    assert "weights after step 3" in done.stdout and done.stdout.count("sha256 ok") == 2
+    for name in ("config.json", "model.safetensors"):
+        assert (out / name).read_bytes() == (folder / name).read_bytes()
+    tokens = torch.arange(4, 20).view(2, 8)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(tokens).logits, model(tokens), rtol=1e-5, atol=1e-5)
+
+    # A folder that holds something is never written into.
+    again = _run(["download", str(job_id), "--out", str(out)], env)
+    assert again.returncode == client.EXIT_USAGE and "--out:" in again.stderr
+    # No such artifact: 4, naming it and what the job has.
+    missing = _run(
+        ["download", str(job_id), "--artifact", "critic", "--out", str(tmp_path / "c")], env
+    )
+    assert missing.returncode == client.EXIT_NOT_FOUND
+    assert "artifact: job" in missing.stderr and "(it has: actor)" in missing.stderr
+    # Bytes that are not the manifest's (same size, flipped on disk) are not kept.
+    raw = bytearray((folder / "model.safetensors").read_bytes())
+    raw[-1] ^= 0xFF
+    (folder / "model.safetensors").write_bytes(bytes(raw))
+    corrupt = _run(["download", str(job_id), "--out", str(tmp_path / "bad")], env)
+    assert corrupt.returncode == client.EXIT_UNREACHABLE, corrupt.stderr
+    assert "nothing was kept" in corrupt.stderr
+    assert not (tmp_path / "bad").exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+    for done in (again, missing, corrupt):
+        _no_traceback(done)
 
 
 def test_status_prints_the_job_and_json_for_scripts(service, spec_file):

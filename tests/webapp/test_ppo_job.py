@@ -1,13 +1,18 @@
 """A real PPO job (kind "ppo") through the web service: submission errors that name the field, and a
 small job on CPU slots (a local Ray instance) driven to completion through the services, with its
-controller's events recorded as plans and transitions and its checkpoints in the job's own
-directory."""
+controller's events recorded as plans and transitions, its checkpoints in the job's own
+directory and its trained actor exported there."""
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
+import torch
 from django.test import override_settings
 
+from runtime.ppo import export
+from runtime.ppo.weights import read_state_dict
 from webapp.jobs import services as job_services
 from webapp.jobs.models import Job, JobEvent, JobState
 from webapp.plans.models import Plan, Transition, TransitionState
@@ -75,7 +80,7 @@ def test_a_good_ppo_spec_is_stored_whole(api, project, member, monkeypatch):
 @pytest.mark.ray
 @pytest.mark.django_db(transaction=True)
 def test_a_real_ppo_job_runs_through_the_services_and_records_its_controller(
-    project, member, monkeypatch, tmp_path
+    api, project, member, monkeypatch, tmp_path
 ):
     """The slot pool loses a slot before step 2: the controller's urgent transition runs on the
     real slots (without approval) and is recorded with its DAG; every step is real."""
@@ -108,7 +113,27 @@ def test_a_real_ppo_job_runs_through_the_services_and_records_its_controller(
     first_node = kinds.index("transition.node")
     assert first_node < kinds.index("control.transition")
     # Checkpoints are in the job's own directory, where a new driver would look for them.
-    assert any((tmp_path / "jobs" / str(job.pk)).rglob("*")), "no checkpoint written"
+    job_dir = tmp_path / "jobs" / str(job.pk)
+    assert any(job_dir.rglob("*")), "no checkpoint written"
+    # The trained actor was exported at the end, as the units held it: the REST API lists it and
+    # serves its files; its weights are the last checkpoint's (saved after the last step, in the
+    # layout the job ended on), read back on one process by ``nereus export``'s code.
+    exported = next(e.data for e in events if e.kind == "job.exported")
+    assert exported["artifact"] == "actor" and exported["step"] == 6
+    client = api(user=owner)
+    with override_settings(NEREUS_JOBS_DIR=tmp_path / "jobs"):
+        (artifact,) = client.get(f"/api/v1/jobs/{job.pk}/artifacts/").json()["results"]
+        files = {f["name"]: f for f in artifact["files"]}
+        body = b"".join(client.get(files["model.safetensors"]["url"]).streaming_content)
+    assert hashlib.sha256(body).hexdigest() == files["model.safetensors"]["sha256"]
+    (tmp_path / "model.safetensors").write_bytes(body)
+    live = read_state_dict(tmp_path / "model.safetensors")
+    from_checkpoint = read_state_dict(
+        export.export_job_checkpoint(job_dir, tmp_path / "from-checkpoint", dtype="float32")
+    )
+    assert live.keys() == from_checkpoint.keys() and "lm_head.weight" in live
+    for key, tensor in live.items():
+        assert torch.equal(tensor, from_checkpoint[key]), key
 
 
 @pytest.mark.django_db

@@ -1,4 +1,4 @@
-"""``/api/v1/jobs/``: submit, list, retrieve, cancel, and read a job's events.
+"""``/api/v1/jobs/``: submit, list, retrieve, cancel, read a job's events, fetch its trained models.
 
 One thin class per operation: validate the input, call a service or selector, render the output.
 Visibility and roles are decided by the services and selectors; their errors become responses in
@@ -7,10 +7,15 @@ Visibility and roles are decided by the services and selectors; their errors bec
 
 from __future__ import annotations
 
+import base64
+
+from django.http import FileResponse
 from django.urls import reverse
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema, inline_serializer
 from rest_framework import serializers, status
+from rest_framework.exceptions import NotFound
+from rest_framework.negotiation import BaseContentNegotiation
 from rest_framework.parsers import JSONParser
 from rest_framework.response import Response
 from rest_framework.views import APIView
@@ -237,3 +242,94 @@ class JobEventsApi(APIView):
             params["limit"] = str(limit)
             next_url = request.build_absolute_uri(f"{request.path}?{params.urlencode()}")
         return Response({"next": next_url, "results": [e.as_message() for e in events]})
+
+
+class ArtifactFileOutput(serializers.Serializer):
+    name = serializers.CharField()
+    bytes = serializers.IntegerField()
+    sha256 = serializers.CharField()
+    url = serializers.URLField()
+
+
+class ArtifactOutput(serializers.Serializer):
+    name = serializers.CharField(help_text="``actor``: the trained policy.")
+    format = serializers.CharField(help_text="``huggingface``: transformers and vLLM load it.")
+    architecture = serializers.CharField()
+    dtype = serializers.CharField()
+    source = serializers.DictField(help_text="Where the weights came from: role, step.")
+    files = ArtifactFileOutput(many=True)
+
+
+class JobArtifactsApi(APIView):
+    """The job's trained models: each a Hugging Face folder written when the job ended (or
+    exported from a checkpoint), with every file's size and SHA-256 and the URL to fetch it."""
+
+    @extend_schema(
+        operation_id="jobs_artifacts",
+        responses={200: inline_serializer("JobArtifacts", {"results": ArtifactOutput(many=True)})},
+    )
+    def get(self, request, job_id: int):
+        job = _job_or_404(request, job_id)
+        results = []
+        for name, manifest in selectors.job_artifacts(job=job).items():
+            files = [
+                {
+                    **{k: f[k] for k in ("name", "bytes", "sha256")},
+                    "url": request.build_absolute_uri(
+                        reverse(
+                            "api:job-artifact-file",
+                            kwargs={"job_id": job.pk, "artifact": name, "name": f["name"]},
+                        )
+                    ),
+                }
+                for f in manifest["files"]
+            ]
+            results.append(
+                {
+                    "name": name,
+                    "format": manifest.get("format", ""),
+                    "architecture": manifest.get("architecture", ""),
+                    "dtype": manifest.get("dtype", ""),
+                    "source": manifest.get("source", {}),
+                    "files": files,
+                }
+            )
+        return Response({"results": results})
+
+
+class _AnyAccept(BaseContentNegotiation):
+    """The file goes out as bytes whatever the client accepts; an error, as JSON."""
+
+    def select_parser(self, request, parsers):
+        return parsers[0] if parsers else None
+
+    def select_renderer(self, request, renderers, format_suffix=None):
+        return renderers[0], renderers[0].media_type
+
+
+class JobArtifactFileApi(APIView):
+    """One file of an artifact, as its manifest lists it (its SHA-256 in ``ETag`` and
+    ``Repr-Digest``); any other name is not found."""
+
+    content_negotiation_class = _AnyAccept
+
+    @extend_schema(
+        operation_id="jobs_artifact_file",
+        responses={(200, "application/octet-stream"): OpenApiTypes.BINARY},
+    )
+    def get(self, request, job_id: int, artifact: str, name: str):
+        job = _job_or_404(request, job_id)
+        try:
+            path, entry = selectors.job_artifact_file(job=job, artifact=artifact, name=name)
+        except selectors.ArtifactError as exc:
+            raise NotFound(str(exc)) from None
+        response = FileResponse(
+            path.open("rb"),
+            as_attachment=True,
+            filename=entry["name"],
+            content_type="application/octet-stream",
+        )
+        response["ETag"] = f'"{entry["sha256"]}"'
+        digest = base64.b64encode(bytes.fromhex(entry["sha256"])).decode()
+        response["Repr-Digest"] = f"sha-256=:{digest}:"
+        return response

@@ -8,6 +8,12 @@ urlpatterns = [
     path("jobs/<int:job_id>/", jobs.JobDetailApi.as_view(), name="job-detail"),
     path("jobs/<int:job_id>/cancel/", jobs.JobCancelApi.as_view(), name="job-cancel"),
     path("jobs/<int:job_id>/events/", jobs.JobEventsApi.as_view(), name="job-events"),
+    path("jobs/<int:job_id>/artifacts/", jobs.JobArtifactsApi.as_view(), name="job-artifacts"),
+    path(
+        "jobs/<int:job_id>/artifacts/<str:artifact>/<str:name>",
+        jobs.JobArtifactFileApi.as_view(),
+        name="job-artifact-file",
+    ),
     path("jobs/<int:job_id>/plans/", plans.JobPlansApi.as_view(), name="job-plans"),
     path(
         "jobs/<int:job_id>/transitions/", plans.JobTransitionsApi.as_view(), name="job-transitions"

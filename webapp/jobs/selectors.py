@@ -6,6 +6,8 @@ is simply not found.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from django.db.models import QuerySet
 
 from webapp.jobs.models import Job, JobEvent, JobState
@@ -46,3 +48,41 @@ def job_get_for(user, *, job_id: int, token: ApiToken | None = None) -> Job:
 def job_events_since(*, job: Job, after_id: int = 0, limit: int = 1000) -> list[JobEvent]:
     """The job's events with ids greater than ``after_id``, oldest first."""
     return list(job.events.filter(id__gt=after_id).order_by("id")[:limit])
+
+
+def job_artifacts(*, job: Job) -> dict[str, dict]:
+    """``{name: manifest}`` of the job's complete exports (``runtime.ppo.export``), read from the
+    job's directory; an export still being written has no manifest yet and is not listed."""
+    from runtime.ppo.export import artifacts
+    from webapp.jobs.services import job_workdir
+
+    return artifacts(job_workdir(job.pk) / "export")
+
+
+def job_artifact_file(*, job: Job, artifact: str, name: str) -> tuple[Path, dict]:
+    """The path and manifest entry of one file of one export: only files its manifest lists, and
+    only while the file on disk has the size the manifest says. ``ArtifactError`` names which."""
+    from webapp.jobs.services import job_workdir
+
+    manifest = job_artifacts(job=job).get(artifact)
+    if manifest is None:
+        raise ArtifactError("artifact", f"this job has no artifact {artifact!r}")
+    entry = next((f for f in manifest["files"] if f["name"] == name), None)
+    if entry is None:
+        raise ArtifactError("file", f"artifact {artifact!r} has no file {name!r}")
+    path = job_workdir(job.pk) / "export" / artifact / entry["name"]
+    try:
+        size = path.stat().st_size
+    except OSError:
+        size = -1
+    if size != entry["bytes"]:
+        raise ArtifactError("file", f"{name!r} of artifact {artifact!r} is missing or changed")
+    return path, entry
+
+
+class ArtifactError(LookupError):
+    """No such artifact or file for this job; ``field`` names which."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field

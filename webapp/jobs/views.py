@@ -136,6 +136,7 @@ def job_detail(request, job_id: int):
             "can_approve": context["can_approve"],
             "simulated": simulated,
         }
+        context["artifacts"] = {} if simulated else selectors.job_artifacts(job=job)
         return render(request, "jobs/detail_ppo.html", context)
     return render(request, "jobs/detail.html", context)
 

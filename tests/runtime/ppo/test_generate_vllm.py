@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from runtime.planner.catalog import default_catalog
+from runtime.ppo.export import write_hf_folder
 from runtime.ppo.generate import SamplingParams
-from runtime.ppo.generate_vllm import write_hf_folder
 from runtime.ppo.model import build_model
 from runtime.ppo.weights import read_state_dict
 

@@ -1,0 +1,304 @@
+"""A trained model out of a job, as a Hugging Face folder that transformers and vLLM load.
+
+A folder holds ``config.json`` (a Llama, or a Qwen2 where the model has q/k/v biases; the
+critic as a sequence classifier with one label), ``generation_config.json``, ``model.safetensors``
+(the names ``runtime.ppo.model`` already uses) and, written last, ``manifest.json``: every file
+with its size and SHA-256, and where the weights came from (job, role, step). A folder without a
+manifest is incomplete and is never offered; one is replaced whole, never in place.
+
+Two sources: the live units at the end of a job (``PpoRuntime.export``), or any committed
+checkpoint of a job's working directory (``export_checkpoint``, ``nereus export``), read with
+DCP on this process alone, whatever layout the job had when it saved.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import uuid
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from runtime.planner.catalog import ModelConfig
+from runtime.ppo.weights import write_safetensors
+
+FORMAT = "huggingface"
+MANIFEST = "manifest.json"
+ROLES = ("actor", "critic")
+"""The trained models of a PPO job (the reference and reward models are its inputs)."""
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+class ExportError(ValueError):
+    """A model that cannot be exported; the message names the field."""
+
+
+def hf_config(
+    config: ModelConfig,
+    *,
+    scalar_head: bool = False,
+    dtype: str = "bfloat16",
+    rope_theta: float = 10_000.0,
+    rms_norm_eps: float = 1e-5,
+    max_positions: int = 4096,
+    pad_token_id: int | None = None,
+) -> dict:
+    """Hugging Face's ``config.json`` for a model of ``config``. A model with q/k/v biases is a
+    Qwen2 there (a Llama's ``attention_bias`` would add one to the output projection too)."""
+    family = "Qwen2" if config.qkv_bias else "Llama"
+    head = "ForSequenceClassification" if scalar_head else "ForCausalLM"
+    out = {
+        "architectures": [family + head],
+        "model_type": family.lower(),
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": rms_norm_eps,
+        "rope_theta": rope_theta,
+        "max_position_embeddings": max_positions,
+        "tie_word_embeddings": config.tie_embeddings,
+        "torch_dtype": dtype,
+    }
+    if not config.qkv_bias:
+        out.update({"attention_bias": False, "mlp_bias": False})
+    if scalar_head:
+        out["num_labels"] = 1
+    if pad_token_id is not None:
+        out["pad_token_id"] = pad_token_id
+    return out
+
+
+def write_hf_folder(
+    folder: str | Path,
+    config: ModelConfig,
+    state_dict: Mapping[str, torch.Tensor],
+    *,
+    scalar_head: bool = False,
+    dtype: str = "bfloat16",
+    source: Mapping | None = None,
+    generation: Mapping | None = None,
+    **config_fields,
+) -> Path:
+    """Write ``state_dict`` as a Hugging Face folder at ``folder`` (replacing one there), the
+    manifest last. ``source`` says where the weights came from; ``generation`` is
+    ``generation_config.json`` (e.g. the end-of-sequence token)."""
+    if dtype not in DTYPES:
+        raise ExportError(f"dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}")
+    folder = Path(folder)
+    partial = folder.with_name(f".{folder.name}.partial-{uuid.uuid4().hex[:8]}")
+    partial.mkdir(parents=True)
+    try:
+        cfg = hf_config(config, scalar_head=scalar_head, dtype=dtype, **config_fields)
+        (partial / "config.json").write_text(json.dumps(cfg, indent=2))
+        if generation is not None:
+            (partial / "generation_config.json").write_text(json.dumps(dict(generation), indent=2))
+        write_safetensors(
+            partial / "model.safetensors",
+            {k: v.detach().to("cpu", DTYPES[dtype]).contiguous() for k, v in state_dict.items()},
+        )
+        files = [
+            {"name": p.name, "bytes": p.stat().st_size, "sha256": _sha256(p)}
+            for p in sorted(partial.iterdir())
+        ]
+        manifest = {
+            "format": FORMAT,
+            "architecture": cfg["architectures"][0],
+            "dtype": dtype,
+            "source": dict(source or {}),
+            "files": files,
+        }
+        (partial / MANIFEST).write_text(json.dumps(manifest, indent=2))
+        for path in partial.iterdir():  # on disk before the folder is renamed into place
+            with path.open("rb") as handle:
+                os.fsync(handle.fileno())
+        _replace(partial, folder)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return folder
+
+
+def _replace(new: Path, folder: Path) -> None:
+    """``new`` becomes ``folder``; an old folder there is moved aside first, then removed."""
+    old = None
+    if folder.exists():
+        old = folder.with_name(f".{folder.name}.old-{uuid.uuid4().hex[:8]}")
+        folder.rename(old)
+    new.rename(folder)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def read_manifest(folder: str | Path) -> dict | None:
+    """The manifest of a complete export folder, or None where there is none (or it is not one)."""
+    path = Path(folder) / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, list) or not all(
+        isinstance(f, dict) and {"name", "bytes", "sha256"} <= set(f) for f in files
+    ):
+        return None
+    return manifest
+
+
+def artifacts(export_root: str | Path) -> dict[str, dict]:
+    """``{name: manifest}`` of the complete export folders under ``export_root``."""
+    root = Path(export_root)
+    if not root.is_dir():
+        return {}
+    out = {}
+    for folder in sorted(root.iterdir()):
+        if folder.is_dir() and not folder.name.startswith("."):
+            manifest = read_manifest(folder)
+            if manifest is not None:
+                out[folder.name] = manifest
+    return out
+
+
+def params_from_checkpoint(unit_dir: str | Path) -> dict[str, torch.Tensor]:
+    """The parameters (not the optimizer's state) saved in one training unit's DCP checkpoint,
+    whole, read on this process alone."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = dcp.FileSystemReader(str(unit_dir))
+    try:
+        metadata = reader.read_metadata()
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise ExportError(f"checkpoint: {unit_dir} is not a DCP checkpoint ({exc})") from None
+    state = {
+        key: torch.empty(meta.size, dtype=meta.properties.dtype)
+        for key, meta in metadata.state_dict_metadata.items()
+        if isinstance(meta, TensorStorageMetadata) and "::" not in key
+    }
+    if not state:
+        raise ExportError(f"checkpoint: {unit_dir} holds no parameters")
+    with warnings.catch_warnings():  # one process on purpose: no process group to wait for
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, storage_reader=reader, no_dist=True)
+    return state
+
+
+def export_checkpoint(
+    job_dir: str | Path,
+    out: str | Path,
+    *,
+    config: ModelConfig,
+    role: str = "actor",
+    step: int | None = None,
+    dtype: str = "bfloat16",
+    generation: Mapping | None = None,
+    pad_token_id: int | None = None,
+) -> Path:
+    """Export ``role``'s weights from a committed checkpoint of the job working in ``job_dir``
+    (the newest, or the one that resumes at ``step``) to the folder ``out``."""
+    if role not in ROLES:
+        raise ExportError(f"role: expected one of {', '.join(ROLES)}, got {role!r}")
+    root = Path(job_dir) / "checkpoints"
+    committed = sorted(root.glob("step-*/COMMITTED"))
+    if step is not None:
+        committed = [c for c in committed if c.parent.name == f"step-{step:06d}"]
+    if not committed:
+        which = "no committed checkpoint" if step is None else f"no committed checkpoint at {step}"
+        raise ExportError(f"checkpoint: {which} in {root}")
+    chosen = committed[-1].parent
+    params = params_from_checkpoint(chosen / f"{role}_training")
+    expected = {
+        name: tuple(tensor.shape)
+        for name, tensor in _model_shapes(config, scalar_head=role == "critic").items()
+    }
+    for name, shape in expected.items():
+        if name not in params:
+            raise ExportError(f"model: {name} is not in the checkpoint (is it a {config.name}?)")
+        if tuple(params[name].shape) != shape:
+            raise ExportError(
+                f"model: {name} is {tuple(params[name].shape)} in the checkpoint, {shape} in "
+                f"{config.name}"
+            )
+    return write_hf_folder(
+        out,
+        config,
+        {name: params[name] for name in expected},
+        scalar_head=role == "critic",
+        dtype=dtype,
+        source={
+            "role": role,
+            "step": int(chosen.name.removeprefix("step-")),
+            "checkpoint": str(chosen),
+        },
+        generation=generation,
+        pad_token_id=pad_token_id,
+    )
+
+
+JOB_FILE = "job.json"
+"""In a PPO job's working directory: its model's architecture and special tokens, so that a
+checkpoint there can be exported without the job's spec (``export_job_checkpoint``)."""
+
+
+def write_job_file(job_dir: str | Path, config: ModelConfig, **fields) -> None:
+    path = Path(job_dir) / JOB_FILE
+    path.write_text(json.dumps({"model": dataclasses.asdict(config), **fields}, indent=2))
+
+
+def export_job_checkpoint(
+    job_dir: str | Path,
+    out: str | Path,
+    *,
+    role: str = "actor",
+    step: int | None = None,
+    dtype: str = "bfloat16",
+) -> Path:
+    """``export_checkpoint`` for a PPO job's working directory, with the model and special tokens
+    its ``job.json`` records."""
+    path = Path(job_dir) / JOB_FILE
+    try:
+        info = json.loads(path.read_text())
+        config = ModelConfig(**info["model"])
+    except OSError:
+        raise ExportError(
+            f"job_dir: {job_dir} has no {JOB_FILE}: is it a PPO job's working directory?"
+        ) from None
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ExportError(f"job_dir: {path} is not readable ({exc})") from None
+    return export_checkpoint(
+        job_dir,
+        out,
+        config=config,
+        role=role,
+        step=step,
+        dtype=dtype,
+        generation=info.get("generation"),
+        pad_token_id=info.get("pad_token_id"),
+    )
+
+
+def _model_shapes(config: ModelConfig, *, scalar_head: bool) -> dict[str, torch.Tensor]:
+    from runtime.ppo.model import LlamaForCausalLM, LlamaForScore
+
+    cls = LlamaForScore if scalar_head else LlamaForCausalLM
+    with torch.device("meta"):
+        model = cls(config, rope_theta=10_000.0, rms_norm_eps=1e-5)
+    return dict(model.state_dict())

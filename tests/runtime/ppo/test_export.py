@@ -1,0 +1,217 @@
+"""Trained models out of a job as Hugging Face folders: Hugging Face's own transformers loads them
+and computes what our models compute; the manifest lists every file with its hash and a folder is
+replaced whole; a job's DCP checkpoint exports on one process; bad input names the field."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import transformers
+from typer.testing import CliRunner
+
+from nereus.cli import app
+from runtime.planner.catalog import ModelConfig, default_catalog
+from runtime.ppo import export
+from runtime.ppo.model import build_model
+from runtime.ppo.weights import read_state_dict
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+TINY = default_catalog().model("tiny-sft")
+CONFIGS = [
+    TINY,  # a Llama
+    dataclasses.replace(TINY, name="tiny-tied", tie_embeddings=True, num_kv_heads=2),
+    dataclasses.replace(TINY, name="tiny-qkv-bias", qkv_bias=True),  # a Qwen2 there
+]
+
+
+def _tokens(config: ModelConfig, seed: int = 0) -> torch.Tensor:
+    return torch.randint(
+        4, config.vocab_size, (3, 13), generator=torch.Generator().manual_seed(seed)
+    )
+
+
+def _with_random_biases(model) -> None:
+    """Seeded init zeroes biases; random ones show that they land where transformers reads them."""
+    generator = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.copy_(torch.randn(param.shape, generator=generator))
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.name)
+def test_transformers_loads_an_exported_actor_and_computes_the_same_logits(tmp_path, config):
+    model = build_model(config, scalar_head=False, seed=3)
+    _with_random_biases(model)
+    folder = export.write_hf_folder(tmp_path / "actor", config, model.state_dict(), dtype="float32")
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    expected = "Qwen2ForCausalLM" if config.qkv_bias else "LlamaForCausalLM"
+    assert type(theirs).__name__ == expected
+    tokens = _tokens(config)
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(tokens).logits, model(tokens), rtol=1e-5, atol=1e-5)
+
+
+def test_transformers_loads_an_exported_critic_as_a_one_label_sequence_classifier(tmp_path):
+    model = build_model(TINY, scalar_head=True, seed=4)
+    folder = export.write_hf_folder(
+        tmp_path / "critic",
+        TINY,
+        model.state_dict(),
+        scalar_head=True,
+        dtype="float32",
+        pad_token_id=0,
+    )
+    theirs = transformers.AutoModelForSequenceClassification.from_pretrained(
+        folder, dtype=torch.float32
+    )
+    tokens = _tokens(TINY, seed=1)  # no padding: the score is the last token's
+    with torch.no_grad():
+        ours = model.last_token_score(tokens, torch.ones_like(tokens, dtype=torch.bool))
+        torch.testing.assert_close(theirs(tokens).logits.squeeze(-1), ours, rtol=1e-5, atol=1e-5)
+
+
+def test_the_manifest_lists_every_file_and_a_folder_is_replaced_whole(tmp_path):
+    first = build_model(TINY, scalar_head=False, seed=1).state_dict()
+    second = build_model(TINY, scalar_head=False, seed=2).state_dict()
+    folder = export.write_hf_folder(
+        tmp_path / "export" / "actor",
+        TINY,
+        first,
+        source={"step": 4},
+        generation={"eos_token_id": 2},
+    )
+    manifest = export.read_manifest(folder)
+    assert {f["name"] for f in manifest["files"]} == {
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+    }
+    for entry in manifest["files"]:
+        assert (folder / entry["name"]).stat().st_size == entry["bytes"]
+        assert export._sha256(folder / entry["name"]) == entry["sha256"]
+    assert manifest["source"] == {"step": 4} and manifest["dtype"] == "bfloat16"
+    export.write_hf_folder(folder, TINY, second, source={"step": 8})
+    weights = read_state_dict(folder)
+    for key, tensor in second.items():
+        assert torch.equal(weights[key], tensor.to(torch.bfloat16)), key
+    # Nothing of the first export or of the writing is left beside it.
+    assert sorted(p.name for p in folder.parent.iterdir()) == ["actor"]
+    # A folder without a manifest (an export being written) or with a broken one is not offered.
+    (tmp_path / "export" / "critic").mkdir()
+    (tmp_path / "export" / "critic" / "config.json").write_text("{}")
+    (tmp_path / "export" / "broken").mkdir()
+    (tmp_path / "export" / "broken" / "manifest.json").write_text('{"files": [{"name": 1}]}')
+    assert list(export.artifacts(tmp_path / "export")) == ["actor"]
+
+
+def test_a_failed_write_leaves_the_previous_export_in_place(tmp_path, monkeypatch):
+    folder = export.write_hf_folder(
+        tmp_path / "actor", TINY, build_model(TINY, scalar_head=False, seed=1).state_dict()
+    )
+    before = export.read_manifest(folder)
+
+    def full_disk(path, tensors):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(export, "write_safetensors", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        export.write_hf_folder(
+            folder, TINY, build_model(TINY, scalar_head=False, seed=2).state_dict()
+        )
+    assert export.read_manifest(folder) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["actor"]
+
+
+def _job_dir(tmp_path, config: ModelConfig, steps=(4, 8)) -> tuple:
+    """A PPO job's working directory as its driver leaves it: ``job.json`` and committed DCP
+    checkpoints of ``actor@training`` (its parameters and optimizer moments)."""
+    job_dir = tmp_path / "job"
+    job_dir.mkdir()
+    export.write_job_file(job_dir, config, generation={"eos_token_id": 2}, pad_token_id=0)
+    saved = {}
+    for step in steps:
+        state = build_model(config, scalar_head=False, seed=step).state_dict()
+        moments = {f"{k}::exp_avg": torch.randn(v.shape) for k, v in state.items()}
+        root = job_dir / "checkpoints" / f"step-{step:06d}"
+        dcp.save({**state, **moments}, checkpoint_id=str(root / "actor_training"), no_dist=True)
+        (root / "COMMITTED").write_text(json.dumps({"step": step, "units": ["actor@training"]}))
+        saved[step] = state
+    return job_dir, saved
+
+
+def test_a_committed_checkpoint_exports_its_parameters(tmp_path):
+    job_dir, saved = _job_dir(tmp_path, TINY)
+    folder = export.export_job_checkpoint(job_dir, tmp_path / "out", dtype="float32")
+    weights = read_state_dict(folder)
+    assert weights.keys() == saved[8].keys()  # the newest, without the optimizer's moments
+    assert all(torch.equal(weights[k], saved[8][k]) for k in weights)
+    assert export.read_manifest(folder)["source"]["step"] == 8
+    older = export.export_job_checkpoint(job_dir, tmp_path / "older", step=4, dtype="float32")
+    assert torch.equal(read_state_dict(older)["lm_head.weight"], saved[4]["lm_head.weight"])
+    config = json.loads((folder / "config.json").read_text())
+    assert config["pad_token_id"] == 0
+    assert json.loads((folder / "generation_config.json").read_text()) == {"eos_token_id": 2}
+
+
+def test_bad_exports_name_the_field(tmp_path):
+    job_dir, _ = _job_dir(tmp_path, TINY)
+    out = tmp_path / "out"
+    cases = [
+        ({"role": "reward"}, "role: expected one of actor, critic"),
+        ({"step": 5}, "checkpoint: no committed checkpoint at 5"),
+        ({"dtype": "int8"}, "dtype: expected one of bfloat16, float32"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(export.ExportError, match=message):
+            export.export_job_checkpoint(job_dir, out, **kwargs)
+    with pytest.raises(
+        export.ExportError, match=r"checkpoint: .* (holds no parameters|is not a DCP)"
+    ):
+        export.export_job_checkpoint(job_dir, out, role="critic")
+    wrong = default_catalog().model("tiny-llama")
+    export.write_job_file(job_dir, wrong)
+    with pytest.raises(export.ExportError, match=r"model: model.embed_tokens.weight is \(64, 64\)"):
+        export.export_job_checkpoint(job_dir, out)
+    with pytest.raises(export.ExportError, match=r"job_dir: .* has no job\.json"):
+        export.export_job_checkpoint(tmp_path, out)
+    assert not out.exists()
+
+
+def test_nereus_export_writes_a_folder_or_names_the_field(tmp_path):
+    job_dir, saved = _job_dir(tmp_path, TINY)
+    runner = CliRunner()
+    done = runner.invoke(app, ["export", str(job_dir), "--out", str(tmp_path / "m")])
+    assert done.exit_code == 0, done.output
+    assert "actor exported to" in done.output
+    assert read_state_dict(tmp_path / "m").keys() == saved[8].keys()
+    bad = runner.invoke(app, ["export", str(job_dir), "--out", str(tmp_path / "n"), "--role", "x"])
+    assert bad.exit_code == 2 and "role: expected one of actor, critic" in bad.output
+    assert not (tmp_path / "n").exists()
+
+
+def test_a_failed_export_at_the_end_of_a_job_is_said_and_changes_nothing_else(tmp_path):
+    """The end of ``run_ppo_job``: the export's failure becomes an event; no exception reaches
+    the job, whose outcome stands (its checkpoints can still be exported)."""
+    from types import SimpleNamespace
+
+    from runtime.events import ListSink
+    from runtime.jobs import ppo_job
+
+    class Job:
+        def export(self, engine, role):
+            raise OSError(28, "No space left on device")
+
+    unit = SimpleNamespace(model_stage="actor@training")
+    sink = ListSink()
+    ppo_job._export(Job(), SimpleNamespace(engine=SimpleNamespace(units={"a": unit})), sink)
+    ppo_job._export(Job(), SimpleNamespace(engine=SimpleNamespace(units={})), sink)
+    assert [(e.kind, e.data["reason"]) for e in sink.events] == [
+        ("job.export_failed", "OSError: [Errno 28] No space left on device"),
+        ("job.export_failed", "no actor state held"),
+    ]
