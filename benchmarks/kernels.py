@@ -81,8 +81,10 @@ def _memcpy_bandwidth(nbytes: int, device: str) -> float:
     return nbytes / _best(lambda: dst.copy_(src))
 
 
-def _peak_bandwidth(device: str) -> float | None:
-    """The catalogued memory bandwidth of this GPU, or None (CPU, or a GPU not in the catalog)."""
+def _peak_bandwidth(device: str) -> tuple[str, float] | None:
+    """The catalog entry this GPU's name matches and its memory bandwidth, or None (CPU, or a GPU
+    not in the catalog). The match is by model (``h200`` in ``NVIDIA H200``): the entry is printed,
+    since an H100 PCIe would match the catalogue's SXM part."""
     if device != "cuda":
         return None
     from runtime.planner.catalog import default_catalog
@@ -90,7 +92,7 @@ def _peak_bandwidth(device: str) -> float | None:
     name = torch.cuda.get_device_name().lower()
     for acc in default_catalog().accelerators.values():
         if acc.name.split("-")[0] in name:
-            return acc.memory_bandwidth
+            return acc.name, acc.memory_bandwidth
     return None
 
 
@@ -115,11 +117,13 @@ def main() -> None:
         parser.error("--device cuda: no CUDA device is visible")
     print(f"kernels backend: {kernels.backend()}, torch threads: {torch.get_num_threads()}")
     memcpy = _memcpy_bandwidth((1024 if device == "cuda" else 256) * MIB, device)
-    peak = _peak_bandwidth(device)
+    matched = _peak_bandwidth(device)
+    peak = matched[1] if matched else None
     rows, records = [], {"device": device, "memcpy_bytes_per_s": memcpy, "cases": []}
     if device == "cuda":
         records["device_name"] = torch.cuda.get_device_name()
         records["peak_bytes_per_s"] = peak
+        records["catalog_entry"] = matched[0] if matched else None
 
     def of_peak(nbytes: float, seconds: float) -> str:
         return f"{2 * nbytes / seconds / peak:.0%}" if peak else "-"
@@ -199,7 +203,7 @@ def main() -> None:
         del data
     print(
         f"memcpy (torch copy_): {memcpy / 1e9:.2f} GB/s"
-        + (f", peak {peak / 1e9:.0f} GB/s" if peak else "")
+        + (f", peak {peak / 1e9:.0f} GB/s (catalog: {matched[0]})" if matched else "")
     )
     _report.print_table(
         ["case", "op", "kernel GB/s", "per-slice GB/s", "speedup", "of memcpy", "of peak"], rows

@@ -5,8 +5,10 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <optional>
 #include <tuple>
-#include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "geometry.h"
@@ -47,13 +49,47 @@ inline int64_t total_bytes(const std::vector<Slice>& plan) {
 
 // Overlapping destinations would make the result depend on the order: refuse before writing.
 // Both checks are O(n log n), so that a transition's thousands of small slices stay cheap.
-inline void check_distinct(const std::vector<at::Tensor>& tensors, const char* op) {
-  std::unordered_map<const void*, size_t> owner;
-  owner.reserve(tensors.size());
-  for (size_t b = 0; b < tensors.size(); ++b) {
-    const auto [it, fresh] = owner.emplace(tensors[b].storage().unsafeGetStorageImpl(), b);
-    TORCH_CHECK(fresh, op, ": destinations ", it->second, " and ", b, " share storage");
+
+// The bytes a tensor's elements can occupy, [begin, end), on its device (none if empty).
+struct Span {
+  int device_type, device_index;
+  uintptr_t begin, end;
+  size_t index;
+};
+
+inline std::vector<Span> spans_of(const std::vector<at::Tensor>& tensors) {
+  std::vector<Span> spans;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const at::Tensor& t = tensors[i];
+    if (t.numel() == 0) continue;
+    int64_t last = 0;  // the furthest element from the first, in elements
+    for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * std::abs(t.stride(d));
+    const uintptr_t begin = reinterpret_cast<uintptr_t>(t.data_ptr());
+    spans.push_back(Span{static_cast<int>(t.device().type()), t.device().index(), begin,
+                         begin + static_cast<uintptr_t>((last + 1) * t.element_size()), i});
   }
+  return spans;
+}
+
+// The first two of `spans` (by address) that share a byte, as (lower index, higher index).
+inline std::optional<std::pair<size_t, size_t>> first_overlap(std::vector<Span> spans) {
+  std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) {
+    return std::tie(a.device_type, a.device_index, a.begin) < std::tie(b.device_type, b.device_index, b.begin);
+  });
+  for (size_t k = 1, reach = 0; k < spans.size(); ++k) {
+    const Span &x = spans[reach], &y = spans[k];
+    if (x.device_type == y.device_type && x.device_index == y.device_index && y.begin < x.end) {
+      return std::make_pair(std::min(x.index, y.index), std::max(x.index, y.index));
+    }
+    if (x.device_type != y.device_type || x.device_index != y.device_index || y.end > x.end) reach = k;
+  }
+  return std::nullopt;
+}
+
+inline void check_distinct(const std::vector<at::Tensor>& tensors, const char* op) {
+  const auto pair = first_overlap(spans_of(tensors));
+  TORCH_CHECK(!pair, op, ": destinations ", pair ? pair->first : 0, " and ", pair ? pair->second : 0,
+              " overlap in memory");
 }
 
 inline void check_disjoint(const std::vector<Slice>& plan, const char* op) {
@@ -89,6 +125,13 @@ inline std::vector<Slice> plan_pack_into(const std::vector<at::Tensor>& tensors,
   std::vector<Slice> plan = plan_slices(tensors, slices, "pack_into");
   TORCH_CHECK(total_bytes(plan) <= out.numel(), "pack_into: slices need ", total_bytes(plan), " bytes, out holds ",
               out.numel());
+  std::vector<Span> spans = spans_of(tensors);
+  for (Span& span : spans) ++span.index;  // out is 0 below, sources from 1
+  std::vector<Span> with_out = spans_of({out});
+  with_out.insert(with_out.end(), spans.begin(), spans.end());
+  const auto pair = first_overlap(with_out);
+  TORCH_CHECK(!pair || pair->first != 0, "pack_into: out overlaps source ", pair ? pair->second - 1 : 0,
+              " in memory");
   return plan;
 }
 
@@ -110,6 +153,11 @@ inline void check_global(const at::Tensor& data, at::IntArrayRef shape, at::IntA
   for (int64_t d = 0; d < data.dim(); ++d) {
     TORCH_CHECK(offset[d] >= 0 && offset[d] <= shape[d] && data.size(d) <= shape[d] - offset[d], "checksum: dim ", d, " slice [",
                 offset[d], ", ", offset[d] + data.size(d), ") outside [0, ", shape[d], ")");
+  }
+  int64_t elements = 1;  // global indices are int64: the global tensor's count must be one
+  for (int64_t d = 0; d < data.dim(); ++d) {
+    TORCH_CHECK(!__builtin_mul_overflow(elements, shape[d], &elements),
+                "checksum: global_shape has more than 2**63 elements");
   }
 }
 

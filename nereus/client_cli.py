@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sys
 import time
@@ -199,7 +200,14 @@ def download(
                 fields={"artifact": [f"no artifact {artifact!r}"]},
             )
         chosen = found[artifact]
-        folder = Path(out) if out else Path(f"job-{job_id}-{artifact}")
+        bad = [f.get("name") for f in chosen["files"] if not _plain_name(f.get("name"))]
+        if bad:  # a name is a path only a broken or hostile service would send
+            raise ApiError(
+                f"the service lists file names that are not plain names: {bad!r}; nothing was written",
+                exit_code=EXIT_UNREACHABLE,
+                code="bad_response",
+            )
+        folder = (Path(out) if out else Path(f"job-{job_id}-{artifact}")).resolve()
         if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
             raise usage_error("--out", f"{folder} exists and is not an empty folder")
         # Into a folder beside it, renamed into place when every file is checked: an
@@ -229,6 +237,15 @@ def download(
         for file in chosen["files"]:
             typer.echo(f"  {file['name']:<24} {file['bytes']:>12,} bytes  sha256 ok")
     return EXIT_OK
+
+
+def _plain_name(name: Any) -> bool:
+    """A file name of a manifest: letters, digits, '.', '_' and '-', not a path, not '..'."""
+    return (
+        isinstance(name, str)
+        and re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}", name) is not None
+        and ".." not in name
+    )
 
 
 # --- following a job -----------------------------------------------------------------------

@@ -102,7 +102,7 @@ __global__ void copy_kernel(const Run* runs) {
   }
 }
 
-int32_t widest_word(std::initializer_list<uint64_t> values) {
+inline int32_t widest_word(std::initializer_list<uint64_t> values) {
   int32_t unit = 16;
   for (uint64_t v : values) {
     while (unit > 1 && v % unit) unit /= 2;

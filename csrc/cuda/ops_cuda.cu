@@ -6,6 +6,8 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <cstring>
+
 #include "../slices.h"
 #include "kernels.cuh"
 
@@ -34,8 +36,7 @@ int64_t checksum_cuda(const at::Tensor& data, at::IntArrayRef global_shape, at::
 }
 
 // Validation is done (plan_*); this only checks devices, before any byte is written, then
-// launches one kernel for every chunk of every slice. Stream-ordered like any torch op: the
-// descriptors go up from pageable memory, which the copy reads before it returns.
+// launches one kernel for every chunk of every slice, stream-ordered like any torch op.
 template <bool kPack>
 void launch(const std::vector<at::Tensor>& tensors, const std::vector<Slice>& plan, at::Tensor& buffer) {
   for (const at::Tensor& t : tensors) {
@@ -47,10 +48,14 @@ void launch(const std::vector<at::Tensor>& tensors, const std::vector<Slice>& pl
   std::vector<uint8_t*> bases;
   for (const at::Tensor& t : tensors) bases.push_back(static_cast<uint8_t*>(t.data_ptr()));
   const std::vector<Run> host = make_runs(plan, chunks, bases, buffer.data_ptr<uint8_t>());
-  at::Tensor runs = at::empty({static_cast<int64_t>(host.size() * sizeof(Run))}, buffer.options());
+  // Up through pinned memory, stream-ordered: copy_ records the pinned block's use on the stream,
+  // so PyTorch's host allocator does not hand it out again before the copy is done.
+  const int64_t nbytes = static_cast<int64_t>(host.size() * sizeof(Run));
+  at::Tensor staged = at::empty({nbytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+  std::memcpy(staged.data_ptr(), host.data(), nbytes);
+  at::Tensor runs = at::empty({nbytes}, buffer.options());
+  runs.copy_(staged, /*non_blocking=*/true);
   auto stream = c10::cuda::getCurrentCUDAStream();
-  C10_CUDA_CHECK(cudaMemcpyAsync(runs.data_ptr(), host.data(), host.size() * sizeof(Run), cudaMemcpyHostToDevice,
-                                 stream));
   for (size_t first = 0; first < host.size(); first += kMaxBlocks) {
     const unsigned blocks = static_cast<unsigned>(std::min<size_t>(kMaxBlocks, host.size() - first));
     copy_kernel<kPack><<<blocks, kThreads, 0, stream>>>(reinterpret_cast<const Run*>(runs.data_ptr()) + first);

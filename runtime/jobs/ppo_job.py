@@ -24,6 +24,7 @@ from runtime.events import EventSink, RuntimeEvent
 from runtime.jobs.driver import Command, JobOutcome, apply_commands
 from runtime.jobs.spec import PpoJobSpec
 from runtime.planner import default_catalog
+from runtime.ppo import export
 from runtime.ppo.export import read_manifest
 from runtime.ppo.job import PpoRuntime
 
@@ -164,12 +165,14 @@ def _export(job: PpoRuntime, engine: RayEngine, sink: EventSink) -> None:
         return
     try:
         folder = job.export(engine.engine, "actor")
+        manifest = read_manifest(folder)
+        if manifest is None:
+            raise export.ExportError(f"{folder}: written without a readable manifest")
     except Exception as exc:  # the weights stay in the checkpoints; the job's result stands
         sink.emit(
             RuntimeEvent(kind="job.export_failed", data={"reason": f"{type(exc).__name__}: {exc}"})
         )
         return
-    manifest = read_manifest(folder)
     sink.emit(
         RuntimeEvent(
             kind="job.exported",

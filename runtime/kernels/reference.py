@@ -5,6 +5,7 @@ Same semantics and the same errors as csrc/: validation happens before any byte 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -58,6 +59,8 @@ def checksum(data: torch.Tensor, global_shape: Sequence[int], global_offset: Seq
                 f"checksum: dim {dim} slice [{offset}, {offset + data.shape[dim]}) "
                 f"outside [0, {size})"
             )
+    if math.prod(global_shape) >= 2**63:
+        raise RuntimeError("checksum: global_shape has more than 2**63 elements")
     width = data.element_size()
     if width not in _BITS:
         raise RuntimeError(f"checksum: unsupported element size {width}")
@@ -103,6 +106,28 @@ def _validate(
     return rows
 
 
+def _first_overlap(tensors: Sequence[torch.Tensor]) -> tuple[int, int] | None:
+    """The first two tensors, by address, whose elements can share a byte (empty ones occupy
+    none), as (lower index, higher index); None if there are none."""
+    spans = []
+    for index, t in enumerate(tensors):
+        if t.numel() == 0:
+            continue
+        last = sum(
+            (size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride(), strict=True)
+        )
+        begin = t.data_ptr()
+        spans.append((str(t.device), begin, begin + (last + 1) * t.element_size(), index))
+    spans.sort()
+    reach = None
+    for span in spans:
+        if reach is not None and span[0] == reach[0] and span[1] < reach[2]:
+            return min(reach[3], span[3]), max(reach[3], span[3])
+        if reach is None or span[0] != reach[0] or span[2] > reach[2]:
+            reach = span
+    return None
+
+
 def _view(tensor: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:
     return (
         tensor.reshape(1)[start : start + length]
@@ -128,6 +153,9 @@ def pack_into(sources: Sequence[torch.Tensor], slices: torch.Tensor, out: torch.
     )
     if need > out.numel():
         raise RuntimeError(f"pack_into: slices need {need} bytes, out holds {out.numel()}")
+    pair = _first_overlap([out, *sources])
+    if pair is not None and pair[0] == 0:
+        raise RuntimeError(f"pack_into: out overlaps source {pair[1] - 1} in memory")
     out[:need].copy_(pack(sources, slices))
 
 
@@ -145,13 +173,9 @@ def unpack(
         raise RuntimeError(
             f"unpack: slices cover {sum(sizes)} bytes, the buffer holds {buffer.numel()}"
         )
-    for a in range(len(destinations)):
-        for b in range(a + 1, len(destinations)):
-            if (
-                destinations[a].untyped_storage().data_ptr()
-                == destinations[b].untyped_storage().data_ptr()
-            ):
-                raise RuntimeError(f"unpack: destinations {a} and {b} share storage")
+    pair = _first_overlap(destinations)
+    if pair is not None:
+        raise RuntimeError(f"unpack: destinations {pair[0]} and {pair[1]} overlap in memory")
     for a in range(len(rows)):
         for b in range(a + 1, len(rows)):
             (ta, da, sa, na), (tb, db, sb, nb) = rows[a], rows[b]

@@ -17,7 +17,9 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import shutil
+import time
 import uuid
 import warnings
 from collections.abc import Mapping
@@ -48,6 +50,8 @@ def hf_config(
     rms_norm_eps: float = 1e-5,
     max_positions: int = 4096,
     pad_token_id: int | None = None,
+    bos_token_id: int | None = None,
+    eos_token_id: int | None = None,
 ) -> dict:
     """Hugging Face's ``config.json`` for a model of ``config``. A model with q/k/v biases is a
     Qwen2 there (a Llama's ``attention_bias`` would add one to the output projection too)."""
@@ -74,8 +78,13 @@ def hf_config(
         out.update({"attention_bias": False, "mlp_bias": False})
     if scalar_head:
         out["num_labels"] = 1
-    if pad_token_id is not None:
-        out["pad_token_id"] = pad_token_id
+    for key, value in (
+        ("pad_token_id", pad_token_id),
+        ("bos_token_id", bos_token_id),
+        ("eos_token_id", eos_token_id),
+    ):
+        if value is not None:
+            out[key] = value
     return out
 
 
@@ -95,7 +104,15 @@ def write_hf_folder(
     ``generation_config.json`` (e.g. the end-of-sequence token)."""
     if dtype not in DTYPES:
         raise ExportError(f"dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}")
-    folder = Path(folder)
+    folder = Path(folder).resolve()
+    if folder.is_symlink() or (
+        folder.exists()
+        and not (
+            folder.is_dir() and (read_manifest(folder) is not None or not any(folder.iterdir()))
+        )
+    ):
+        raise ExportError(f"out: {folder} exists and is not an export folder (nothing was changed)")
+    _sweep(folder)
     partial = folder.with_name(f".{folder.name}.partial-{uuid.uuid4().hex[:8]}")
     partial.mkdir(parents=True)
     try:
@@ -130,14 +147,48 @@ def write_hf_folder(
 
 
 def _replace(new: Path, folder: Path) -> None:
-    """``new`` becomes ``folder``; an old folder there is moved aside first, then removed."""
+    """``new`` becomes ``folder``; an old folder there is moved aside first (and put back if the
+    second rename fails), then removed. Readers that find no folder for that moment see no
+    artifact, never a mixed one; one that opened a file of the old folder reads it whole."""
     old = None
     if folder.exists():
         old = folder.with_name(f".{folder.name}.old-{uuid.uuid4().hex[:8]}")
         folder.rename(old)
-    new.rename(folder)
+    try:
+        new.rename(folder)
+    except BaseException:
+        if old is not None:
+            old.rename(folder)
+        raise
+    _fsync_dir(folder.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+STALE_S = 3600.0
+"""A writer's leftovers (``.<name>.partial-*``, ``.<name>.old-*``) older than this are from one
+that died (a killed driver, a full disk): the next write of that folder removes them."""
+
+
+def _sweep(folder: Path) -> None:
+    if not folder.parent.is_dir():
+        return
+    now = time.time()
+    for pattern in (f".{folder.name}.partial-*", f".{folder.name}.old-*"):
+        for leftover in folder.parent.glob(pattern):
+            try:
+                if now - leftover.stat().st_mtime > STALE_S:
+                    shutil.rmtree(leftover, ignore_errors=True)
+            except OSError:
+                continue
 
 
 def _sha256(path: Path) -> str:
@@ -156,11 +207,29 @@ def read_manifest(folder: str | Path) -> dict | None:
     except (OSError, ValueError):
         return None
     files = manifest.get("files") if isinstance(manifest, dict) else None
-    if not isinstance(files, list) or not all(
-        isinstance(f, dict) and {"name", "bytes", "sha256"} <= set(f) for f in files
-    ):
+    if not isinstance(files, list) or not all(_good_entry(f) for f in files):
         return None
     return manifest
+
+
+FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
+SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def _good_entry(entry) -> bool:
+    """A manifest's file: a plain name in its folder (no path, no ``..``), a size, a SHA-256."""
+    return (
+        isinstance(entry, dict)
+        and isinstance(entry.get("name"), str)
+        and FILE_NAME.fullmatch(entry["name"]) is not None
+        and ".." not in entry["name"]
+        and entry["name"] != MANIFEST
+        and isinstance(entry.get("bytes"), int)
+        and not isinstance(entry["bytes"], bool)
+        and entry["bytes"] >= 0
+        and isinstance(entry.get("sha256"), str)
+        and SHA256.fullmatch(entry["sha256"]) is not None
+    )
 
 
 def artifacts(export_root: str | Path) -> dict[str, dict]:
@@ -170,7 +239,7 @@ def artifacts(export_root: str | Path) -> dict[str, dict]:
         return {}
     out = {}
     for folder in sorted(root.iterdir()):
-        if folder.is_dir() and not folder.name.startswith("."):
+        if folder.is_dir() and not folder.is_symlink() and not folder.name.startswith("."):
             manifest = read_manifest(folder)
             if manifest is not None:
                 out[folder.name] = manifest
@@ -210,16 +279,16 @@ def export_checkpoint(
     step: int | None = None,
     dtype: str = "bfloat16",
     generation: Mapping | None = None,
-    pad_token_id: int | None = None,
+    **token_ids: int,
 ) -> Path:
     """Export ``role``'s weights from a committed checkpoint of the job working in ``job_dir``
     (the newest, or the one that resumes at ``step``) to the folder ``out``."""
     if role not in ROLES:
         raise ExportError(f"role: expected one of {', '.join(ROLES)}, got {role!r}")
     root = Path(job_dir) / "checkpoints"
-    committed = sorted(root.glob("step-*/COMMITTED"))
+    committed = sorted(root.glob("step-*/COMMITTED"), key=_checkpoint_step)
     if step is not None:
-        committed = [c for c in committed if c.parent.name == f"step-{step:06d}"]
+        committed = [c for c in committed if _checkpoint_step(c) == step]
     if not committed:
         which = "no committed checkpoint" if step is None else f"no committed checkpoint at {step}"
         raise ExportError(f"checkpoint: {which} in {root}")
@@ -245,12 +314,21 @@ def export_checkpoint(
         dtype=dtype,
         source={
             "role": role,
-            "step": int(chosen.name.removeprefix("step-")),
+            "step": _checkpoint_step(committed[-1]),
             "checkpoint": str(chosen),
         },
         generation=generation,
-        pad_token_id=pad_token_id,
+        **token_ids,
     )
+
+
+def _checkpoint_step(committed: Path) -> int:
+    """The step a checkpoint's ``COMMITTED`` mark resumes at (its folder's number: the names are
+    zero-padded to six digits, so past 999,999 only their numbers sort)."""
+    try:
+        return int(committed.parent.name.removeprefix("step-"))
+    except ValueError:
+        return -1
 
 
 JOB_FILE = "job.json"
@@ -291,7 +369,7 @@ def export_job_checkpoint(
         step=step,
         dtype=dtype,
         generation=info.get("generation"),
-        pad_token_id=info.get("pad_token_id"),
+        **{k: info[k] for k in ("pad_token_id", "bos_token_id", "eos_token_id") if k in info},
     )
 
 

@@ -50,7 +50,7 @@ from runtime.ppo.algorithm import PPOConfig, StepStats
 from runtime.ppo.generate import SamplingParams, left_pad
 from runtime.ppo.model import build_model
 from runtime.ppo.parallel import check_tensor_parallel
-from runtime.ppo.tasks import EOS, PAD, TaskSet, reward_function
+from runtime.ppo.tasks import BOS, EOS, PAD, TaskSet, reward_function
 from runtime.ppo.trainer_local import supervised_warmup
 from runtime.ppo.weights import CheckpointError, read_state_dict
 from runtime.transition.dag import build_order, joining_units
@@ -952,7 +952,9 @@ class PpoRuntime:
     def export_fields(self) -> dict:
         """What a folder of this job's model says beyond its weights (its special tokens)."""
         return {
-            "generation": {"eos_token_id": EOS, "pad_token_id": PAD},
+            "generation": {"bos_token_id": BOS, "eos_token_id": EOS, "pad_token_id": PAD},
+            "bos_token_id": BOS,
+            "eos_token_id": EOS,
             "pad_token_id": PAD,
         }
 

@@ -365,3 +365,60 @@ def test_submit_wait_follows_a_real_job_to_success_and_exits_0(tmp_path, spec_fi
     records = [json.loads(line) for line in again.stdout.splitlines()]
     assert records[-1]["job"]["state"] == "succeeded"
     assert [r["event"]["kind"] for r in records[:-1]].count("step.finished") == 3
+
+
+def test_download_writes_nothing_for_file_names_that_are_paths(tmp_path, monkeypatch, capsys):
+    """A service (broken, or an impostor on plain http) listing '/tmp/x' or '../x' as a file of
+    an artifact must not make the client write there."""
+    import http.server
+    import threading
+
+    from nereus.client_cli import download
+
+    victim = tmp_path / "victim.txt"
+    body = json.dumps(
+        {
+            "results": [
+                {
+                    "name": "actor",
+                    "files": [
+                        {"name": str(victim), "bytes": 1, "sha256": "0" * 64},
+                        {"name": "../escape", "bytes": 1, "sha256": "0" * 64},
+                    ],
+                }
+            ]
+        }
+    ).encode()
+
+    class Impostor(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Impostor)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    for variable in PROXY_VARIABLES:
+        monkeypatch.delenv(variable, raising=False)
+    try:
+        monkeypatch.chdir(tmp_path)
+        code = download(
+            job_id=1,
+            artifact="actor",
+            out=None,
+            as_json=False,
+            url=f"http://127.0.0.1:{server.server_address[1]}",
+            token="t",
+        )
+    finally:
+        server.shutdown()
+    assert code == client.EXIT_UNREACHABLE
+    assert "not plain names" in capsys.readouterr().err
+    assert not victim.exists() and not (tmp_path / "job-1-actor").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

@@ -163,3 +163,49 @@ def test_the_job_page_hides_the_card_until_there_is_a_model(client, project, mem
     client.force_login(member(project, Role.VIEWER, "v"))
     page = client.get(f"/jobs/{job.pk}/").content.decode()
     assert 'id="artifacts" hidden' in page
+
+
+@pytest.mark.django_db
+def test_a_link_in_the_export_is_not_followed(api, project, member, job, exported, tmp_path):
+    """Defence in depth: whoever can write into a job's folder cannot make the web server read
+    elsewhere by a link, even one whose size matches the manifest."""
+    secret = tmp_path / "environ"
+    secret.write_bytes((exported / "config.json").read_bytes()[::-1])  # the same size
+    (exported / "config.json").unlink()
+    (exported / "config.json").symlink_to(secret)
+    client = api(user=member(project, Role.VIEWER, "v"))
+    response = client.get(f"/api/v1/jobs/{job.pk}/artifacts/actor/config.json")
+    assert response.status_code == 404 and "missing or changed" in response.json()["message"]
+    linked = exported.parent / "linked"
+    linked.symlink_to(exported)
+    names = [a["name"] for a in _artifacts(client, job.pk).json()["results"]]
+    assert names == ["actor"]
+
+
+@pytest.mark.django_db  # closing a response sends request_finished, which touches connections
+def test_a_model_file_streams_a_block_at_a_time_under_asgi(tmp_path):
+    """Django's own FileResponse reads a synchronous file whole under ASGI before sending."""
+    import asyncio
+    import warnings
+
+    from webapp.api.jobs import ChunkedFileResponse
+
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(bytes(range(256)) * (3 * 4096 + 1))  # just over 3 MiB
+    handle = path.open("rb")
+    response = ChunkedFileResponse(handle, as_attachment=True, filename=path.name)
+
+    async def first_two():
+        blocks = []
+        async for block in response:
+            blocks.append((len(block), handle.tell()))
+            if len(blocks) == 2:
+                break
+        return blocks
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "must consume synchronous iterators" would be one
+        blocks = asyncio.run(first_two())
+    assert blocks == [(2**20, 2**20), (2**20, 2**21)]
+    response.close()
+    assert handle.closed

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 
+from asgiref.sync import sync_to_async
 from django.http import FileResponse
 from django.urls import reverse
 from drf_spectacular.types import OpenApiTypes
@@ -297,6 +298,18 @@ class JobArtifactsApi(APIView):
         return Response({"results": results})
 
 
+class ChunkedFileResponse(FileResponse):
+    """A file sent a block at a time under ASGI too: Django's ``FileResponse`` there reads a
+    synchronous file whole before its first byte (a model of gigabytes, in the web process)."""
+
+    block_size = 1 << 20
+
+    async def __aiter__(self):
+        read = sync_to_async(self.file_to_stream.read, thread_sensitive=False)
+        while block := await read(self.block_size):
+            yield block
+
+
 class _AnyAccept(BaseContentNegotiation):
     """The file goes out as bytes whatever the client accepts; an error, as JSON."""
 
@@ -320,11 +333,11 @@ class JobArtifactFileApi(APIView):
     def get(self, request, job_id: int, artifact: str, name: str):
         job = _job_or_404(request, job_id)
         try:
-            path, entry = selectors.job_artifact_file(job=job, artifact=artifact, name=name)
+            handle, entry = selectors.job_artifact_file(job=job, artifact=artifact, name=name)
         except selectors.ArtifactError as exc:
             raise NotFound(str(exc)) from None
-        response = FileResponse(
-            path.open("rb"),
+        response = ChunkedFileResponse(
+            handle,
             as_attachment=True,
             filename=entry["name"],
             content_type="application/octet-stream",

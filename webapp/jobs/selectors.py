@@ -6,7 +6,9 @@ is simply not found.
 
 from __future__ import annotations
 
-from pathlib import Path
+import os
+import stat
+from typing import BinaryIO
 
 from django.db.models import QuerySet
 
@@ -53,31 +55,44 @@ def job_events_since(*, job: Job, after_id: int = 0, limit: int = 1000) -> list[
 def job_artifacts(*, job: Job) -> dict[str, dict]:
     """``{name: manifest}`` of the job's complete exports (``runtime.ppo.export``), read from the
     job's directory; an export still being written has no manifest yet and is not listed."""
-    from runtime.ppo.export import artifacts
+    from runtime.ppo.export import artifacts  # torch: only where a model is asked for
     from webapp.jobs.services import job_workdir
 
     return artifacts(job_workdir(job.pk) / "export")
 
 
-def job_artifact_file(*, job: Job, artifact: str, name: str) -> tuple[Path, dict]:
-    """The path and manifest entry of one file of one export: only files its manifest lists, and
-    only while the file on disk has the size the manifest says. ``ArtifactError`` names which."""
+def job_artifact_file(*, job: Job, artifact: str, name: str) -> tuple[BinaryIO, dict]:
+    """One file of one export, opened, with its manifest entry: only a file its manifest lists,
+    only a regular file (not a link), and only while it has the size the manifest says and the
+    manifest did not change while it was being opened (an export replaced then). The caller
+    closes the file. ``ArtifactError`` names what is missing."""
+    from runtime.ppo.export import read_manifest
     from webapp.jobs.services import job_workdir
 
-    manifest = job_artifacts(job=job).get(artifact)
-    if manifest is None:
-        raise ArtifactError("artifact", f"this job has no artifact {artifact!r}")
-    entry = next((f for f in manifest["files"] if f["name"] == name), None)
-    if entry is None:
-        raise ArtifactError("file", f"artifact {artifact!r} has no file {name!r}")
-    path = job_workdir(job.pk) / "export" / artifact / entry["name"]
-    try:
-        size = path.stat().st_size
-    except OSError:
-        size = -1
-    if size != entry["bytes"]:
-        raise ArtifactError("file", f"{name!r} of artifact {artifact!r} is missing or changed")
-    return path, entry
+    folder = job_workdir(job.pk) / "export" / artifact
+    for _ in range(3):
+        manifest = job_artifacts(job=job).get(artifact)
+        if manifest is None:
+            raise ArtifactError("artifact", f"this job has no artifact {artifact!r}")
+        entry = next((f for f in manifest["files"] if f["name"] == name), None)
+        if entry is None:
+            raise ArtifactError("file", f"artifact {artifact!r} has no file {name!r}")
+        try:
+            fd = os.open(folder / entry["name"], os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            fd = None
+        if fd is not None:
+            handle = os.fdopen(fd, "rb")
+            info = os.fstat(fd)
+            if stat.S_ISREG(info.st_mode) and info.st_size == entry["bytes"]:
+                if read_manifest(folder) == manifest:
+                    return handle, entry
+                handle.close()
+                continue  # replaced meanwhile: read the new manifest
+            handle.close()
+        if read_manifest(folder) == manifest:
+            break
+    raise ArtifactError("file", f"{name!r} of artifact {artifact!r} is missing or changed")
 
 
 class ArtifactError(LookupError):

@@ -168,13 +168,44 @@ def test_huge_offsets_and_aliased_destinations_are_refused(impl, device):
     with pytest.raises(RuntimeError, match="outside"):
         impl.checksum(torch.zeros(4, device=device), (4,), (2**63 - 1,))
     shared = torch.zeros(8, device=device)
-    with pytest.raises(RuntimeError, match="share storage"):
+    with pytest.raises(RuntimeError, match="destinations 0 and 1 overlap in memory"):
         impl.unpack(
-            torch.ones(32, dtype=torch.uint8, device=device),
-            [shared[:4], shared[4:]],
-            torch.tensor([[0, 0, 0, 4], [1, 0, 0, 4]]),
+            torch.ones(36, dtype=torch.uint8, device=device),
+            [shared[:5], shared[4:]],
+            torch.tensor([[0, 0, 0, 5], [1, 0, 0, 4]]),
         )
     assert not shared.any()
+    with pytest.raises(RuntimeError, match="checksum: global_shape has more than 2"):
+        impl.checksum(torch.zeros(1, 1, device=device), (2**32, 2**32), (0, 0))
+
+
+@on_every_device
+@pytest.mark.parametrize("impl", [kernels, reference], ids=["dispatch", "reference"])
+def test_views_of_one_buffer_are_destinations_while_their_bytes_are_apart(impl, device):
+    """A transition's new shards are views of one arena: unpack writes them all; only views
+    that share bytes (or an output over a source) are refused."""
+    arena = torch.zeros(12, device=device)
+    views = [arena[:4].view(2, 2), arena[4:6], arena[6:]]
+    buffer = torch.arange(48, dtype=torch.uint8, device=device)
+    rows = torch.tensor([[0, 0, 0, 2], [1, 0, 0, 2], [2, 0, 0, 6]])
+    impl.unpack(buffer, views, rows)
+    assert torch.equal(arena.view(torch.uint8), buffer)
+    empty = [torch.zeros(0, device=device), torch.zeros(0, device=device)]
+    impl.unpack(torch.zeros(0, dtype=torch.uint8, device=device), empty, torch.zeros(0, 4).long())
+    source = torch.arange(16, dtype=torch.uint8, device=device)
+
+    def pack_into(sources, slices, out):
+        if impl is reference:
+            return reference.pack_into(sources, slices, out)
+        return kernels.pack(sources, slices, out=out)
+
+    with pytest.raises(RuntimeError, match="pack_into: out overlaps source 1 in memory"):
+        pack_into(
+            [torch.ones(4, dtype=torch.uint8, device=device), source[:8]],
+            torch.tensor([[0, 0, 0, 4], [1, 0, 0, 8]]),
+            source[4:],
+        )
+    assert torch.equal(source, torch.arange(16, dtype=torch.uint8, device=device))
 
 
 def test_zero_dimensional_tensors_pack_the_same_everywhere():

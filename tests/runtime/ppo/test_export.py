@@ -215,3 +215,81 @@ def test_a_failed_export_at_the_end_of_a_job_is_said_and_changes_nothing_else(tm
         ("job.export_failed", "OSError: [Errno 28] No space left on device"),
         ("job.export_failed", "no actor state held"),
     ]
+
+
+def test_an_export_never_replaces_a_folder_that_is_not_one(tmp_path, monkeypatch):
+    state = build_model(TINY, scalar_head=False, seed=1).state_dict()
+    keep = tmp_path / "thesis"
+    keep.mkdir()
+    (keep / "thesis.tex").write_text("years of work")
+    with pytest.raises(export.ExportError, match=r"out: .* exists and is not an export folder"):
+        export.write_hf_folder(keep, TINY, state)
+    assert (keep / "thesis.tex").read_text() == "years of work"
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(export.ExportError, match="out: "):
+        export.write_hf_folder(tmp_path / "file", TINY, state)
+    # '.' (an empty working directory) is a folder like any other.
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    assert export.write_hf_folder(".", TINY, state) == here
+    assert export.read_manifest(here) is not None
+
+
+def test_a_failed_swap_puts_the_previous_export_back(tmp_path, monkeypatch):
+    folder = export.write_hf_folder(
+        tmp_path / "actor", TINY, build_model(TINY, scalar_head=False, seed=1).state_dict()
+    )
+    before = export.read_manifest(folder)
+    rename = type(folder).rename
+
+    def failing(self, target):
+        if self.name.startswith(".actor.partial-"):
+            raise OSError(116, "Stale file handle")
+        return rename(self, target)
+
+    monkeypatch.setattr(type(folder), "rename", failing)
+    with pytest.raises(OSError, match="Stale file handle"):
+        export.write_hf_folder(
+            folder, TINY, build_model(TINY, scalar_head=False, seed=2).state_dict()
+        )
+    assert export.read_manifest(folder) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["actor"]
+
+
+def test_a_dead_writer_s_leftovers_go_with_the_next_write(tmp_path):
+    import os
+    import time
+
+    dead = tmp_path / ".actor.partial-deadbeef"
+    dead.mkdir()
+    (dead / "model.safetensors").write_bytes(b"\0" * 1000)
+    old = time.time() - 2 * export.STALE_S
+    os.utime(dead, (old, old))
+    live = tmp_path / ".actor.partial-cafecafe"  # another writer, right now
+    live.mkdir()
+    export.write_hf_folder(
+        tmp_path / "actor", TINY, build_model(TINY, scalar_head=False, seed=1).state_dict()
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".actor.partial-cafecafe", "actor"]
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        {"name": "../secret", "bytes": 1, "sha256": "0" * 64},
+        {"name": "a/b", "bytes": 1, "sha256": "0" * 64},
+        {"name": "", "bytes": 1, "sha256": "0" * 64},
+        {"name": "manifest.json", "bytes": 1, "sha256": "0" * 64},
+        {"name": "x..y", "bytes": 1, "sha256": "0" * 64},
+        {"name": "ok.json", "bytes": -1, "sha256": "0" * 64},
+        {"name": "ok.json", "bytes": True, "sha256": "0" * 64},
+        {"name": "ok.json", "bytes": 1, "sha256": "not-hex"},
+    ],
+)
+def test_a_manifest_with_a_bad_file_entry_is_not_one(tmp_path, entry):
+    (tmp_path / "manifest.json").write_text(json.dumps({"files": [entry]}))
+    assert export.read_manifest(tmp_path) is None
+    good = {"name": "model-00001-of-00002.safetensors", "bytes": 1, "sha256": "ab" * 32}
+    (tmp_path / "manifest.json").write_text(json.dumps({"files": [good]}))
+    assert export.read_manifest(tmp_path) is not None
