@@ -286,9 +286,9 @@ def export_checkpoint(
     if role not in ROLES:
         raise ExportError(f"role: expected one of {', '.join(ROLES)}, got {role!r}")
     root = Path(job_dir) / "checkpoints"
-    committed = sorted(root.glob("step-*/COMMITTED"), key=_checkpoint_step)
+    committed = sorted(root.glob("step-*/COMMITTED"), key=checkpoint_step)
     if step is not None:
-        committed = [c for c in committed if _checkpoint_step(c) == step]
+        committed = [c for c in committed if checkpoint_step(c) == step]
     if not committed:
         which = "no committed checkpoint" if step is None else f"no committed checkpoint at {step}"
         raise ExportError(f"checkpoint: {which} in {root}")
@@ -314,7 +314,7 @@ def export_checkpoint(
         dtype=dtype,
         source={
             "role": role,
-            "step": _checkpoint_step(committed[-1]),
+            "step": checkpoint_step(committed[-1]),
             "checkpoint": str(chosen),
         },
         generation=generation,
@@ -322,7 +322,7 @@ def export_checkpoint(
     )
 
 
-def _checkpoint_step(committed: Path) -> int:
+def checkpoint_step(committed: Path) -> int:
     """The step a checkpoint's ``COMMITTED`` mark resumes at (its folder's number: the names are
     zero-padded to six digits, so past 999,999 only their numbers sort)."""
     try:

@@ -900,7 +900,9 @@ class PpoRuntime:
 
     def last_checkpoint(self) -> Checkpoint | None:
         """The newest committed checkpoint, or None."""
-        committed = sorted(self.checkpoint_root.glob("step-*/COMMITTED"))
+        committed = sorted(
+            self.checkpoint_root.glob("step-*/COMMITTED"), key=export.checkpoint_step
+        )
         if not committed:
             return None
         root = committed[-1].parent
