@@ -109,6 +109,10 @@ class ModelConfig:
     num_kv_heads: int
     tie_embeddings: bool = False
     qkv_bias: bool = False
+    rope_theta: float = 10_000.0
+    """Hugging Face's ``config.json`` field (Llama 3 uses 500000.0); the planner never reads it,
+    the model layer and the export do."""
+    rms_norm_eps: float = 1e-5
 
     def __post_init__(self) -> None:
         for field in (
@@ -128,6 +132,10 @@ class ModelConfig:
             raise CatalogError(
                 f"{self.name}.hidden_size: {self.hidden_size} is not divisible by num_heads={self.num_heads}"
             )
+        for field in ("rope_theta", "rms_norm_eps"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                raise CatalogError(f"{self.name}.{field}: must be a positive number, got {value!r}")
         if self.num_heads % self.num_kv_heads:
             raise CatalogError(
                 f"{self.name}.num_kv_heads: {self.num_kv_heads} does not divide num_heads={self.num_heads}"

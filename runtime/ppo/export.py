@@ -46,8 +46,6 @@ def hf_config(
     *,
     scalar_head: bool = False,
     dtype: str = "bfloat16",
-    rope_theta: float = 10_000.0,
-    rms_norm_eps: float = 1e-5,
     max_positions: int = 4096,
     pad_token_id: int | None = None,
     bos_token_id: int | None = None,
@@ -68,8 +66,8 @@ def hf_config(
         "num_key_value_heads": config.num_kv_heads,
         "head_dim": config.head_dim,
         "hidden_act": "silu",
-        "rms_norm_eps": rms_norm_eps,
-        "rope_theta": rope_theta,
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": config.rope_theta,
         "max_position_embeddings": max_positions,
         "tie_word_embeddings": config.tie_embeddings,
         "torch_dtype": dtype,
@@ -233,13 +231,15 @@ def _good_entry(entry) -> bool:
 
 
 def artifacts(export_root: str | Path) -> dict[str, dict]:
-    """``{name: manifest}`` of the complete export folders under ``export_root``."""
+    """``{name: manifest}`` of the complete export folders under ``export_root`` whose names are
+    plain (``nereus export --out $NEREUS_JOBS_DIR/<id>/export/NAME`` adds one)."""
     root = Path(export_root)
     if not root.is_dir():
         return {}
     out = {}
     for folder in sorted(root.iterdir()):
-        if folder.is_dir() and not folder.is_symlink() and not folder.name.startswith("."):
+        plain = FILE_NAME.fullmatch(folder.name) is not None and ".." not in folder.name
+        if plain and folder.is_dir() and not folder.is_symlink():
             manifest = read_manifest(folder)
             if manifest is not None:
                 out[folder.name] = manifest
@@ -378,5 +378,5 @@ def _model_shapes(config: ModelConfig, *, scalar_head: bool) -> dict[str, torch.
 
     cls = LlamaForScore if scalar_head else LlamaForCausalLM
     with torch.device("meta"):
-        model = cls(config, rope_theta=10_000.0, rms_norm_eps=1e-5)
+        model = cls(config, rope_theta=config.rope_theta, rms_norm_eps=config.rms_norm_eps)
     return dict(model.state_dict())

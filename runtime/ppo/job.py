@@ -95,8 +95,11 @@ class PpoJobConfig:
     seed: int = 0
 
     def model_config(self) -> ModelConfig:
+        """The catalog's model, with the RoPE base and RMSNorm epsilon of the ``init_from``
+        folder's ``config.json`` where it has one (a Llama 3 checkpoint's 500000.0)."""
         try:
-            return default_catalog().model(self.model)
+            model = default_catalog().model(self.model)
+            return dataclasses.replace(model, **_numerics_of(self.init_from))
         except ValueError as exc:
             raise PpoConfigError(str(exc)) from None
 
@@ -160,6 +163,36 @@ class PpoJobConfig:
             self.sampling(0)
         except ValueError as exc:
             raise PpoConfigError(str(exc)) from None
+
+
+def _numerics_of(init_from: str) -> dict:
+    """``rope_theta`` and ``rms_norm_eps`` from a Hugging Face folder's ``config.json`` (none for
+    a single weights file). RoPE scaling is refused: this model layer does not implement it, and
+    running without it would silently change every logit."""
+    path = Path(init_from) / "config.json" if init_from else None
+    if path is None or not path.is_file():
+        return {}
+    try:
+        hf = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise PpoConfigError(f"init_from: {path} is not readable JSON ({exc})") from None
+    if not isinstance(hf, dict):
+        raise PpoConfigError(f"init_from: {path} is not a JSON object")
+    if hf.get("rope_scaling"):
+        raise PpoConfigError(
+            f"init_from: {path} asks for rope_scaling {hf['rope_scaling']!r}, which this model "
+            "layer does not implement"
+        )
+    out = {}
+    for key in ("rope_theta", "rms_norm_eps"):
+        if key in hf:
+            value = hf[key]
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                raise PpoConfigError(
+                    f"init_from: {path} {key}: must be a positive number, got {value!r}"
+                )
+            out[key] = float(value)
+    return out
 
 
 def _build_key(unit: Unit) -> tuple:

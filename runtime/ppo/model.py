@@ -310,16 +310,11 @@ def build_model(
     *,
     scalar_head: bool,
     seed: int,
-    rope_theta: float = 10_000.0,
-    rms_norm_eps: float = 1e-5,
     dtype: torch.dtype = torch.float32,
 ) -> LlamaForCausalLM | LlamaForScore:
-    """A seeded model: the LM head for actor/reference, the scalar head for critic/reward.
-
-    ``rope_theta`` and ``rms_norm_eps`` are Hugging Face's ``config.json`` fields of the same names
-    (Llama 3 uses 500000.0); ``ModelConfig`` does not carry them because the planner never needs them.
-    """
+    """A seeded model: the LM head for actor/reference, the scalar head for critic/reward; its
+    RoPE base and RMSNorm epsilon are the configuration's (Hugging Face's fields of those names)."""
     cls = LlamaForScore if scalar_head else LlamaForCausalLM
-    model = cls(config, rope_theta=rope_theta, rms_norm_eps=rms_norm_eps)
+    model = cls(config, rope_theta=config.rope_theta, rms_norm_eps=config.rms_norm_eps)
     model.init_weights(seed)
     return model.to(dtype)

@@ -136,3 +136,21 @@ def test_the_schema_covers_the_v1_api_and_the_bearer_scheme(client):
     assert schema["components"]["securitySchemes"]["bearerAuth"]["scheme"] == "bearer"
     submit = schema["paths"]["/api/v1/jobs/"]["post"]
     assert "Idempotency-Key" in {p["name"] for p in submit["parameters"]}
+
+
+@pytest.mark.django_db
+def test_a_path_under_the_api_that_nothing_serves_is_a_json_404(client, settings):
+    """In the API's one error shape, in debug mode as well; pages keep Django's own 404."""
+    for debug in (False, True):
+        settings.DEBUG = debug
+        for path in ("/api/v1/nope/", "/api/v1/jobs/1/artifacts/a/b/c", "/api/v2/jobs/"):
+            response = client.get(path)
+            assert response.status_code == 404, path
+            assert response.json() == {
+                "code": "not_found",
+                "message": f"no such resource: GET {path}",
+                "fields": {},
+            }
+    settings.DEBUG = False
+    page = client.get("/jobs/nope/")
+    assert page.status_code == 404 and page["Content-Type"].startswith("text/html")

@@ -10,6 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 from django.core.exceptions import ValidationError as DjangoValidationError
+from django.http import JsonResponse
+from django.views import defaults
 from rest_framework import exceptions, status
 from rest_framework.views import exception_handler as drf_exception_handler
 
@@ -77,3 +79,28 @@ def exception_handler(exc: Exception, context: dict):
         body = {"code": str(code), "message": str(detail), "fields": {}}
     response.data = body
     return response
+
+
+def not_found(request, exception=None):
+    """Django's 404 for a path no route matches: the API's one error shape under ``/api/``, the
+    usual page elsewhere."""
+    if request.path.startswith("/api/"):
+        return JsonResponse(
+            {
+                "code": "not_found",
+                "message": f"no such resource: {request.method} {request.path}",
+                "fields": {},
+            },
+            status=status.HTTP_404_NOT_FOUND,
+        )
+    return defaults.page_not_found(request, exception)
+
+
+def server_error(request):
+    """Django's 500 (a bug): the API's error shape under ``/api/``, the usual page elsewhere."""
+    if request.path.startswith("/api/"):
+        return JsonResponse(
+            {"code": "server_error", "message": "internal error; it is logged", "fields": {}},
+            status=status.HTTP_500_INTERNAL_SERVER_ERROR,
+        )
+    return defaults.server_error(request)

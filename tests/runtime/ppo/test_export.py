@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 
 import pytest
 import torch
@@ -26,6 +27,7 @@ CONFIGS = [
     TINY,  # a Llama
     dataclasses.replace(TINY, name="tiny-tied", tie_embeddings=True, num_kv_heads=2),
     dataclasses.replace(TINY, name="tiny-qkv-bias", qkv_bias=True),  # a Qwen2 there
+    dataclasses.replace(TINY, name="tiny-llama3-rope", rope_theta=500_000.0, rms_norm_eps=1e-6),
 ]
 
 
@@ -107,7 +109,9 @@ def test_the_manifest_lists_every_file_and_a_folder_is_replaced_whole(tmp_path):
     (tmp_path / "export" / "critic" / "config.json").write_text("{}")
     (tmp_path / "export" / "broken").mkdir()
     (tmp_path / "export" / "broken" / "manifest.json").write_text('{"files": [{"name": 1}]}')
-    assert list(export.artifacts(tmp_path / "export")) == ["actor"]
+    shutil.copytree(folder, tmp_path / "export" / "a name with spaces")  # not a URL segment
+    shutil.copytree(folder, tmp_path / "export" / "actor-step-4")  # nereus export's, say
+    assert list(export.artifacts(tmp_path / "export")) == ["actor", "actor-step-4"]
 
 
 def test_a_failed_write_leaves_the_previous_export_in_place(tmp_path, monkeypatch):
@@ -293,3 +297,36 @@ def test_a_manifest_with_a_bad_file_entry_is_not_one(tmp_path, entry):
     good = {"name": "model-00001-of-00002.safetensors", "bytes": 1, "sha256": "ab" * 32}
     (tmp_path / "manifest.json").write_text(json.dumps({"files": [good]}))
     assert export.read_manifest(tmp_path) is not None
+
+
+def test_a_job_started_from_a_hugging_face_folder_runs_its_rope_base(tmp_path):
+    """A Llama 3 folder's rope_theta (500000) and rms_norm_eps reach the job's model, which then
+    computes what transformers computes from that folder; RoPE scaling, which the model layer
+    does not implement, is refused rather than silently dropped."""
+    from runtime.ppo.job import PpoConfigError, PpoJobConfig
+
+    llama3 = dataclasses.replace(TINY, rope_theta=500_000.0, rms_norm_eps=1e-6)
+    source = build_model(llama3, scalar_head=False, seed=9)
+    folder = export.write_hf_folder(
+        tmp_path / "llama3", llama3, source.state_dict(), dtype="float32"
+    )
+    config = PpoJobConfig(model="tiny-sft", init_from=str(folder)).model_config()
+    assert (config.rope_theta, config.rms_norm_eps) == (500_000.0, 1e-6)
+    ours = build_model(config, scalar_head=False, seed=0)
+    ours.load_state_dict(read_state_dict(folder))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    tokens = _tokens(TINY)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens), theirs(tokens).logits, rtol=1e-5, atol=1e-5)
+        # The default base gives other logits: the test would see a dropped rope_theta.
+        assert not torch.allclose(
+            build_model(TINY, scalar_head=False, seed=9)(tokens), ours(tokens)
+        )
+    hf = json.loads((folder / "config.json").read_text())
+    for change, message in [
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling"),
+        ({"rope_theta": -1}, "rope_theta: must be a positive number"),
+    ]:
+        (folder / "config.json").write_text(json.dumps({**hf, **change}))
+        with pytest.raises(PpoConfigError, match=f"init_from: .*{message}"):
+            PpoJobConfig(model="tiny-sft", init_from=str(folder)).model_config()
