@@ -125,13 +125,14 @@ inline std::vector<Slice> plan_pack_into(const std::vector<at::Tensor>& tensors,
   std::vector<Slice> plan = plan_slices(tensors, slices, "pack_into");
   TORCH_CHECK(total_bytes(plan) <= out.numel(), "pack_into: slices need ", total_bytes(plan), " bytes, out holds ",
               out.numel());
-  std::vector<Span> spans = spans_of(tensors);
-  for (Span& span : spans) ++span.index;  // out is 0 below, sources from 1
-  std::vector<Span> with_out = spans_of({out});
-  with_out.insert(with_out.end(), spans.begin(), spans.end());
-  const auto pair = first_overlap(with_out);
-  TORCH_CHECK(!pair || pair->first != 0, "pack_into: out overlaps source ", pair ? pair->second - 1 : 0,
-              " in memory");
+  // Sources may share bytes with each other (they are only read), not with out.
+  for (const Span& out_span : spans_of({out})) {
+    for (const Span& source : spans_of(tensors)) {
+      const bool same_device = source.device_type == out_span.device_type && source.device_index == out_span.device_index;
+      TORCH_CHECK(!(same_device && source.begin < out_span.end && out_span.begin < source.end),
+                  "pack_into: out overlaps source ", source.index, " in memory");
+    }
+  }
   return plan;
 }
 

@@ -153,9 +153,10 @@ def pack_into(sources: Sequence[torch.Tensor], slices: torch.Tensor, out: torch.
     )
     if need > out.numel():
         raise RuntimeError(f"pack_into: slices need {need} bytes, out holds {out.numel()}")
-    pair = _first_overlap([out, *sources])
-    if pair is not None and pair[0] == 0:
-        raise RuntimeError(f"pack_into: out overlaps source {pair[1] - 1} in memory")
+    # Sources may share bytes with each other (they are only read), not with out.
+    for index, source in enumerate(sources):
+        if _first_overlap([out, source]) is not None:
+            raise RuntimeError(f"pack_into: out overlaps source {index} in memory")
     out[:need].copy_(pack(sources, slices))
 
 

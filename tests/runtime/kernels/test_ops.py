@@ -205,7 +205,16 @@ def test_views_of_one_buffer_are_destinations_while_their_bytes_are_apart(impl, 
             torch.tensor([[0, 0, 0, 4], [1, 0, 0, 8]]),
             source[4:],
         )
-    assert torch.equal(source, torch.arange(16, dtype=torch.uint8, device=device))
+    # Sources that share bytes with each other are fine (they are only read); that pair must not
+    # hide the one out shares with.
+    wide = torch.arange(32, dtype=torch.uint8, device=device)
+    rows = torch.tensor([[0, 0, 0, 4], [1, 0, 0, 8]])
+    with pytest.raises(RuntimeError, match="pack_into: out overlaps source 1 in memory"):
+        pack_into([wide[:4], wide[:8]], rows, wide[6:])
+    assert torch.equal(wide, torch.arange(32, dtype=torch.uint8, device=device))
+    packed = torch.zeros(12, dtype=torch.uint8, device=device)
+    pack_into([wide[:4], wide[:8]], rows, packed)
+    assert torch.equal(packed, torch.cat([wide[:4], wide[:8]]))
 
 
 def test_zero_dimensional_tensors_pack_the_same_everywhere():
