@@ -240,7 +240,9 @@ def download(
 
 
 def _plain_name(name: Any) -> bool:
-    """A file name of a manifest: letters, digits, '.', '_' and '-', not a path, not '..'."""
+    """A file name of a manifest: letters, digits, '.', '_' and '-', not a path, not '..' (the
+    rule ``runtime.ppo.export.plain_name`` applies when a manifest is read; not imported from
+    there, since this client needs no torch)."""
     return (
         isinstance(name, str)
         and re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}", name) is not None

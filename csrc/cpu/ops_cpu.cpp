@@ -76,22 +76,18 @@ void copy_planned(const std::vector<at::Tensor>& tensors, const std::vector<Slic
   });
 }
 
-void pack_planned(const std::vector<at::Tensor>& tensors, const std::vector<Slice>& plan, at::Tensor& buffer) {
-  copy_planned<true>(tensors, plan, buffer.data_ptr<uint8_t>());
-}
-
 at::Tensor pack_cpu(at::TensorList sources, const at::Tensor& slices) {
   std::vector<at::Tensor> tensors(sources.begin(), sources.end());
   const std::vector<Slice> plan = plan_slices(tensors, slices, "pack");
   at::Tensor buffer = at::empty({total_bytes(plan)}, at::TensorOptions().dtype(at::kByte));
-  pack_planned(tensors, plan, buffer);
+  copy_planned<true>(tensors, plan, buffer.data_ptr<uint8_t>());
   return buffer;
 }
 
 void pack_into_cpu(at::TensorList sources, const at::Tensor& slices, at::Tensor out) {
   std::vector<at::Tensor> tensors(sources.begin(), sources.end());
   const std::vector<Slice> plan = plan_pack_into(tensors, slices, out);
-  pack_planned(tensors, plan, out);
+  copy_planned<true>(tensors, plan, out.data_ptr<uint8_t>());
 }
 
 void unpack_cpu(const at::Tensor& buffer, at::TensorList destinations, const at::Tensor& slices) {

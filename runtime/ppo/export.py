@@ -103,11 +103,8 @@ def write_hf_folder(
     if dtype not in DTYPES:
         raise ExportError(f"dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}")
     folder = Path(folder).resolve()
-    if folder.is_symlink() or (
-        folder.exists()
-        and not (
-            folder.is_dir() and (read_manifest(folder) is not None or not any(folder.iterdir()))
-        )
+    if folder.exists() and not (
+        folder.is_dir() and (read_manifest(folder) is not None or not any(folder.iterdir()))
     ):
         raise ExportError(f"out: {folder} exists and is not an export folder (nothing was changed)")
     _sweep(folder)
@@ -214,13 +211,16 @@ FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
 SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
+def plain_name(name) -> bool:
+    """A name that is one path segment: letters, digits, '.', '_' and '-', no ``..``."""
+    return isinstance(name, str) and FILE_NAME.fullmatch(name) is not None and ".." not in name
+
+
 def _good_entry(entry) -> bool:
-    """A manifest's file: a plain name in its folder (no path, no ``..``), a size, a SHA-256."""
+    """A manifest's file: a plain name in its folder, a size, a SHA-256."""
     return (
         isinstance(entry, dict)
-        and isinstance(entry.get("name"), str)
-        and FILE_NAME.fullmatch(entry["name"]) is not None
-        and ".." not in entry["name"]
+        and plain_name(entry.get("name"))
         and entry["name"] != MANIFEST
         and isinstance(entry.get("bytes"), int)
         and not isinstance(entry["bytes"], bool)
@@ -231,19 +231,22 @@ def _good_entry(entry) -> bool:
 
 
 def artifacts(export_root: str | Path) -> dict[str, dict]:
-    """``{name: manifest}`` of the complete export folders under ``export_root`` whose names are
-    plain (``nereus export --out $NEREUS_JOBS_DIR/<id>/export/NAME`` adds one)."""
+    """``{name: manifest}`` of the complete export folders under ``export_root`` (``nereus export
+    --out $NEREUS_JOBS_DIR/<id>/export/NAME`` adds one)."""
     root = Path(export_root)
     if not root.is_dir():
         return {}
-    out = {}
-    for folder in sorted(root.iterdir()):
-        plain = FILE_NAME.fullmatch(folder.name) is not None and ".." not in folder.name
-        if plain and folder.is_dir() and not folder.is_symlink():
-            manifest = read_manifest(folder)
-            if manifest is not None:
-                out[folder.name] = manifest
-    return out
+    found = ((folder.name, artifact(root, folder.name)) for folder in sorted(root.iterdir()))
+    return {name: manifest for name, manifest in found if manifest is not None}
+
+
+def artifact(export_root: str | Path, name: str) -> dict | None:
+    """The manifest of the export ``name`` under ``export_root``: a folder with a plain name, not
+    a link, holding a manifest; else None."""
+    folder = Path(export_root) / name
+    if not plain_name(name) or folder.is_symlink() or not folder.is_dir():
+        return None
+    return read_manifest(folder)
 
 
 def params_from_checkpoint(unit_dir: str | Path) -> dict[str, torch.Tensor]:

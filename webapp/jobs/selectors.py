@@ -66,33 +66,41 @@ def job_artifact_file(*, job: Job, artifact: str, name: str) -> tuple[BinaryIO, 
     only a regular file (not a link), and only while it has the size the manifest says and the
     manifest did not change while it was being opened (an export replaced then). The caller
     closes the file. ``ArtifactError`` names what is missing."""
+    from runtime.ppo.export import artifact as read_artifact
     from runtime.ppo.export import read_manifest
     from webapp.jobs.services import job_workdir
 
-    folder = job_workdir(job.pk) / "export" / artifact
+    root = job_workdir(job.pk) / "export"
     for _ in range(3):
-        manifest = job_artifacts(job=job).get(artifact)
+        manifest = read_artifact(root, artifact)
         if manifest is None:
             raise ArtifactError("artifact", f"this job has no artifact {artifact!r}")
         entry = next((f for f in manifest["files"] if f["name"] == name), None)
         if entry is None:
             raise ArtifactError("file", f"artifact {artifact!r} has no file {name!r}")
-        try:
-            fd = os.open(folder / entry["name"], os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError:
-            fd = None
-        if fd is not None:
-            handle = os.fdopen(fd, "rb")
-            info = os.fstat(fd)
-            if stat.S_ISREG(info.st_mode) and info.st_size == entry["bytes"]:
-                if read_manifest(folder) == manifest:
-                    return handle, entry
-                handle.close()
-                continue  # replaced meanwhile: read the new manifest
+        handle = _open_regular(root / artifact / entry["name"], entry["bytes"])
+        unchanged = read_manifest(root / artifact) == manifest
+        if handle is not None and unchanged:
+            return handle, entry
+        if handle is not None:
             handle.close()
-        if read_manifest(folder) == manifest:
-            break
+        if unchanged:
+            break  # not replaced meanwhile: the file itself is missing or changed
     raise ArtifactError("file", f"{name!r} of artifact {artifact!r} is missing or changed")
+
+
+def _open_regular(path, size: int) -> BinaryIO | None:
+    """``path`` opened if it is a regular file (not a link) of ``size`` bytes, else None."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    handle = os.fdopen(fd, "rb")
+    info = os.fstat(fd)
+    if stat.S_ISREG(info.st_mode) and info.st_size == size:
+        return handle
+    handle.close()
+    return None
 
 
 class ArtifactError(LookupError):
