@@ -8,8 +8,14 @@ missing service can never hide behind a skip.
 import os
 
 import pytest
+from hypothesis import settings
 
 import runtime.engine  # noqa: F401 - sets Ray's loopback environment before Ray loads
+
+# Hypothesis's per-example deadline is a timing assertion: on a loaded 2-core machine a brute-force
+# oracle can pass 200 ms and fail a correct example. Properties here are about results only.
+settings.register_profile("nereus", deadline=None)
+settings.load_profile("nereus")
 
 
 def _in_ci() -> bool:

@@ -96,6 +96,86 @@ class Accelerator:
         return self.intra_node_latency if link == "intra" else self.inter_node_latency
 
 
+ROPE_SCALING_TYPES = ("llama3",)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class RopeScaling:
+    """Llama 3.1's RoPE frequency scaling (Hugging Face's ``rope_scaling`` with ``rope_type``
+    ``llama3``): wavelengths longer than ``original_max_position_embeddings / low_freq_factor``
+    are stretched ``factor`` times, those shorter than ``... / high_freq_factor`` are kept, and
+    those between are blended. The only kind the model layer implements; others are refused."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+    rope_type: str = "llama3"
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in ROPE_SCALING_TYPES:
+            raise CatalogError(
+                f"rope_scaling.rope_type: {self.rope_type!r} is not implemented; "
+                f"supported: {', '.join(ROPE_SCALING_TYPES)}"
+            )
+        for field in ("factor", "low_freq_factor", "high_freq_factor"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise CatalogError(f"rope_scaling.{field}: must be a number, got {value!r}")
+            if not (math.isfinite(value) and value > 0):
+                raise CatalogError(f"rope_scaling.{field}: must be a positive number, got {value}")
+        if self.factor < 1:
+            raise CatalogError(f"rope_scaling.factor: must be at least 1, got {self.factor}")
+        if not self.low_freq_factor < self.high_freq_factor:
+            raise CatalogError(
+                f"rope_scaling.high_freq_factor: must exceed low_freq_factor="
+                f"{self.low_freq_factor}, got {self.high_freq_factor}"
+            )
+        value = self.original_max_position_embeddings
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise CatalogError(
+                "rope_scaling.original_max_position_embeddings: must be a positive integer, "
+                f"got {value!r}"
+            )
+
+    @classmethod
+    def from_hf(cls, data: Any) -> RopeScaling | None:
+        """Parse Hugging Face's ``rope_scaling`` (``null``, or a mapping whose ``rope_type``, or
+        older ``type``, says which); a bad one raises CatalogError naming the field."""
+        if data is None:
+            return None
+        if not isinstance(data, Mapping):
+            raise CatalogError(f"rope_scaling: must be a mapping or null, got {data!r}")
+        kind = data.get("rope_type", data.get("type"))
+        if kind == "default":
+            return None
+        if kind not in ROPE_SCALING_TYPES:
+            raise CatalogError(
+                f"rope_scaling.rope_type: {kind!r} is not implemented; "
+                f"supported: {', '.join(ROPE_SCALING_TYPES)}"
+            )
+        fields = [f.name for f in dataclasses.fields(cls) if f.name != "rope_type"]
+        missing = [f for f in fields if f not in data]
+        if missing:
+            raise CatalogError(f"rope_scaling.{missing[0]}: required field is missing")
+        return cls(rope_type=kind, **{f: data[f] for f in fields})
+
+    def to_hf(self) -> dict[str, Any]:
+        return {
+            "rope_type": self.rope_type,
+            **{
+                f.name: getattr(self, f.name)
+                for f in dataclasses.fields(self)
+                if f.name != "rope_type"
+            },
+        }
+
+
+LLAMA_3_1_ROPE = RopeScaling(
+    factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
+)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class ModelConfig:
     """A Llama-architecture decoder (grouped-query attention, SwiGLU MLP, RMSNorm)."""
@@ -113,6 +193,8 @@ class ModelConfig:
     """Hugging Face's ``config.json`` field (Llama 3 uses 500000.0); the planner never reads it,
     the model layer and the export do."""
     rms_norm_eps: float = 1e-5
+    rope_scaling: RopeScaling | None = None
+    """Llama 3.1's long-context RoPE scaling where the model has it."""
 
     def __post_init__(self) -> None:
         for field in (
@@ -136,6 +218,12 @@ class ModelConfig:
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
                 raise CatalogError(f"{self.name}.{field}: must be a positive number, got {value!r}")
+        if not isinstance(self.rope_scaling, RopeScaling | None):
+            # Hugging Face's mapping, as a catalog file or a job's JSON record holds it.
+            try:
+                object.__setattr__(self, "rope_scaling", RopeScaling.from_hf(self.rope_scaling))
+            except CatalogError as exc:
+                raise CatalogError(f"{self.name}.{exc}") from None
         if self.num_heads % self.num_kv_heads:
             raise CatalogError(
                 f"{self.name}.num_kv_heads: {self.num_kv_heads} does not divide num_heads={self.num_heads}"
@@ -250,6 +338,8 @@ MODELS: dict[str, ModelConfig] = {
             num_layers=32,
             num_heads=32,
             num_kv_heads=8,
+            rope_theta=500_000.0,
+            rope_scaling=LLAMA_3_1_ROPE,
         ),
         ModelConfig(
             name="llama-3.1-70b",
@@ -259,6 +349,8 @@ MODELS: dict[str, ModelConfig] = {
             num_layers=80,
             num_heads=64,
             num_kv_heads=8,
+            rope_theta=500_000.0,
+            rope_scaling=LLAMA_3_1_ROPE,
         ),
         ModelConfig(
             name="qwen2.5-7b",
@@ -269,6 +361,8 @@ MODELS: dict[str, ModelConfig] = {
             num_heads=28,
             num_kv_heads=4,
             qkv_bias=True,
+            rope_theta=1_000_000.0,
+            rms_norm_eps=1e-6,
         ),
         ModelConfig(
             name="qwen2.5-32b",
@@ -279,6 +373,8 @@ MODELS: dict[str, ModelConfig] = {
             num_heads=40,
             num_kv_heads=8,
             qkv_bias=True,
+            rope_theta=1_000_000.0,
+            rms_norm_eps=1e-6,
         ),
         # The decoder of the CPU demo's SFT job (runtime/jobs/sft.py): 90,432 parameters.
         ModelConfig(

@@ -72,6 +72,8 @@ def hf_config(
         "tie_word_embeddings": config.tie_embeddings,
         "torch_dtype": dtype,
     }
+    if config.rope_scaling is not None:
+        out["rope_scaling"] = config.rope_scaling.to_hf()
     if not config.qkv_bias:
         out.update({"attention_bias": False, "mlp_bias": False})
     if scalar_head:

@@ -39,7 +39,7 @@ from runtime.emu.reshard import plan_copies
 from runtime.engine.interface import StepReport
 from runtime.engine.slots import Pending, SlotError
 from runtime.planner import cost, default_catalog
-from runtime.planner.catalog import ModelConfig
+from runtime.planner.catalog import CatalogError, ModelConfig, RopeScaling
 from runtime.planner.plan import Plan
 from runtime.planner.search import on_ready
 from runtime.planner.shapes import LayoutShape
@@ -166,9 +166,9 @@ class PpoJobConfig:
 
 
 def _numerics_of(init_from: str) -> dict:
-    """``rope_theta`` and ``rms_norm_eps`` from a Hugging Face folder's ``config.json`` (none for
-    a single weights file). RoPE scaling is refused: this model layer does not implement it, and
-    running without it would silently change every logit."""
+    """``rope_theta``, ``rms_norm_eps`` and ``rope_scaling`` from a Hugging Face folder's
+    ``config.json`` (none for a single weights file). A RoPE scaling the model layer does not
+    implement is refused: running without it would silently change every logit."""
     path = Path(init_from) / "config.json" if init_from else None
     if path is None or not path.is_file():
         return {}
@@ -178,11 +178,6 @@ def _numerics_of(init_from: str) -> dict:
         raise PpoConfigError(f"init_from: {path} is not readable JSON ({exc})") from None
     if not isinstance(hf, dict):
         raise PpoConfigError(f"init_from: {path} is not a JSON object")
-    if hf.get("rope_scaling"):
-        raise PpoConfigError(
-            f"init_from: {path} asks for rope_scaling {hf['rope_scaling']!r}, which this model "
-            "layer does not implement"
-        )
     out = {}
     for key in ("rope_theta", "rms_norm_eps"):
         if key in hf:
@@ -192,6 +187,10 @@ def _numerics_of(init_from: str) -> dict:
                     f"init_from: {path} {key}: must be a positive number, got {value!r}"
                 )
             out[key] = float(value)
+    try:
+        out["rope_scaling"] = RopeScaling.from_hf(hf.get("rope_scaling"))
+    except CatalogError as exc:
+        raise PpoConfigError(f"init_from: {path} {exc}") from None
     return out
 
 

@@ -19,11 +19,13 @@ and a query always sees itself so that pad rows never become all-masked (their o
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.planner.catalog import ModelConfig
+from runtime.planner.catalog import ModelConfig, RopeScaling
 
 INIT_STD = 0.02
 """Standard deviation of the normal initialisation (Hugging Face's ``initializer_range``)."""
@@ -79,11 +81,30 @@ class KVCache:
         self.length += num_positions
 
 
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> torch.Tensor:
+    """RoPE's ``head_dim / 2`` angular frequencies, with Llama 3.1's scaling where given: a
+    frequency whose wavelength exceeds ``original / low_freq_factor`` positions is divided by
+    ``factor``, one whose wavelength is under ``original / high_freq_factor`` is kept, and one
+    between moves linearly (in ``original / wavelength``) from the first to the second."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    if scaling is None:
+        return inv_freq
+    # 0 at the long-wavelength edge of the band, 1 at the short one, clamped outside it.
+    cycles = scaling.original_max_position_embeddings * inv_freq / (2 * math.pi)
+    keep = (cycles - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    keep = keep.clamp(0.0, 1.0)
+    return inv_freq * (keep + (1.0 - keep) / scaling.factor)
+
+
 def rotary_cos_sin(
-    positions: torch.Tensor, *, head_dim: int, theta: float
+    positions: torch.Tensor,
+    *,
+    head_dim: int,
+    theta: float,
+    scaling: RopeScaling | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Cosines and sines of RoPE for ``(batch, seq)`` positions, shaped ``(batch, 1, seq, head_dim)``."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    inv_freq = rope_inv_freq(head_dim, theta, scaling)
     freqs = positions.float().unsqueeze(-1) * inv_freq.to(positions.device)
     angles = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)
     return angles.cos(), angles.sin()
@@ -199,6 +220,15 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, eps=rms_norm_eps)
 
+    def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE's cosines and sines at ``positions``, for every layer (and pipeline stage)."""
+        return rotary_cos_sin(
+            positions,
+            head_dim=self.config.head_dim,
+            theta=self.rope_theta,
+            scaling=self.config.rope_scaling,
+        )
+
     def forward(
         self,
         tokens: torch.Tensor,
@@ -223,7 +253,7 @@ class LlamaModel(nn.Module):
                 f"{(batch, past + length)}"
             )
         positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, past:]
-        rotary = rotary_cos_sin(positions, head_dim=self.config.head_dim, theta=self.rope_theta)
+        rotary = self.rotary(positions)
         mask = attention_mask_4d(attention_mask, length)
         x = self.embed_tokens(tokens)
         for layer in self.layers:

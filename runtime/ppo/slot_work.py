@@ -40,7 +40,7 @@ from runtime.emu.reshard import Copy
 from runtime.engine.slots import SlotContext
 from runtime.ppo import algorithm as ppo
 from runtime.ppo.generate import SamplingParams, filter_logits, left_pad
-from runtime.ppo.model import KVCache, attention_mask_4d, build_model, rotary_cos_sin
+from runtime.ppo.model import KVCache, attention_mask_4d, build_model
 from runtime.ppo.parallel import apply_tensor_parallel
 
 ADAM_BETAS = (0.9, 0.999)
@@ -195,7 +195,7 @@ def _layers(ws: Workspace, x: torch.Tensor, mask: torch.Tensor, cache: KVCache |
     length = x.shape[1]
     past = cache.length if cache is not None else 0
     positions = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, past:]
-    rotary = rotary_cos_sin(positions, head_dim=backbone.config.head_dim, theta=backbone.rope_theta)
+    rotary = backbone.rotary(positions)
     mask4 = attention_mask_4d(mask, length)
     for i in ws.layers:
         x = backbone.layers[i](x, rotary=rotary, mask=mask4, cache=cache)

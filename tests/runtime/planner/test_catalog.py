@@ -78,12 +78,34 @@ models:
     num_layers: 22
     num_heads: 32
     num_kv_heads: 4
+    rope_theta: 500000
+    rope_scaling: {rope_type: llama3, factor: 32, low_freq_factor: 1, high_freq_factor: 4,
+                   original_max_position_embeddings: 8192}
 """
     )
     catalog = default_catalog().extended(path)
     assert catalog.accelerator("B200").gpus_per_node == 8
-    assert 1.0e9 < catalog.model("my-1b").num_params() < 1.2e9
+    mine = catalog.model("my-1b")
+    assert 1.0e9 < mine.num_params() < 1.2e9
+    assert (mine.rope_theta, mine.rope_scaling.factor) == (500_000.0, 32)
     assert catalog.model("llama-3.1-8b")  # built-ins stay
+
+
+TINY_ENTRY = {
+    "vocab_size": 10,
+    "hidden_size": 64,
+    "intermediate_size": 1,
+    "num_layers": 2,
+    "num_heads": 4,
+    "num_kv_heads": 1,
+}
+LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8,
+    "low_freq_factor": 1,
+    "high_freq_factor": 4,
+    "original_max_position_embeddings": 8192,
+}
 
 
 @pytest.mark.parametrize(
@@ -109,6 +131,26 @@ models:
         ({"models": {"m": {"colour": "blue"}}}, "models.m.colour: unknown field"),
         ({"accelerators": {"x": {"peak_flops": 1}}}, "accelerators.x.memory_bytes: required"),
         ({"gpus": {}}, "catalog.gpus: unknown section"),
+        (
+            {
+                "models": {
+                    "m": {**TINY_ENTRY, "rope_scaling": {"rope_type": "dynamic", "factor": 2}}
+                }
+            },
+            "models.m.rope_scaling.rope_type: 'dynamic' is not implemented",
+        ),
+        (
+            {"models": {"m": {**TINY_ENTRY, "rope_scaling": {**LLAMA3_SCALING, "factor": -8}}}},
+            "models.m.rope_scaling.factor: must be a positive number",
+        ),
+        (
+            {
+                "models": {
+                    "m": {**TINY_ENTRY, "rope_scaling": {**LLAMA3_SCALING, "high_freq_factor": 1}}
+                }
+            },
+            "models.m.rope_scaling.high_freq_factor: must exceed low_freq_factor",
+        ),
         ([1, 2], "must hold a mapping"),
     ],
 )

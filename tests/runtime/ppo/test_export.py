@@ -15,7 +15,7 @@ import transformers
 from typer.testing import CliRunner
 
 from nereus.cli import app
-from runtime.planner.catalog import ModelConfig, default_catalog
+from runtime.planner.catalog import ModelConfig, RopeScaling, default_catalog
 from runtime.ppo import export
 from runtime.ppo.model import build_model
 from runtime.ppo.weights import read_state_dict
@@ -28,12 +28,25 @@ CONFIGS = [
     dataclasses.replace(TINY, name="tiny-tied", tie_embeddings=True, num_kv_heads=2),
     dataclasses.replace(TINY, name="tiny-qkv-bias", qkv_bias=True),  # a Qwen2 there
     dataclasses.replace(TINY, name="tiny-llama3-rope", rope_theta=500_000.0, rms_norm_eps=1e-6),
+    # Llama 3.1's RoPE scaling, its band moved down to the test's positions so that frequencies
+    # fall in all three of its parts (stretched, blended, kept) and rotate visibly within them.
+    dataclasses.replace(
+        TINY,
+        name="tiny-llama3.1-rope-scaling",
+        rope_theta=500_000.0,
+        rope_scaling=RopeScaling(
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=16,
+        ),
+    ),
 ]
 
 
-def _tokens(config: ModelConfig, seed: int = 0) -> torch.Tensor:
+def _tokens(config: ModelConfig, seed: int = 0, length: int = 13) -> torch.Tensor:
     return torch.randint(
-        4, config.vocab_size, (3, 13), generator=torch.Generator().manual_seed(seed)
+        4, config.vocab_size, (3, length), generator=torch.Generator().manual_seed(seed)
     )
 
 
@@ -54,9 +67,17 @@ def test_transformers_loads_an_exported_actor_and_computes_the_same_logits(tmp_p
     theirs = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     expected = "Qwen2ForCausalLM" if config.qkv_bias else "LlamaForCausalLM"
     assert type(theirs).__name__ == expected
-    tokens = _tokens(config)
+    tokens = _tokens(config, length=40)
     with torch.no_grad():
         torch.testing.assert_close(theirs(tokens).logits, model(tokens), rtol=1e-5, atol=1e-5)
+    if config.rope_scaling is not None:  # the scaling is in the folder and changes the logits
+        assert theirs.config.rope_scaling["rope_type"] == "llama3"
+        unscaled = build_model(
+            dataclasses.replace(config, rope_scaling=None), scalar_head=False, seed=3
+        )
+        _with_random_biases(unscaled)
+        with torch.no_grad():
+            assert not torch.allclose(unscaled(tokens), model(tokens), rtol=1e-3, atol=1e-3)
 
 
 def test_transformers_loads_an_exported_critic_as_a_one_label_sequence_classifier(tmp_path):
@@ -299,23 +320,24 @@ def test_a_manifest_with_a_bad_file_entry_is_not_one(tmp_path, entry):
     assert export.read_manifest(tmp_path) is not None
 
 
-def test_a_job_started_from_a_hugging_face_folder_runs_its_rope_base(tmp_path):
-    """A Llama 3 folder's rope_theta (500000) and rms_norm_eps reach the job's model, which then
-    computes what transformers computes from that folder; RoPE scaling, which the model layer
-    does not implement, is refused rather than silently dropped."""
+def test_a_job_started_from_a_hugging_face_folder_runs_its_rope_numerics(tmp_path):
+    """A Llama 3.1 folder's rope_theta (500000), rms_norm_eps and llama3 RoPE scaling reach the
+    job's model, which then computes what transformers computes from that folder; a RoPE scaling
+    the model layer does not implement is refused rather than silently dropped."""
     from runtime.ppo.job import PpoConfigError, PpoJobConfig
 
-    llama3 = dataclasses.replace(TINY, rope_theta=500_000.0, rms_norm_eps=1e-6)
+    llama3 = dataclasses.replace(CONFIGS[-1], rms_norm_eps=1e-6)
     source = build_model(llama3, scalar_head=False, seed=9)
     folder = export.write_hf_folder(
         tmp_path / "llama3", llama3, source.state_dict(), dtype="float32"
     )
     config = PpoJobConfig(model="tiny-sft", init_from=str(folder)).model_config()
     assert (config.rope_theta, config.rms_norm_eps) == (500_000.0, 1e-6)
+    assert config.rope_scaling == llama3.rope_scaling
     ours = build_model(config, scalar_head=False, seed=0)
     ours.load_state_dict(read_state_dict(folder))
     theirs = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    tokens = _tokens(TINY)
+    tokens = _tokens(TINY, length=40)
     with torch.no_grad():
         torch.testing.assert_close(ours(tokens), theirs(tokens).logits, rtol=1e-5, atol=1e-5)
         # The default base gives other logits: the test would see a dropped rope_theta.
@@ -324,7 +346,9 @@ def test_a_job_started_from_a_hugging_face_folder_runs_its_rope_base(tmp_path):
         )
     hf = json.loads((folder / "config.json").read_text())
     for change, message in [
-        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling"),
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling.low_freq_factor"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling.rope_type: 'yarn'"),
+        ({"rope_scaling": "llama3"}, "rope_scaling: must be a mapping"),
         ({"rope_theta": -1}, "rope_theta: must be a positive number"),
     ]:
         (folder / "config.json").write_text(json.dumps({**hf, **change}))
