@@ -14,7 +14,7 @@ import typer
 
 from runtime.control import Controller, JobPolicy, PolicyError, run_job
 from runtime.engine.sim import SimulatedEngine, TrueModel
-from runtime.engine.traces import SHAPES, TraceError, generate, load
+from runtime.engine.traces import SHAPES, TraceError, generate, load, min_steps
 from runtime.planner import PlanningError, PpoWorkload, default_catalog
 from runtime.planner.catalog import CatalogError
 
@@ -38,6 +38,10 @@ def load_trace(spec: str, *, steps: int | None, gpus: int | None, seed: int, acc
         if shape not in SHAPES:
             raise SimulateError(
                 f"--trace: unknown shape {shape!r}; choose one of {', '.join(SHAPES)}"
+            )
+        if steps is not None and steps < min_steps(shape):
+            raise SimulateError(
+                f"--steps: a {shape} trace needs at least {min_steps(shape)} steps, got {steps}"
             )
         return generate(
             shape,
@@ -78,17 +82,21 @@ def simulate(
             )
         if gpus is not None and gpus < 1:
             raise SimulateError(f"--gpus: must be at least 1, got {gpus}")
+        if steps is not None and steps < 1:
+            raise SimulateError(f"--steps: must be at least 1, got {steps}")
         settings = dict(POLICIES[policy])
         if policy_file:
             try:
                 extra = json.loads(Path(policy_file).read_text())
-            except (OSError, json.JSONDecodeError) as exc:
+            except (OSError, ValueError) as exc:  # ValueError: not JSON, or not UTF-8
                 raise SimulateError(f"--policy-file: cannot read a JSON policy ({exc})") from None
             settings = {**(extra if isinstance(extra, dict) else {"_": extra}), **settings}
         job_policy = JobPolicy.from_json(settings)
         catalog = default_catalog()
         accelerator = catalog.accelerator(gpu)
-        trace = load_trace(trace_spec, steps=steps, gpus=gpus, seed=seed, accelerator=gpu)
+        trace = load_trace(
+            trace_spec, steps=steps, gpus=gpus, seed=seed, accelerator=accelerator.name
+        )
         if trace.accelerator != accelerator.name:
             raise SimulateError(
                 f"--gpu: the trace is for {trace.accelerator}, not {accelerator.name}"

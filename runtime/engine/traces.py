@@ -27,6 +27,12 @@ FORMAT_VERSION = 1
 SHAPES = ("growth", "plateau", "step", "oscillate", "noisy", "shrink")
 
 
+def min_steps(shape: str) -> int:
+    """The fewest steps a generated ``shape`` has room for: its corners are distinct steps
+    ('step' cuts three times, 'plateau' and 'shrink' bend once after a first stretch)."""
+    return 4 if shape in ("plateau", "step", "shrink") else 1
+
+
 class TraceError(ValueError):
     """A malformed trace: the message names the line and the field."""
 
@@ -152,37 +158,62 @@ def parse(lines: list[str], *, source: str = "trace") -> Trace:
             if "at_step" not in record:
                 raise TraceError(f"{where}: field 'at_step': a gen_len point needs it")
             at = _int(record["at_step"], f"{where}: field 'at_step'")
-            gen_len.append((at, _number(record["gen_len"], f"{where}: field 'gen_len'", minimum=1)))
+            value = _number(record["gen_len"], f"{where}: field 'gen_len'", minimum=1)
+            gen_len.append((at, value, number))
             continue
         if "at_s" not in record:
             raise TraceError(f"{where}: field 'at_s': a {kind} record needs it")
         at_s = _number(record["at_s"], f"{where}: field 'at_s'")
         if kind == "gpus":
-            pool.append((at_s, _int(record["gpus"], f"{where}: field 'gpus'", minimum=1)))
-        else:
-            failures.append((at_s, _int(record["fail_slot"], f"{where}: field 'fail_slot'")))
+            pool.append((at_s, _int(record["gpus"], f"{where}: field 'gpus'", minimum=1), number))
+            continue
+        if not at_s > 0:
+            # The job starts at 0 s on the header's pool: a slot lost by then is a smaller pool.
+            raise TraceError(f"{where}: field 'at_s': a failure must come after 0 s, got {at_s}")
+        failures.append((at_s, _int(record["fail_slot"], f"{where}: field 'fail_slot'"), number))
     if not gen_len:
         raise TraceError(f"{source}: field 'gen_len': at least one point is needed")
-    gen_len.sort()
-    if len({s for s, _ in gen_len}) != len(gen_len):
-        raise TraceError(f"{source}: field 'at_step': two gen_len points at the same step")
+    _refuse_repeats(gen_len, source, "at_step", "gen_len points")
+    _refuse_repeats(pool, source, "at_s", "pool sizes")
+    most = max([gpus, *(g for _, g, _ in pool)])
+    for _, slot, number in failures:
+        if slot >= most:
+            raise TraceError(
+                f"{source}:{number}: field 'fail_slot': slot {slot} never exists "
+                f"(the pool holds at most {most} slots, numbered from 0)"
+            )
     return Trace(
         name=str(header["trace"]),
         steps=steps,
         accelerator=header["accelerator"],
         gpus=gpus,
-        gen_len=tuple(gen_len),
-        pool=tuple(sorted(pool)),
-        failures=tuple(sorted(failures)),
+        gen_len=tuple((at, value) for at, value, _ in sorted(gen_len)),
+        pool=tuple((at, value) for at, value, _ in sorted(pool)),
+        failures=tuple((at, value) for at, value, _ in sorted(failures)),
     )
+
+
+def _refuse_repeats(records: list[tuple], source: str, field: str, what: str) -> None:
+    """Two records of one kind at one time would leave which holds to the file's order."""
+    first: dict = {}
+    for at, _, number in records:
+        if at in first:
+            raise TraceError(
+                f"{source}:{number}: field '{field}': lines {first[at]} and {number} give two "
+                f"{what} at {field} {at:g}"
+            )
+        first[at] = number
 
 
 def load(path: str | Path) -> Trace:
     path = Path(path)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise TraceError(f"{path}: cannot read ({exc.strerror})") from None
+    except UnicodeDecodeError as exc:
+        line = path.read_bytes()[: exc.start].count(b"\n") + 1
+        raise TraceError(f"{path}:{line}: not UTF-8 text (byte {exc.start})") from None
     return parse(text.splitlines(), source=str(path))
 
 
@@ -204,6 +235,8 @@ def generate(
     ``hours``), ``grow_to`` a pool that doubles towards that size, ``failures`` slot failures."""
     if shape not in SHAPES:
         raise TraceError(f"shape: expected one of {', '.join(SHAPES)}, got {shape!r}")
+    _int(gpus, "gpus", minimum=1)
+    _int(steps, "steps", minimum=min_steps(shape))
     rng = random.Random(seed)
     points: list[tuple[int, float]]
     if shape == "growth":  # the seed's: 500 -> 8,000 tokens over 1,000 steps, roughly exponential
@@ -220,7 +253,9 @@ def generate(
         levels = sorted(rng.uniform(start_len, end_len) for _ in cuts)
         points, level = [(0, float(start_len))], float(start_len)
         for cut, new in zip(cuts, levels, strict=True):
-            points += [(cut - 1, level), (cut, new)]
+            if cut - 1 > points[-1][0]:  # hold the level up to the jump
+                points.append((cut - 1, level))
+            points.append((cut, new))
             level = new
         points.append((steps, level))
     elif shape == "oscillate":  # length swings up and down (a curriculum, a mixed task set)
@@ -242,7 +277,7 @@ def generate(
         count, unit = gpus, max(1, gpus // 8)
         for t in sorted(rng.uniform(0, hours * 3600) for _ in range(14)):
             delta = unit * rng.choice((1, 2)) * (1 if rng.random() < 0.5 else -1)
-            count = min(2 * gpus, max(gpus // 2, count + delta))
+            count = min(2 * gpus, max(1, gpus // 2, count + delta))
             pool.append((round(t, 1), count))
     if grow_to:
         t, count = 0.0, gpus

@@ -186,9 +186,22 @@ def test_simulate_prints_simulated_figures_and_names_bad_input(tmp_path):
     )
     done = _run(["simulate", "--trace", str(trace)], env)
     assert done.returncode == 2 and f"{trace}:2: field 'gen_len'" in done.stderr
+    trace.write_bytes(b'{"trace": "caf\xe9"}\n')
+    done = _run(["simulate", "--trace", str(trace)], env)
+    assert done.returncode == 2 and f"{trace}:1: not UTF-8 text" in done.stderr
+    done = _run(["simulate", "--trace", "gen:step", "--steps", "3", "--gpu", "H100-SXM"], env)
+    assert done.returncode == 2 and "--steps: a step trace needs at least 4 steps" in done.stderr
     done = _run(["simulate", "--trace", "gen:growth", "--policy", "greedy"], env)
     assert done.returncode == 2 and "--policy: unknown 'greedy'" in done.stderr
     policy = tmp_path / "policy.json"
     policy.write_text('{"gamma": 7000}')
     done = _run(["simulate", "--trace", "gen:growth", "--policy-file", str(policy)], env)
     assert done.returncode == 2 and "policy.gamma: must be a number in (0, 100]" in done.stderr
+    policy.write_bytes(b'{"gamma": "\xff"}')
+    done = _run(["simulate", "--trace", "gen:growth", "--policy-file", str(policy)], env)
+    assert done.returncode == 2 and "--policy-file: cannot read a JSON policy" in done.stderr
+    # An accelerator is named in any case, for a generated trace as for the catalog.
+    done = _run(
+        ["simulate", "--trace", "gen:step", "--steps", "6", "--gpu", "H100-SXM", "--json"], env
+    )
+    assert done.returncode == 0, done.stderr

@@ -49,3 +49,13 @@ def test_a_ppo_job_whose_models_cannot_fit_its_cpu_slots_is_refused_at_submissio
     assert message.startswith("model: llama-3.1-8b does not fit 4 CPU slots in any layout")
     assert "GiB" in message  # the planner's reason: what a slot would need against its budget
     assert PpoJobSpec.from_json({"kind": "ppo", "model": "tiny-sft", "num_slots": 4}).num_slots == 4
+
+
+def test_a_simulated_job_has_room_for_its_trace_shape():
+    """A 'step' trace cuts three times: a 3-step simulated job of that shape is refused up front
+    (it used to fail inside the worker), a 3-step growth job is fine."""
+    from runtime.jobs.spec import spec_from_json
+
+    with pytest.raises(ValueError, match=r"num_steps: expected 4 <= num_steps"):
+        spec_from_json({"kind": "ppo-sim", "trace": "step", "num_steps": 3})
+    assert spec_from_json({"kind": "ppo-sim", "trace": "growth", "num_steps": 3}).num_steps == 3

@@ -2,7 +2,7 @@
 
 import pytest
 
-from runtime.engine.traces import SHAPES, TraceError, generate, load, parse
+from runtime.engine.traces import SHAPES, TraceError, generate, load, min_steps, parse
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -57,6 +57,32 @@ HEADER = '{"trace": "t", "version": 1, "steps": 10, "accelerator": "h100-sxm", "
         ([HEADER, '{"at_step": 0, "gen_len": 5, "gpus": 3}'], r"trace:2: expected exactly one"),
         ([HEADER], r"field 'gen_len': at least one point"),
         ([HEADER, '{"at_step": "x", "gen_len": 5}'], r"trace:2: field 'at_step'"),
+        (
+            [HEADER, '{"at_step": 3, "gen_len": 5}', '{"at_step": 3, "gen_len": 9}'],
+            r"trace:3: field 'at_step': lines 2 and 3 give two gen_len points at at_step 3",
+        ),
+        (
+            [
+                HEADER,
+                '{"at_step": 0, "gen_len": 5}',
+                '{"at_s": 9, "gpus": 24}',
+                '{"at_s": 9, "gpus": 8}',
+            ],
+            r"trace:4: field 'at_s': lines 3 and 4 give two pool sizes at at_s 9",
+        ),
+        (
+            [HEADER, '{"at_step": 0, "gen_len": 5}', '{"at_s": 0, "fail_slot": 1}'],
+            r"trace:3: field 'at_s': a failure must come after 0 s",
+        ),
+        (
+            [
+                HEADER,
+                '{"at_step": 0, "gen_len": 5}',
+                '{"at_s": 9, "gpus": 12}',
+                '{"at_s": 5, "fail_slot": 12}',
+            ],
+            r"trace:4: field 'fail_slot': slot 12 never exists \(the pool holds at most 12",
+        ),
     ],
 )
 def test_malformed_traces_name_the_line_and_field(lines, message):
@@ -69,3 +95,26 @@ def test_an_unknown_shape_or_missing_file_is_refused(tmp_path):
         generate("zigzag")
     with pytest.raises(TraceError, match="cannot read"):
         load(tmp_path / "missing.jsonl")
+
+
+def test_a_file_that_is_not_utf8_names_its_line(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(HEADER.encode() + b'\n{"at_step": 0, "gen_len": 5, "note": "caf\xe9"}\n')
+    with pytest.raises(TraceError, match=r"latin1.jsonl:2: not UTF-8 text"):
+        load(path)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_generated_traces_are_valid_at_their_smallest(shape, tmp_path):
+    """The fewest steps and a one-slot spot pool still make a trace that reads back (a spot pool
+    of one slot once shrank to none; short shapes once repeated a corner step)."""
+    for seed in range(5):
+        trace = generate(shape, seed=seed, steps=min_steps(shape), gpus=1, spot=True, failures=1)
+        assert min(g for _, g in trace.pool) >= 1
+        trace.save(tmp_path / "t.jsonl")
+        assert load(tmp_path / "t.jsonl") == trace
+    if min_steps(shape) > 1:
+        with pytest.raises(
+            TraceError, match=f"steps: must be an integer of at least {min_steps(shape)}"
+        ):
+            generate(shape, steps=min_steps(shape) - 1)
