@@ -119,6 +119,19 @@ def _exit_code_for(status: int) -> int:
     return EXIT_USAGE
 
 
+def loads_strict(text: str) -> Any:
+    """JSON as the service reads it: NaN and Infinity are not numbers there, and nesting too
+    deep for the decoder is malformed; either raises ValueError."""
+
+    def refuse(constant: str):
+        raise ValueError(f"{constant} is not a JSON number")
+
+    try:
+        return json.loads(text, parse_constant=refuse)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+
+
 def _printable_ascii(value: str) -> bool:
     return value.isascii() and value.isprintable()
 
@@ -138,7 +151,11 @@ class ClientConfig:
     def resolve(cls, *, url: str | None, token: str | None) -> ClientConfig:
         """From ``--url``/``--token`` when given, else ``NEREUS_URL``/``NEREUS_TOKEN``."""
         url = (url or os.environ.get(URL_VARIABLE) or DEFAULT_URL).strip().rstrip("/")
-        parts = urllib.parse.urlsplit(url)
+        try:
+            parts = urllib.parse.urlsplit(url)
+            parts.port  # noqa: B018 - parsed on access: a port out of range raises here
+        except ValueError as exc:
+            raise usage_error(f"{URL_VARIABLE} (or --url)", f"{exc}: {url!r}") from None
         if parts.scheme not in ("http", "https") or not parts.netloc:
             raise usage_error(
                 f"{URL_VARIABLE} (or --url)", f"expected http(s)://host[:port], got {url!r}"

@@ -32,6 +32,7 @@ from nereus.client import (
     ApiError,
     Client,
     ClientConfig,
+    loads_strict,
     usage_error,
 )
 
@@ -60,7 +61,7 @@ def _read_spec(path: str) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError) as exc:
         raise usage_error("--spec", f"cannot read {path}: {exc}") from None
     try:
-        spec = json.loads(text)
+        spec = loads_strict(text)
     except ValueError as exc:
         raise usage_error("--spec", f"{path}: not valid JSON: {exc}") from None
     if not isinstance(spec, dict):

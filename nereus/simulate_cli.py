@@ -12,6 +12,7 @@ from pathlib import Path
 
 import typer
 
+from nereus.client import loads_strict
 from runtime.control import Controller, JobPolicy, PolicyError, run_job
 from runtime.engine.sim import SimulatedEngine, TrueModel
 from runtime.engine.traces import SHAPES, TraceError, generate, load, min_steps
@@ -84,13 +85,20 @@ def simulate(
             raise SimulateError(f"--gpus: must be at least 1, got {gpus}")
         if steps is not None and steps < 1:
             raise SimulateError(f"--steps: must be at least 1, got {steps}")
+        if events_file and not Path(events_file).resolve().parent.is_dir():
+            raise SimulateError(f"--events: no folder to write {events_file!r} in")
         settings = dict(POLICIES[policy])
         if policy_file:
             try:
-                extra = json.loads(Path(policy_file).read_text())
+                extra = loads_strict(Path(policy_file).read_text(encoding="utf-8"))
             except (OSError, ValueError) as exc:  # ValueError: not JSON, or not UTF-8
                 raise SimulateError(f"--policy-file: cannot read a JSON policy ({exc})") from None
-            settings = {**(extra if isinstance(extra, dict) else {"_": extra}), **settings}
+            if not isinstance(extra, dict):
+                raise SimulateError(
+                    f"--policy-file: expected a JSON object of policy fields, got "
+                    f"{type(extra).__name__}"
+                )
+            settings = {**extra, **settings}
         job_policy = JobPolicy.from_json(settings)
         catalog = default_catalog()
         accelerator = catalog.accelerator(gpu)
@@ -109,7 +117,11 @@ def simulate(
         typer.echo(f"nereus simulate: {exc}", err=True)
         return 2
     if events_file:
-        Path(events_file).write_text("\n".join(json.dumps(e) for e in controller.events) + "\n")
+        try:
+            Path(events_file).write_text("\n".join(json.dumps(e) for e in controller.events) + "\n")
+        except OSError as exc:
+            typer.echo(f"nereus simulate: --events: cannot write {events_file}: {exc}", err=True)
+            return 2
     transitions = [e for e in controller.events if e["event"] == "control.transition"]
     built_ahead = sum(e["dag"]["built_ahead"] > 0 for e in transitions)
     joined = sum(bool(e["dag"]["joining"]) for e in transitions)

@@ -202,7 +202,7 @@ REST_FRAMEWORK = {
         "rest_framework.authentication.SessionAuthentication",
     ],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
-    "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
+    "DEFAULT_PARSER_CLASSES": ["webapp.api.parsers.JSONParser"],
     "EXCEPTION_HANDLER": "webapp.api.exceptions.exception_handler",
 }
 SPECTACULAR_SETTINGS = {

@@ -86,6 +86,10 @@ class JobPolicy:
                 f"policy.memory_runway: expected one of {', '.join(RUNWAYS)}, "
                 f"got {self.memory_runway!r}"
             )
+        if not isinstance(self.fixed_layouts, bool):
+            raise PolicyError(
+                f"policy.fixed_layouts: must be true or false, got {self.fixed_layouts!r}"
+            )
         if (
             isinstance(self.lookahead_steps, bool)
             or not isinstance(self.lookahead_steps, int)
@@ -117,4 +121,8 @@ class JobPolicy:
 
 
 def _number(value: Any) -> bool:
-    return not isinstance(value, bool) and isinstance(value, int | float) and math.isfinite(value)
+    """A JSON number: any integer (math.isfinite overflows on one past a float's range) or a
+    finite float; booleans are not numbers here."""
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, int) or (isinstance(value, float) and math.isfinite(value))

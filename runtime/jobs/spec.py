@@ -48,6 +48,7 @@ class SftJobSpec:
             )
         if not 0 < self.lr < 1:
             raise ValueError(f"lr: expected 0 < lr < 1, got {self.lr}")
+        _require_range("seed", self.seed, 0, 2**31 - 1)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -96,6 +97,7 @@ class PpoSimJobSpec:
             raise ValueError(f"trace: expected one of {', '.join(SHAPES)}, got {self.trace!r}")
         _require_range("gpus", self.gpus, 1, 4096)
         _require_range("num_steps", self.num_steps, min_steps(self.trace), 100_000)
+        _require_range("seed", self.seed, 0, 2**31 - 1)
         if not 0 <= self.pace_s <= 60:
             raise ValueError(f"pace_s: expected 0 <= pace_s <= 60, got {self.pace_s}")
         if not 0 < self.trace_hours <= 1000:
@@ -103,6 +105,7 @@ class PpoSimJobSpec:
                 f"trace_hours: expected 0 < trace_hours <= 1000, got {self.trace_hours}"
             )
         _check_policy(self.policy)
+        _check_sim_fits(self)
 
     def to_json(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "policy": dict(self.policy)}
@@ -215,7 +218,12 @@ def _typed_fields(cls, data: Mapping[str, Any]) -> dict[str, Any]:
     for name, value in data.items():
         expected = types[fields[name].type]
         if expected is float and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
+            try:
+                value = float(value)
+            except OverflowError:
+                raise ValueError(
+                    f"{name}: out of range for a number, got an integer that large"
+                ) from None
         if isinstance(value, bool) or not isinstance(value, expected):
             raise ValueError(f"{name}: expected {expected.__name__}, got {value!r}")
         values[name] = value
@@ -232,6 +240,22 @@ def _check_fits(config, num_slots: int) -> None:
     except PlanningError as exc:
         raise ValueError(
             f"model: {config.model} does not fit {num_slots} CPU slots in any layout ({exc})"
+        ) from None
+
+
+def _check_sim_fits(spec: PpoSimJobSpec) -> None:
+    """A simulated job whose model fits its starting pool in no layout is refused at submission
+    (it used to be accepted and then fail at its first plan): the controller's own first plan
+    on the job's simulated cluster decides, as the form's preview does."""
+    from runtime.jobs.sim_job import sim_job_parts
+    from runtime.planner import PlanningError
+
+    engine, controller = sim_job_parts(spec)
+    try:
+        controller.initial_plan(engine)
+    except PlanningError as exc:
+        raise ValueError(
+            f"gpus: no feasible plan for {spec.model} on {spec.gpus} × {spec.gpu} ({exc})"
         ) from None
 
 

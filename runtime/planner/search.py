@@ -156,6 +156,11 @@ def _column(ms: ModelStage, prices: _Prices, excluded: frozenset[tuple[str, int,
     )
 
 
+MAX_SLOTS = 65_536
+"""The largest pool ``plan`` takes: its tables are one column per slot count, so a mistyped
+count of 10^20 would exhaust memory before saying anything."""
+
+
 def fitting(
     shape: LayoutShape,
     num_slots: int,
@@ -372,6 +377,8 @@ def plan(
         num_slots = int(num_slots)
     if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
         raise ValueError(f"gpus: must be a positive whole number of slots, got {num_slots!r}")
+    if num_slots > MAX_SLOTS:
+        raise ValueError(f"gpus: at most {MAX_SLOTS} slots are planned for, got {num_slots}")
     started = time.perf_counter()
     eff = _efficiencies(efficiency)
     prices = _Prices(workload, accelerator, num_slots, eff, fits_at)

@@ -165,6 +165,8 @@ def test_plan_without_a_feasible_layout_names_the_constraint(tmp_path):
     done = _run(["plan", "--model", "llama-3.1-70b", "--gpus", "8"], live.service_env(tmp_path))
     assert done.returncode == 2
     assert "nereus plan: memory: " in done.stderr and "GiB over the" in done.stderr
+    done = _run(["plan", "--gpus", str(10**20)], live.service_env(tmp_path))
+    assert done.returncode == 2 and "gpus: at most 65536 slots" in done.stderr, done.stderr
 
 
 def test_simulate_prints_simulated_figures_and_names_bad_input(tmp_path):
@@ -197,6 +199,13 @@ def test_simulate_prints_simulated_figures_and_names_bad_input(tmp_path):
     policy.write_text('{"gamma": 7000}')
     done = _run(["simulate", "--trace", "gen:growth", "--policy-file", str(policy)], env)
     assert done.returncode == 2 and "policy.gamma: must be a number in (0, 100]" in done.stderr
+    policy.write_text("[1, 2]")
+    done = _run(["simulate", "--trace", "gen:growth", "--policy-file", str(policy)], env)
+    assert done.returncode == 2 and "--policy-file: expected a JSON object" in done.stderr
+    # Refused before simulating: the events file had nowhere to go only after the whole run.
+    events = tmp_path / "missing" / "events.jsonl"
+    done = _run(["simulate", "--trace", "gen:growth", "--events", str(events)], env)
+    assert done.returncode == 2 and "--events: no folder to write" in done.stderr
     policy.write_bytes(b'{"gamma": "\xff"}')
     done = _run(["simulate", "--trace", "gen:growth", "--policy-file", str(policy)], env)
     assert done.returncode == 2 and "--policy-file: cannot read a JSON policy" in done.stderr

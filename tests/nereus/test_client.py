@@ -254,10 +254,26 @@ def test_a_bad_spec_field_is_named_and_exits_2(service, tmp_path):
     as_json = _run(["submit", "--spec", str(bad), "--json"], service.cli_env())
     assert "spec.num_slots" in json.loads(as_json.stdout)["error"]["fields"]
 
-    bad.write_text("{not json")
-    done = _run(["submit", "--spec", str(bad)], service.cli_env())
-    assert done.returncode == client.EXIT_USAGE and "--spec: " in done.stderr
-    _no_traceback(done)
+    for text, message in (
+        ("{not json", "not valid JSON"),
+        ('{"lr": NaN}', "NaN is not a JSON number"),  # the service would refuse it unnamed
+        ("[" * 100_000 + "]" * 100_000, "nested too deeply"),  # was a RecursionError traceback
+    ):
+        bad.write_text(text)
+        done = _run(["submit", "--spec", str(bad)], service.cli_env())
+        assert done.returncode == client.EXIT_USAGE and "--spec: " in done.stderr, done.stderr
+        assert message in done.stderr
+        _no_traceback(done)
+
+
+@pytest.mark.parametrize(
+    "url", ["http://[::1", "http://127.0.0.1:99999", "ftp://example.org", "http://"]
+)
+def test_a_malformed_service_url_names_the_variable(url):
+    with pytest.raises(client.ApiError) as info:
+        client.ClientConfig.resolve(url=url, token="nrs_x")
+    assert info.value.exit_code == client.EXIT_USAGE
+    assert "NEREUS_URL (or --url)" in str(info.value)
 
 
 def test_a_revoked_token_exits_3_and_so_does_a_role_too_low(service, spec_file):

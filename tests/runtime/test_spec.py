@@ -59,3 +59,11 @@ def test_a_simulated_job_has_room_for_its_trace_shape():
     with pytest.raises(ValueError, match=r"num_steps: expected 4 <= num_steps"):
         spec_from_json({"kind": "ppo-sim", "trace": "step", "num_steps": 3})
     assert spec_from_json({"kind": "ppo-sim", "trace": "growth", "num_steps": 3}).num_steps == 3
+
+
+def test_a_simulated_job_that_fits_nowhere_is_refused_at_submission():
+    from runtime.jobs.spec import spec_from_json
+
+    with pytest.raises(ValueError, match=r"^gpus: no feasible plan for llama-3.1-70b on 16 × "):
+        spec_from_json({"kind": "ppo-sim", "gpu": "cpu-slot", "model": "llama-3.1-70b"})
+    assert spec_from_json({"kind": "ppo-sim", "model": "llama-3.1-70b", "gpus": 64}).gpus == 64

@@ -86,6 +86,15 @@ def test_viewers_cannot_submit(api, project, member, token_for):
         ({**BODY, "spec": {"slots": 2}}, "spec.slots"),
         ({**BODY, "spec": {"hidden": 65, "num_heads": 4}}, "spec.hidden"),
         ({**BODY, "spec": {"lr": 2.5}}, "spec.lr"),
+        ({**BODY, "spec": {"lr": 10**400}}, "spec.lr"),  # past a float's range: not a 500
+        ({**BODY, "spec": {"seed": 10**30}}, "spec.seed"),  # past torch's seed: not a worker crash
+        ({**BODY, "spec": {"kind": "ppo-sim", "seed": -1}}, "spec.seed"),
+        ({**BODY, "spec": {"kind": "ppo-sim", "trace_hours": 10**400}}, "spec.trace_hours"),
+        ({**BODY, "spec": {"kind": "ppo-sim", "policy": {"gamma": 10**400}}}, "spec.policy.gamma"),
+        (
+            {**BODY, "spec": {"kind": "ppo-sim", "policy": {"fixed_layouts": "no"}}},
+            "spec.policy.fixed_layouts",  # a non-empty string once turned fixed layouts on
+        ),
         ({**BODY, "spec": [1, 2]}, "spec"),
         ({**BODY, "spec": None}, "spec"),
         ({"project": "ml", "spec": {}}, "name"),
@@ -130,6 +139,13 @@ def test_unreadable_bodies_are_400_or_415_never_500(api, project, member):
     form = client.post(JOBS, {"name": "x"})  # multipart
     assert form.status_code == 415
     assert _fields(client.post(JOBS, BODY | {"project": "ml\x00"}, format="json"))["project"]
+    for body in (
+        "[" * 100_000 + "]" * 100_000,
+        '{"name": "x", "spec": ' + "[" * 100_000 + "]" * 100_000 + "}",
+    ):
+        deep = client.post(JOBS, body, content_type="application/json")
+        assert deep.status_code == 400 and deep.json()["code"] == "parse_error", deep.content
+        assert "nested too deeply" in deep.json()["message"]
     assert not Job.objects.exists()
 
 

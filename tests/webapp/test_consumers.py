@@ -98,6 +98,8 @@ async def test_malformed_messages_get_an_error_frame_and_the_socket_stays_open()
     assert (await ws.connect())[0]
     await ws.send_to(text_data="{not json")
     assert (await ws.receive_json_from(timeout=5))["code"] == "bad_json"
+    await ws.send_to(text_data="[" * 100_000 + "]" * 100_000)  # the decoder's RecursionError
+    assert (await ws.receive_json_from(timeout=5))["code"] == "bad_json"
     await ws.send_json_to({"type": "dance"})
     assert (await ws.receive_json_from(timeout=5))["message"] == "type: expected 'resume'"
     await ws.send_json_to({"type": "resume", "after": "yesterday"})

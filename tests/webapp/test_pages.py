@@ -426,6 +426,7 @@ def test_a_viewer_or_operator_cannot_approve_through_the_page(client, waiting, v
     [
         ({"decision": "approve", "comment": "   "}, "comment"),
         ({"decision": "maybe", "comment": "hmm"}, "decision"),
+        ({"decision": "reject", "comment": "a\x00b"}, "comment"),  # PostgreSQL's text refuses NUL
     ],
 )
 def test_deciding_without_a_comment_or_decision_is_a_field_error(

@@ -17,13 +17,13 @@ from drf_spectacular.utils import OpenApiParameter, extend_schema, inline_serial
 from rest_framework import serializers, status
 from rest_framework.exceptions import NotFound
 from rest_framework.negotiation import BaseContentNegotiation
-from rest_framework.parsers import JSONParser
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from runtime.jobs.spec import spec_from_json
 from webapp.api.authentication import request_token
 from webapp.api.pagination import MAX_ID, IdCursorPagination
+from webapp.api.parsers import JSONParser
 from webapp.jobs import selectors, services
 from webapp.jobs.models import Job, JobState
 from webapp.projects import errors as project_errors

@@ -9,11 +9,11 @@ from __future__ import annotations
 from drf_spectacular.utils import extend_schema
 from rest_framework import serializers, status
 from rest_framework.exceptions import PermissionDenied
-from rest_framework.parsers import JSONParser
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from webapp.api.authentication import request_token
+from webapp.api.parsers import JSONParser
 from webapp.projects import selectors, services
 from webapp.projects.models import ApiToken, Role
 

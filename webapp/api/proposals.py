@@ -9,13 +9,13 @@ from __future__ import annotations
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import serializers
-from rest_framework.parsers import JSONParser
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from webapp.api.authentication import request_token
 from webapp.api.jobs import UNKNOWN_FIELD, _project_or_field_error
 from webapp.api.pagination import IdCursorPagination
+from webapp.api.parsers import JSONParser
 from webapp.plans import selectors, services
 from webapp.plans.models import Proposal, ProposalState
 

@@ -7,6 +7,7 @@ dropped, so a client that reconnects misses nothing and sees nothing twice.
 
 from __future__ import annotations
 
+import json
 from urllib.parse import parse_qs
 
 from channels.db import database_sync_to_async
@@ -64,6 +65,13 @@ class JobEventsConsumer(AsyncJsonWebsocketConsumer):
             await self._send_backlog(_parse_after(content.get("after", 0)))
         except ClientError as exc:
             await self._send_error(exc)
+
+    @classmethod
+    async def decode_json(cls, text_data):
+        try:
+            return json.loads(text_data)
+        except RecursionError:  # nested too deeply for the decoder: as malformed as any other
+            raise ValueError("nested too deeply") from None
 
     async def receive(self, text_data=None, bytes_data=None, **kwargs) -> None:
         try:

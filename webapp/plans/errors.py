@@ -8,6 +8,7 @@ SUPERSEDED_EPOCH = (
 JOB_FINISHED = "proposal {proposal_id}: its job has finished ({state})"
 SELF_APPROVAL = "you proposed this change; another approver must approve it"
 COMMENT_REQUIRED = "a comment is required: say why"
+COMMENT_NUL = "must not contain NUL characters"
 BAD_DECISION = "expected 'approve' or 'reject', got {decision!r}"
 BAD_EVENT = "event.{field}: {problem}"
 

@@ -333,6 +333,8 @@ def proposal_decide(
     comment = comment.strip() if isinstance(comment, str) else ""
     if not comment:
         raise ValidationError({"comment": [errors.COMMENT_REQUIRED]})
+    if "\x00" in comment:  # PostgreSQL's text cannot hold it (SQLite would store it)
+        raise ValidationError({"comment": [errors.COMMENT_NUL]})
     decided, refusal = _decide(
         user=user,
         job_id=proposal.job_id,
