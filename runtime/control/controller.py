@@ -179,6 +179,8 @@ class Controller:
         self.deferred: Deferred | None = None
         """A candidate refused as too slow to repay, reconsidered while its signal stays calm."""
         self.last_step: int | None = None
+        self.at_step = 0
+        """The step the job is at: the one about to run (``before_step``) or just run."""
         """The run's last step (``run_job`` sets it); a move must repay before then."""
         self.staged: Staged | None = None
         """An admitted transition building its units ahead; it runs after the next step."""
@@ -295,6 +297,7 @@ class Controller:
     def after_step(self, report: StepReport, engine: Engine) -> None:
         """Learn from the step, fire triggers, and act on the most pressing one."""
         assert self.plan is not None
+        self.at_step = report.step
         for op_class, ideal, measured in report.op_times:
             try:
                 self.calibrator.observe(op_class, ideal_s=ideal, measured_s=measured)
@@ -339,6 +342,7 @@ class Controller:
 
     def before_step(self, engine: Engine, step: int) -> None:
         """Slots revoked or failed since the last step: the urgent path, before the plan runs."""
+        self.at_step = step
         if self._off_pool(engine):
             lost = sorted(engine.lost_slots())
             trigger = Trigger(kind="failure", step=step, detail=f"slots {lost} gone")
@@ -1055,7 +1059,9 @@ class Controller:
             self._settling = bool(dag.joining)
             return
         # Replan from the intact units; where none can be made, the urgent path restarts.
-        self.replan(Trigger(kind="failure", detail=outcome.failure), engine)
+        trigger = Trigger(kind="failure", step=self.at_step, detail=outcome.failure)
+        self.emit({"event": "control.trigger", **trigger.to_json()})
+        self.replan(trigger, engine)
 
     def _rebatch(self, candidate: Plan, trigger: Trigger) -> None:
         """Take a plan that differs from the running one only in micro-batches: no state moves
@@ -1183,6 +1189,7 @@ class Controller:
             self.emit({"event": "control.rejected", "proposal": proposal_id})
             return "rejected"
         if _unit_ids(engine) != pending.units_at:
+            engine.drop_ahead()  # built for a move from units that are no longer there
             self.emit({"event": "control.stale", "proposal": proposal_id})
             return "stale"
         workload = self._workload(self._gen_len)
@@ -1193,6 +1200,7 @@ class Controller:
         try:
             dag = self._compile(engine, pending.plan, workload, built_ahead=pending.ahead)
         except TransitionRefusedError as exc:
+            engine.drop_ahead()
             self.emit({"event": "control.stale", "proposal": proposal_id, "reason": str(exc)})
             return "stale"
         self._apply(pending.plan, workload, dag, engine)
@@ -1228,7 +1236,13 @@ class Controller:
             "verdict": None if verdict is None else verdict.to_json(),
             "admit": bool(verdict and verdict.admit),
             "reason": reason,
-            "horizon_steps": self.monitor.horizon_of(trigger.signal),
+            # The H admission weighed (the longest effective horizon of the signals the saving
+            # rests on); where nothing was admitted or refused, the trigger's signal's.
+            "horizon_steps": (
+                verdict.horizon_steps
+                if verdict is not None
+                else self.monitor.horizon_of(trigger.signal)
+            ),
             "gamma": self.policy.gamma,
             "predicted_transition_s": None if dag is None else dag.predicted_s,
             "joining_s": None if dag is None else dag.joining_s,

@@ -477,7 +477,7 @@ def test_an_approved_restart_proposal_restarts(monkeypatch):
     assert controller.restarts == 1 and controller.plan == proposal.plan
 
 
-@pytest.mark.parametrize("ending", ["reject", "expire", "supersede"])
+@pytest.mark.parametrize("ending", ["reject", "expire", "supersede", "stale"])
 def test_a_proposal_rejected_expired_or_superseded_frees_the_units_it_built_ahead(
     monkeypatch, ending
 ):
@@ -500,6 +500,9 @@ def test_a_proposal_rejected_expired_or_superseded_frees_the_units_it_built_ahea
     elif ending == "supersede":  # another change is asked for while it waits
         controller._propose(controller.plan, proposal.verdict, proposal.trigger, engine)
         assert controller.pending.proposal_id != proposal.proposal_id
+    elif ending == "stale":  # approved after the units it would move from changed
+        controller.pending = dataclasses.replace(proposal, units_at=frozenset({"gone"}))
+        assert controller.command("approve", proposal.proposal_id, engine) == "stale"
     else:
         _steps(controller, engine, range(2, 8))  # past its 60 s
         assert "control.expired" in _kinds(controller)
@@ -712,3 +715,70 @@ def test_a_forced_move_changes_only_what_it_must_when_that_is_cheaper():
         assert changed and changed <= {"actor@training", "critic@training"}
     transitions = [e for e in controller.events if e["event"] == "control.transition"]
     assert all(t["ok"] and t["rebuild_s"] == 0 for t in transitions)
+
+
+class _FailsFirstTransition(SimulatedEngine):
+    """Slot 0 dies a moment into the first transition that moves anything."""
+
+    failed = False
+
+    def transition(self, dag):
+        if not self.failed and dag.predicted_s > 0:
+            self.failed = True
+            self.trace = dataclasses.replace(self.trace, failures=((self.clock + 1e-4, 0),))
+        return super().transition(dag)
+
+
+def test_a_failed_transition_replans_at_the_step_the_job_is_at():
+    """The failure trigger carries the step after which the transition ran (it carried 0, so the
+    replan priced moves over the whole run as if it had just begun), and is reported as one."""
+    trace = Trace(
+        name="t",
+        steps=20,
+        accelerator=ACC.name,
+        gpus=16,
+        gen_len=((0, 1024.0),),
+        pool=((100.0, 32),),
+    )
+    engine = _FailsFirstTransition(trace, ACC, truth=TrueModel.draw(3, noise=0.0), seed=1)
+    controller = Controller(WORKLOAD, ACC, JobPolicy())
+    run_job(engine, controller, trace.steps)
+    events = controller.events
+    at = next(i for i, e in enumerate(events) if e["event"] == "control.transition" and not e["ok"])
+    ran = max(e["step"] for e in events[:at] if e["event"] == "step")
+    assert ran > 0
+    trigger = events[at + 1]
+    assert trigger["event"] == "control.trigger" and trigger["kind"] == "failure"
+    assert trigger["step"] == ran
+    decision = next(e for e in events[at:] if e["event"] == "control.decision")
+    assert decision["trigger"]["step"] == ran
+    assert decision["steps_left"] == trace.steps - 1 - ran
+
+
+def test_a_decision_reports_the_horizon_its_verdict_weighed():
+    """A decision event's horizon is the H admission used (a signal calm for longer than its EMA
+    has a longer one, and a saving resting on several signals takes their longest), not the
+    trigger's raw EMA, which it used to report beside a verdict quoting another."""
+    from runtime.control.admission import decide
+    from runtime.control.monitor import Trigger
+
+    engine = _engine()
+    controller = Controller(WORKLOAD, ACC, JobPolicy())
+    controller.initial_plan(engine)
+    controller.monitor.observe(0, {"gen_len": 1024.0}, pool=16)
+    assert controller.monitor.observe(10, {"gen_len": 2000.0}, pool=16)  # a crossing at 10
+    trigger = Trigger(kind="drift", signal="gen_len", value=1400, reference=1024, step=300)
+    raw = controller.monitor.horizon_of("gen_len")
+    assert controller._horizon(("gen_len", "pool"), 300) >= 290 > raw  # calm since step 10
+    verdict = decide(
+        admission="payback",
+        current_s=10.0,
+        candidate_s=9.0,
+        cost_s=30.0,
+        gamma=0.5,
+        urgent=False,
+        horizon_steps=controller._horizon(("gen_len", "pool"), 300),
+    )
+    event = controller._decision(trigger, None, verdict, verdict.reason)
+    assert event["horizon_steps"] == verdict.horizon_steps == event["verdict"]["horizon_steps"]
+    assert controller._decision(trigger, None, None, "no verdict")["horizon_steps"] == raw
