@@ -1,14 +1,27 @@
 """A checksum of a unit's logical state, independent of how it is sharded.
 
-Each element contributes ``mix(global_index * G ^ bits)`` and contributions add modulo 2**64, so
-any partition of a tensor into shards sums to the same value: the per-shard sums of a unit (counting
-a replicated tensor once, from its replica 0) combine into the checksum of the logical tensor, and
-two units in different layouts agree exactly when every element agrees bit for bit. ``mix`` is the
-SplitMix64 finaliser. The sum is computed by the ``nereus::checksum`` kernel (csrc/) when it is
-built, else by its pure-PyTorch reference (runtime/kernels/reference.py).
+Each element of a tensor contributes ``mix(global_index * G ^ bits)`` and contributions add modulo
+2**64 (the ``nereus::checksum`` kernel of csrc/ when it is built, else its pure-PyTorch reference
+in runtime/kernels/reference.py; ``mix`` is the SplitMix64 finaliser), so any partition of a
+tensor into shards sums to the same value. A shard's sum is then multiplied, modulo 2**64, by two
+weights, which keeps it linear (a split still sums to the whole):
+
+- its tensor's key weight, an odd number hashed from the key, so that two tensors of one shape
+  that trade contents (a layer's weights for the next one's, Adam's two moments) change the sum;
+- its replica's weight: the copies of a replicated tensor (RMSNorm weights on every tensor rank)
+  are weighted ``w_0 .. w_{R-1}`` with ``w_r`` odd for ``r >= 1`` and ``w_0 = 1 - sum(w_r)``, so
+  that R equal copies add up to one copy, whatever R the layout has, while a copy that differs
+  moves the sum (by ``w_r`` times its difference, which an odd weight never cancels; replica 0's
+  weight is even where R is even, so there a difference only in its top bits could cancel).
+
+Two units in different layouts therefore agree exactly when every element of every tensor, every
+copy included, agrees bit for bit, barring a 64-bit collision.
 """
 
 from __future__ import annotations
+
+import functools
+import hashlib
 
 import torch
 
@@ -18,13 +31,36 @@ from runtime.emu.layout import ShardSpec
 _MASK64 = (1 << 64) - 1
 
 
+@functools.cache
+def key_weight(key: str) -> int:
+    """An odd 64-bit weight for a tensor key (stable across processes and runs)."""
+    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") | 1
+
+
+def _replica_odd(replica: int) -> int:
+    return key_weight(f"replica:{replica}")
+
+
+@functools.cache
+def replica_weight(replica_id: int, num_replicas: int) -> int:
+    """``w_r``: odd for ``r >= 1``, and ``w_0`` such that all R sum to 1 modulo 2**64."""
+    if not 0 <= replica_id < num_replicas:
+        raise ValueError(f"replica_id: {replica_id} outside [0, {num_replicas})")
+    if replica_id:
+        return _replica_odd(replica_id)
+    return (1 - sum(_replica_odd(r) for r in range(1, num_replicas))) & _MASK64
+
+
 def shard_checksum(shard: ShardSpec, data: torch.Tensor) -> int:
-    """This shard's contribution (0 for a replica other than 0, so replicas count once)."""
+    """This shard's contribution to its unit's checksum."""
     if tuple(data.shape) != shard.local_shape:
         raise ValueError(f"{shard.key}: data shape {tuple(data.shape)} is not {shard.local_shape}")
-    if shard.replica_id != 0 or data.numel() == 0:
+    if data.numel() == 0:
         return 0
-    return kernels.checksum(data, shard.global_shape, shard.global_offset)
+    raw = kernels.checksum(data, shard.global_shape, shard.global_offset)
+    weight = key_weight(shard.key) * replica_weight(shard.replica_id, shard.num_replicas)
+    return (raw * weight) & _MASK64
 
 
 def combine(*checksums: int) -> int:

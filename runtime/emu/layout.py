@@ -66,6 +66,8 @@ class ShardSpec:
     replica_id: int
     """0 for the canonical copy; replicated tensors have one per tensor rank."""
     dtype: str
+    num_replicas: int = 1
+    """How many copies of this slice the unit holds (a replicated tensor's: the tensor ranks)."""
 
     def __post_init__(self) -> None:
         if not (len(self.global_shape) == len(self.global_offset) == len(self.local_shape)):
@@ -77,8 +79,10 @@ class ShardSpec:
                 raise ShardError(
                     f"{self}: dim {dim} slice [{offset}, {offset + local}) outside [0, {size})"
                 )
-        if self.replica_id < 0:
-            raise ShardError(f"{self}: replica_id must not be negative")
+        if not 0 <= self.replica_id < self.num_replicas:
+            raise ShardError(
+                f"{self}: replica_id {self.replica_id} outside [0, {self.num_replicas})"
+            )
 
     def __str__(self) -> str:
         return (
@@ -264,6 +268,7 @@ def shard_of(tensor: TensorSpec, tp_rank: int, tp: int) -> ShardSpec | None:
             local_shape=tensor.global_shape,
             replica_id=tp_rank,
             dtype=tensor.dtype,
+            num_replicas=tp,
         )
     start, stop = chunk_bounds(tensor.global_shape[dim], tp, tp_rank)
     if stop <= start:

@@ -25,6 +25,12 @@ def layout_rule(model: ModelConfig, accelerator: Accelerator, tp: int, pp: int) 
     """Why a model cannot take tensor degree ``tp`` and pipeline degree ``pp``; None if it can."""
     if tp > accelerator.gpus_per_node:
         return f"tp={tp} exceeds the {accelerator.gpus_per_node} GPUs of a node (TP stays inside a node)"
+    return shard_rule(model, tp, pp)
+
+
+def shard_rule(model: ModelConfig, tp: int, pp: int) -> str | None:
+    """Why a model's state cannot be cut ``tp`` by ``pp`` ways (the model layer and the EMU
+    primitives cut only evenly); None if it can. The transition compiler checks a plan by it."""
     if model.num_heads % tp:
         return f"{model.num_heads} attention heads are not divisible by tp={tp}"
     if model.num_kv_heads % tp:

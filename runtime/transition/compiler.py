@@ -33,6 +33,7 @@ from runtime.emu.primitives import BUCKET_BYTES, Destroy, Extend, Merge, Split, 
 from runtime.planner.catalog import Accelerator
 from runtime.planner.memory import memory_budget
 from runtime.planner.plan import Plan
+from runtime.planner.space import shard_rule
 from runtime.planner.workload import PpoWorkload
 from runtime.transition import cost
 from runtime.transition.dag import Node, TransitionDag, primitive_kind
@@ -157,6 +158,9 @@ def _diff(current, target, cluster, workload, efficiency, tag, derived_from, rou
         for unit in broken:  # release what the survivors of a broken unit still hold
             builder.destroy(unit, slots=tuple(s for s in unit.slots if s not in cluster.lost_slots))
         wanted = target.model_stage(ms.name).units
+        intact, surplus = _usable(intact, target_layouts[ms.name], wanted)
+        for unit in surplus:
+            builder.destroy(unit)
         if wanted and not intact:
             raise TransitionRefusedError(
                 f"current.{ms.name}: no intact unit is left; restore it from a checkpoint",
@@ -218,6 +222,36 @@ def _diff(current, target, cluster, workload, efficiency, tag, derived_from, rou
     return dag
 
 
+def _usable(
+    intact: list[Unit], layout: UnitLayout, wanted: tuple[tuple[int, ...], ...]
+) -> tuple[list[Unit], list[Unit]]:
+    """The intact replicas a model-stage's local DAG starts from, and the surplus to destroy.
+
+    A job's units form replicas of one layout on disjoint slots, but a transition that failed
+    part-way leaves what its nodes had made by then: an Extend's copy beside the source it never
+    destroyed (two replicas on one slot), a few replicas Split and the rest not (two layouts).
+    Every one of them is a whole replica, so any subset is a correct start: those already in
+    the target's layout and place, then the most numerous other layout, each kept only if its
+    slots are free of those kept before it."""
+    others: dict[UnitLayout, int] = {}
+    for unit in intact:
+        if unit.layout != layout or unit.slots not in wanted:
+            others[unit.layout] = others.get(unit.layout, 0) + 1
+    source = max(others, key=lambda lay: others[lay], default=None)
+
+    def rank(unit: Unit) -> int:
+        return 0 if unit.layout == layout and unit.slots in wanted else 1
+
+    usable, surplus, taken = [], [], set()
+    for unit in sorted(intact, key=rank):  # stable: the job's own order within each rank
+        if (rank(unit) == 1 and unit.layout != source) or taken.intersection(unit.slots):
+            surplus.append(unit)
+        else:
+            usable.append(unit)
+            taken.update(unit.slots)
+    return usable, surplus
+
+
 # --- validation ------------------------------------------------------------------------------------
 
 
@@ -262,6 +296,10 @@ def _check_plan(
             unit_layout(ms, msp.layout, workload.precision)
         except ShardError as exc:
             raise TransitionRefusedError(f"{name}.{ms.name}.layout: {exc}") from None
+        # Sizes a Split cannot cut evenly would fail at that node, after others have moved.
+        reason = shard_rule(ms.model, msp.layout.tp, msp.layout.pp)
+        if reason:
+            raise TransitionRefusedError(f"{name}.{ms.name}.layout: {reason}")
         for unit in msp.units:
             for slot in unit:
                 if not 0 <= slot < cluster.num_slots:

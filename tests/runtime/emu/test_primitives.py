@@ -54,6 +54,33 @@ def test_logical_checksum_is_layout_independent_and_sees_one_bit(tp, pp):
     assert _checksum(UnitLayout(model=MODEL, tp=tp, pp=pp, training=True), full) != base
 
 
+@pytest.mark.parametrize(("tp", "pp"), [(1, 1), (2, 1), (4, 2)])
+def test_the_checksum_sees_tensors_trade_contents_and_every_copy_of_a_replicated_one(tp, pp):
+    """Found by review: the sum once depended only on each element's index and bits, so two
+    tensors of one shape could trade contents (Adam's two moments, one layer's weights for the
+    next one's) unseen, and copies of a replicated tensor past the first were not summed at all."""
+    layout = UnitLayout(model=MODEL, tp=tp, pp=pp, training=True)
+    full = _full_state(UnitLayout(model=MODEL, tp=1, pp=1, training=True))
+    base = _checksum(layout, full)
+    for a, b in [
+        (
+            "model.layers.0.mlp.up_proj.weight::exp_avg",
+            "model.layers.0.mlp.up_proj.weight::exp_avg_sq",
+        ),
+        ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.q_proj.weight"),
+    ]:
+        traded = dict(full, **{a: full[b], b: full[a]})
+        assert _checksum(layout, traded) != base, (a, b)
+    if tp > 1:  # one copy of the final norm, on tensor rank 1, loses one bit
+        total = 0
+        for _, shard in layout.all_shards():
+            data = full[shard.key][tuple(slice(x, y) for x, y in shard.region())].clone()
+            if shard.key == "model.norm.weight" and shard.replica_id == 1:
+                data.view(-1).view(torch.int32)[0] ^= 1 << 30
+            total = combine(total, shard_checksum(shard, data))
+        assert total != base
+
+
 def test_split_assigns_position_wise_peers_and_merge_inverts_it():
     unit = _unit(4, 2, range(8))
     parts = Split(unit=unit, axis="tp", k=2).targets()

@@ -102,6 +102,40 @@ def test_random_transitions_are_acyclic_memory_safe_in_every_order_and_complete(
         assert all(p <= c for p, c in zip(result.peak, dag.capacity, strict=True))
 
 
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(pair=plan_pairs(), data=st.data())
+def test_a_transition_cut_short_at_any_node_replans_from_what_it_left(pair, data):
+    """Found by review: a transition that fails part-way leaves an Extend's copy beside a
+    source it never destroyed (two replicas sharing a slot) or some replicas split and others
+    not; replanning from those units crashed the compiler (an AssertionError or a "replicas to
+    merge share a slot" TransitionError, neither a refusal the controller handles). Whatever
+    prefix of the DAG ran, the units it left compile to any target and reach it."""
+    current, middle, _ = pair
+    num_slots = current.num_slots
+    roomy = Cluster(accelerator=ACC, num_slots=num_slots, capacity_bytes=(1e15,) * num_slots)
+    first = diff(current, middle, roomy, WORKLOAD)
+    order = first.topological_order()
+    ran = order[: data.draw(st.integers(0, len(order)), label="nodes run")]
+    units = {u.unit_id: u for us in units_of(current, WORKLOAD).values() for u in us}
+    for node_id in ran:
+        node = first.nodes[node_id]
+        for gone in node.consumes:
+            units.pop(gone)
+        units.update((u.unit_id, u) for u in node.produces)
+    held = {
+        name: tuple(u for u in units.values() if u.model_stage == name) for name in first.target
+    }
+    target = data.draw(random_plan(num_slots), label="target")
+    again = diff(held, target, roomy, WORKLOAD, tag="t2")
+    _assert_reaches_target(again, target)
+    result = simulate(again)
+    assert result.ok, result.reason
+    # Every unit it started from is either kept as a target unit or destroyed by it.
+    consumed = {c for node in again.nodes.values() for c in node.consumes}
+    final = {u.unit_id for us in again.target.values() for u in us}
+    assert set(units) <= consumed | final
+
+
 @settings(max_examples=60, deadline=None)
 @given(pair=plan_pairs())
 def test_with_room_enough_no_transition_is_refused_and_no_resource_edge_is_added(pair):
@@ -628,3 +662,37 @@ def test_the_same_transition_compiles_the_same_under_any_hash_seed():
     assert len(outputs) == 1
     edges, _ = json.loads(outputs.pop())
     assert any(kind == "resource" for _, _, kind in edges)
+
+
+def test_a_layout_whose_sizes_no_split_can_cut_is_refused_before_anything_moves():
+    """Found by review: a hand-written plan at tp=4 of an MLP 10 wide compiled, and the engine
+    failed at that Split, after the nodes before it had moved state."""
+    from runtime.planner.catalog import ModelConfig
+
+    model = ModelConfig(
+        name="m",
+        vocab_size=16,
+        hidden_size=8,
+        intermediate_size=10,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=4,
+    )
+    workload = PpoWorkload.for_model(model)
+
+    def plan_(actor) -> Plan:
+        layouts = {ms.name: (Layout(dp=1, tp=1, pp=1), ((0,),)) for ms in workload.model_stages()}
+        layouts["actor@training"] = actor
+        return Plan.of_units(accelerator=ACC.name, num_slots=4, layouts=layouts)
+
+    roomy = Cluster(accelerator=ACC, num_slots=4, capacity_bytes=(1e15,) * 4)
+    with pytest.raises(
+        TransitionRefusedError,
+        match=r"current\.actor@training\.layout: intermediate_size=10 is not divisible by tp=4",
+    ):
+        diff(
+            plan_((Layout(dp=1, tp=4, pp=1), ((0, 1, 2, 3),))),
+            plan_((Layout(dp=2, tp=2, pp=1), ((0, 2), (1, 3)))),
+            roomy,
+            workload,
+        )
