@@ -1055,6 +1055,7 @@ class Controller:
         )
         if outcome.ok:
             self.plan = candidate
+            self.monitor.plan_changed()
             self._memory_quiet_until = -1
             self._settling = bool(dag.joining)
             return
@@ -1071,6 +1072,7 @@ class Controller:
         mb = self.workload.micro_batch
         before, after = self.plan.micro_batches(mb), candidate.micro_batches(mb)
         self.plan = candidate
+        self.monitor.plan_changed()
         self.staged = None
         self.rebatches += 1
         self._memory_quiet_until = -1  # a new plan: its own forecasts
@@ -1094,6 +1096,7 @@ class Controller:
         self.restarts += 1
         self.restart_s += seconds
         self.plan = candidate
+        self.monitor.plan_changed()
         self._settling = False  # every unit was placed anew
         self.emit(
             {

@@ -75,6 +75,10 @@ class DriftHorizon:
         self.last_crossing = step
 
 
+PLAN_SIGNALS = ("step_time", "peak_memory")
+"""Signals whose level is the running plan's: a new plan starts them afresh."""
+
+
 class Monitor:
     """Feed it one step's signals at a time; it answers with the triggers they fire."""
 
@@ -120,6 +124,15 @@ class Monitor:
                     )
                 )
         return triggers
+
+    def plan_changed(self) -> None:
+        """Another plan runs from the next step: the signals that measure the plan rather than
+        the world (its step time, its peak memory) take their next value as reference, so that
+        a move to a faster or leaner plan is not read as drift. Efficiency, measured against
+        the running plan's own prediction, keeps its reference: a plan slower than predicted
+        is drift the calibration must see."""
+        for name in PLAN_SIGNALS:
+            self.reference.pop(name, None)
 
     def replanned(self) -> None:
         """A new plan is in place: every signal's reference becomes its latest value."""

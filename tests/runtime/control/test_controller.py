@@ -782,3 +782,20 @@ def test_a_decision_reports_the_horizon_its_verdict_weighed():
     event = controller._decision(trigger, None, verdict, verdict.reason)
     assert event["horizon_steps"] == verdict.horizon_steps == event["verdict"]["horizon_steps"]
     assert controller._decision(trigger, None, None, "no verdict")["horizon_steps"] == raw
+
+
+def test_a_plan_change_is_not_drift():
+    """A move to twice the slots halves the step time: the step after it measures the new plan,
+    not a drifting world, so step time and peak memory take it as their reference instead of
+    firing a drift trigger (they did, which shortened the horizon and prompted further moves).
+    Efficiency, measured against the plan's own prediction, keeps its reference."""
+    engine, controller = _growing(((60.0, 32),))
+    run_job(engine, controller, 20)
+    events = controller.events
+    moved = [i for i, e in enumerate(events) if e["event"] == "control.transition" and e["ok"]]
+    assert moved
+    steps = [e["seconds"] for e in events if e["event"] == "step"]
+    assert min(steps) < 0.7 * max(steps)  # the move changed the step time by more than 30%
+    drift = [e for e in events if e["event"] == "control.trigger" and e["kind"] == "drift"]
+    assert not [e for e in drift if e["signal"] in ("step_time", "peak_memory")], drift
+    assert set(controller.monitor.reference) >= {"gen_len", "efficiency", "step_time"}
