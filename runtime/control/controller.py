@@ -179,9 +179,9 @@ class Controller:
         self.deferred: Deferred | None = None
         """A candidate refused as too slow to repay, reconsidered while its signal stays calm."""
         self.last_step: int | None = None
+        """The run's last step (``run_job`` sets it); a move must repay before then."""
         self.at_step = 0
         """The step the job is at: the one about to run (``before_step``) or just run."""
-        """The run's last step (``run_job`` sets it); a move must repay before then."""
         self.staged: Staged | None = None
         """An admitted transition building its units ahead; it runs after the next step."""
         self._settling = False

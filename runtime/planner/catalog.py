@@ -113,11 +113,7 @@ class RopeScaling:
     rope_type: str = "llama3"
 
     def __post_init__(self) -> None:
-        if self.rope_type not in ROPE_SCALING_TYPES:
-            raise CatalogError(
-                f"rope_scaling.rope_type: {self.rope_type!r} is not implemented; "
-                f"supported: {', '.join(ROPE_SCALING_TYPES)}"
-            )
+        _check_rope_type(self.rope_type)
         for field in ("factor", "low_freq_factor", "high_freq_factor"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int | float):
@@ -149,11 +145,7 @@ class RopeScaling:
         kind = data.get("rope_type", data.get("type"))
         if kind == "default":
             return None
-        if kind not in ROPE_SCALING_TYPES:
-            raise CatalogError(
-                f"rope_scaling.rope_type: {kind!r} is not implemented; "
-                f"supported: {', '.join(ROPE_SCALING_TYPES)}"
-            )
+        _check_rope_type(kind)  # before the fields: another kind has other ones
         fields = [f.name for f in dataclasses.fields(cls) if f.name != "rope_type"]
         missing = [f for f in fields if f not in data]
         if missing:
@@ -161,14 +153,15 @@ class RopeScaling:
         return cls(rope_type=kind, **{f: data[f] for f in fields})
 
     def to_hf(self) -> dict[str, Any]:
-        return {
-            "rope_type": self.rope_type,
-            **{
-                f.name: getattr(self, f.name)
-                for f in dataclasses.fields(self)
-                if f.name != "rope_type"
-            },
-        }
+        return dataclasses.asdict(self)
+
+
+def _check_rope_type(kind: Any) -> None:
+    if kind not in ROPE_SCALING_TYPES:
+        raise CatalogError(
+            f"rope_scaling.rope_type: {kind!r} is not implemented; "
+            f"supported: {', '.join(ROPE_SCALING_TYPES)}"
+        )
 
 
 LLAMA_3_1_ROPE = RopeScaling(

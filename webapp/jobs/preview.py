@@ -95,13 +95,10 @@ def _sft_preview(spec: SftJobSpec) -> dict[str, Any]:
 
 def _ppo_sim_preview(spec: PpoSimJobSpec) -> dict[str, Any]:
     from runtime.jobs.sim_job import sim_job_parts
-    from runtime.planner import PlanningError
 
+    # The spec's own validation made this plan already, refusing a job that fits nowhere.
     engine, controller = sim_job_parts(spec)
-    try:
-        plan = controller.initial_plan(engine)
-    except PlanningError as exc:
-        raise ValueError(f"gpus: no feasible plan: {exc}") from None
+    plan = controller.initial_plan(engine)
     return {
         "kind": "ppo-sim",
         "simulated": True,

@@ -512,11 +512,11 @@ def test_a_proposal_rejected_expired_or_superseded_frees_the_units_it_built_ahea
 # --- building ahead ---------------------------------------------------------------------------------
 
 
-def _growing(pool) -> tuple[SimulatedEngine, Controller]:
+def _growing(pool, engine_class=SimulatedEngine) -> tuple[SimulatedEngine, Controller]:
     trace = Trace(
         name="g", steps=20, accelerator=ACC.name, gpus=16, gen_len=((0, 1024.0),), pool=pool
     )
-    engine = SimulatedEngine(trace, ACC, truth=TrueModel.draw(3, noise=0.0), seed=1)
+    engine = engine_class(trace, ACC, truth=TrueModel.draw(3, noise=0.0), seed=1)
     return engine, Controller(WORKLOAD, ACC, JobPolicy())
 
 
@@ -732,16 +732,8 @@ class _FailsFirstTransition(SimulatedEngine):
 def test_a_failed_transition_replans_at_the_step_the_job_is_at():
     """The failure trigger carries the step after which the transition ran (it carried 0, so the
     replan priced moves over the whole run as if it had just begun), and is reported as one."""
-    trace = Trace(
-        name="t",
-        steps=20,
-        accelerator=ACC.name,
-        gpus=16,
-        gen_len=((0, 1024.0),),
-        pool=((100.0, 32),),
-    )
-    engine = _FailsFirstTransition(trace, ACC, truth=TrueModel.draw(3, noise=0.0), seed=1)
-    controller = Controller(WORKLOAD, ACC, JobPolicy())
+    engine, controller = _growing(((100.0, 32),), _FailsFirstTransition)
+    trace = engine.trace
     run_job(engine, controller, trace.steps)
     events = controller.events
     at = next(i for i, e in enumerate(events) if e["event"] == "control.transition" and not e["ok"])
