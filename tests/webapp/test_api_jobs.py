@@ -149,6 +149,31 @@ def test_unreadable_bodies_are_400_or_415_never_500(api, project, member):
     assert not Job.objects.exists()
 
 
+@pytest.mark.parametrize(
+    ("body", "where"),
+    [
+        ('{"name": "x", "spec": {}, "\\ud800": 1}', "body (a key)"),
+        ('{"name": "x", "spec": {"\\ud800": 1}}', "body.spec (a key)"),
+        (
+            '{"name": "x", "spec": {"kind": "ppo-sim", "policy": {"thresholds": {"\\udc00": 1}}}}',
+            "body.spec.policy.thresholds (a key)",
+        ),
+        ('{"name": "x", "spec": {"tags": ["ok", "\\ud83d"]}}', "body.spec.tags[1]"),
+    ],
+)
+def test_a_lone_surrogate_anywhere_in_the_body_is_a_400_naming_where(
+    api, project, member, body, where
+):
+    """JSON may escape a lone UTF-16 surrogate, which no UTF-8 text can hold: echoing it in an
+    error message (an unknown key) used to fail while rendering, a 500."""
+    response = api(user=member(project, Role.OPERATOR)).post(
+        JOBS, body, content_type="application/json"
+    )
+    assert response.status_code == 400 and response.json()["code"] == "parse_error"
+    assert where in response.json()["message"]
+    assert not Job.objects.exists()
+
+
 # --- idempotency -------------------------------------------------------------------------------
 
 

@@ -72,3 +72,55 @@ async def test_a_revoked_token_is_refused():
     await sync_to_async(project_services.token_revoke)(user=admin, project=ml, token_id=token.pk)
     connected, code = await _socket(job.pk, f"Bearer {secret}".encode()).connect()
     assert not connected and code == CLOSE_UNAUTHENTICATED
+
+
+async def _closed_with(ws) -> int | None:
+    """Frames until the socket closes: the close code, or None if an event got through."""
+    while True:
+        output = await ws.receive_output(timeout=5)
+        if output["type"] == "websocket.close":
+            return output.get("code")
+        if output["type"] == "websocket.send":
+            return None
+
+
+@pytest.mark.parametrize("via", ["live", "resume"])
+@pytest.mark.parametrize("lose_access", ["revoke_token", "remove_member", "deactivate_user"])
+async def test_a_socket_that_loses_access_is_closed_before_the_next_event(lose_access, via):
+    """Access is checked at every read of the log, not only at connect: once the token is revoked,
+    its user removed from the project or deactivated, the next event closes the socket (live or
+    asked for with resume) and its data never reaches the client."""
+    admin, ml, job, token, secret, _ = await _setup()
+    ws = _socket(job.pk, f"Bearer {secret}".encode())
+    connected, _ = await ws.connect()
+    assert connected
+    assert (await ws.receive_json_from(timeout=5))["event"]["kind"] == "step.finished"
+
+    @sync_to_async
+    def lose():
+        if lose_access == "revoke_token":
+            project_services.token_revoke(user=admin, project=ml, token_id=token.pk)
+        elif lose_access == "remove_member":
+            ml.memberships.filter(user=admin).delete()
+        else:
+            type(admin).objects.filter(pk=admin.pk).update(is_active=False)
+        if via == "live":
+            services.job_event_append(job=job, epoch=job.epoch, kind="secret", data={"loss": 0.1})
+
+    await lose()
+    if via == "resume":
+        await ws.send_json_to({"type": "resume", "after": 0})
+    assert await _closed_with(ws) == CLOSE_NOT_FOUND
+
+
+async def test_a_socket_that_keeps_access_streams_on():
+    """The control for the test above: the same steps without losing access deliver the event."""
+    _, _, job, _, secret, _ = await _setup()
+    ws = _socket(job.pk, f"Bearer {secret}".encode())
+    assert (await ws.connect())[0]
+    await ws.receive_json_from(timeout=5)
+    await sync_to_async(services.job_event_append)(
+        job=job, epoch=job.epoch, kind="next", data={"loss": 0.1}
+    )
+    assert (await ws.receive_json_from(timeout=5))["event"]["kind"] == "next"
+    await ws.disconnect()

@@ -3,6 +3,10 @@
 A client connects with ``?after=<last id>`` (or sends ``{"type": "resume", "after": N}``) and first
 receives every stored event after that id, then live ones; ids only increase and duplicates are
 dropped, so a client that reconnects misses nothing and sees nothing twice.
+
+Who may see the job is checked again before every read of the log, not only at connect: a revoked
+token, a deactivated user or a member removed from the project gets the socket closed (4404) at the
+next event instead of streaming on, as the REST API stops answering them at the next request.
 """
 
 from __future__ import annotations
@@ -12,8 +16,10 @@ from urllib.parse import parse_qs
 
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
+from django.contrib.auth import get_user_model
 
 from webapp.jobs import selectors
+from webapp.projects.models import ApiToken
 
 CLOSE_UNAUTHENTICATED = 4401
 CLOSE_NOT_FOUND = 4404
@@ -87,6 +93,9 @@ class JobEventsConsumer(AsyncJsonWebsocketConsumer):
         cursor = after
         while True:
             events = await self._events_since(cursor)
+            if events is None:  # the caller may no longer see this job
+                await self.close(code=CLOSE_NOT_FOUND)
+                return
             for event in events:
                 await self._deliver(event)
             if len(events) < BACKLOG_PAGE:
@@ -107,11 +116,25 @@ class JobEventsConsumer(AsyncJsonWebsocketConsumer):
         return selectors.jobs_visible_to(user, token=token).filter(pk=job_id).first()
 
     @database_sync_to_async
-    def _events_since(self, after: int) -> list[dict]:
+    def _events_since(self, after: int) -> list[dict] | None:
+        """The next page of events, or None when the caller may no longer see the job."""
+        if not self._still_visible():
+            return None
         return [
             e.as_message()
             for e in selectors.job_events_since(job=self.job, after_id=after, limit=BACKLOG_PAGE)
         ]
+
+    def _still_visible(self) -> bool:
+        user, token = self.scope["user"], self.scope.get("token")
+        if not get_user_model().objects.filter(pk=user.pk, is_active=True).exists():
+            return False
+        if (
+            token is not None
+            and not ApiToken.objects.filter(pk=token.pk, revoked_at__isnull=True).exists()
+        ):
+            return False
+        return selectors.jobs_visible_to(user, token=token).filter(pk=self.job.pk).exists()
 
     # --- channel-layer handlers ------------------------------------------------------------
 
