@@ -223,7 +223,7 @@ def _oracle_step_s(workload, acc, truth: TrueModel, num_slots: int, fixed) -> fl
     """True step seconds of the planner's best plan under the true efficiencies that truly fits
     (the budget shrunk until it does, as ``optimum`` does); with ``fixed``, keeping those
     layouts where any fits."""
-    excluded = only_layouts(fixed) if fixed else frozenset()
+    excluded = only_layouts(fixed, workload, acc, num_slots) if fixed else frozenset()
     for scale in [1.0 - 0.025 * i for i in range(17)]:
         sized = dataclasses.replace(acc, memory_bytes=acc.memory_bytes * scale)
         for ban in (excluded, frozenset()) if excluded else (excluded,):

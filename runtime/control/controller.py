@@ -247,13 +247,13 @@ class Controller:
         those (tp, pp) (their data parallelism alone is replanned). Fastest at ``workload``,
         and fitting in memory up to the generated length ``fits_at`` as well."""
         alive = self._alive(engine)
+        acc = self._measured_accelerator()
         excluded = frozenset()
         if self.policy.fixed_layouts and self.fixed:
-            excluded = only_layouts(self.fixed)
+            excluded = only_layouts(self.fixed, workload, acc, len(alive))
         if keep is not None:
-            excluded |= only_layouts(keep)
+            excluded |= only_layouts(keep, workload, acc, len(alive))
         efficiency = self.calibrator.efficiency()
-        acc = self._measured_accelerator()
         fit = self._workload(fits_at) if fits_at > workload.gen_len else None
         try:
             result = plan(
@@ -410,7 +410,8 @@ class Controller:
                     value=ahead,
                     reference=self._gen_len,
                     step=step,
-                    detail=f"{ms.name} needs {need / 2**30:.1f} GiB at gen_len {ahead:.0f}",
+                    detail=f"{ms.name} needs {need * self.memory_factor / 2**30:.1f} GiB "
+                    f"at gen_len {ahead:.0f}",
                 )
         return None
 
@@ -425,11 +426,13 @@ class Controller:
 
     def _needs(self, plan_: Plan, gen_len: float, *, least: bool = False):
         """Each model-stage and the bytes its fullest slot needs at ``gen_len``, by the
-        planner's memory model (before the measured factor); with ``least``, at its smallest
-        micro-batch (what its layout needs at the least)."""
+        planner's memory model on the device as the planner sees it (its memory shrunk by the
+        measured factor: ``_measured_accelerator``); with ``least``, at its smallest micro-batch
+        (what its layout needs at the least)."""
         workload = self._workload(gen_len)
+        acc = self._measured_accelerator()
         for ms in workload.model_stages():
-            shape = LayoutShape.of_plan(ms, workload, self.acc, plan_)
+            shape = LayoutShape.of_plan(ms, workload, acc, plan_)
             if least:
                 shape = dataclasses.replace(shape, micro_batch=batchings(shape)[-1])
             yield ms, float(total_bytes(memory_breakdown(shape, num_slots=plan_.num_slots))[0])
@@ -440,10 +443,11 @@ class Controller:
         return all(self._within(need, headroom) for _, need in self._needs(plan_, gen_len))
 
     def _within(self, need: float, headroom: bool = True) -> bool:
-        """Whether a slot that the planner's model says needs ``need`` bytes fits, by the
-        measured factor: in its planning budget, or (``headroom`` False) on the device."""
-        budget = memory_budget(self.acc.memory_bytes) if headroom else self.acc.memory_bytes
-        return need * self.memory_factor <= budget
+        """Whether a slot needing ``need`` bytes (from ``_needs``) fits the device as the
+        planner sees it: in its planning budget, or (``headroom`` False) at all. The planner's
+        own test, so that a plan it picks is one the controller calls fitting."""
+        capacity = self._measured_accelerator().memory_bytes
+        return need <= (memory_budget(capacity) if headroom else capacity)
 
     def _runway(self, step: int) -> int:
         """Steps a new plan is expected to last: the longer of the generated length's and the
@@ -1208,6 +1212,101 @@ class Controller:
             return "stale"
         self._apply(pending.plan, workload, dag, engine)
         return "applied"
+
+    def override(self, plan_json: Mapping[str, Any], engine: Engine) -> str:
+        """Move to a person's plan (an override another person approved), between steps;
+        returns what happened: ``applied``, ``rebatched`` (only its micro-batches differ),
+        ``unchanged`` (the job runs it already), ``failed: …`` (its transition failed; the
+        controller replanned from what survived) or ``refused: …``.
+
+        The plan is placed on the alive slots: as written when every slot it names is alive,
+        else as a plan made for the alive slots (its slot ``i`` on the ``i``-th alive one, as
+        the planner's plans are). It is refused, with a ``control.override_refused`` event
+        saying why, and the job runs on as it was (a waiting proposal still waits), when it is
+        not a plan, is for another accelerator or models, has other model-stages than the
+        job's, uses more slots than are alive, does not fit a slot's memory budget at the
+        generated length now, or no live transition reaches it. Otherwise it supersedes what
+        the controller had in hand (a waiting proposal, which goes ``control.stale``; a staged
+        or deferred move), is recorded as a ``control.decision`` admitted on the person's word
+        (trigger ``override``), and its transition runs."""
+        assert self.plan is not None
+        trigger = Trigger(kind="override", step=self.at_step, detail="approved by a person")
+
+        def refuse(reason: str) -> str:
+            self.emit({"event": "control.override_refused", "reason": reason, "step": self.at_step})
+            return f"refused: {reason}"
+
+        try:
+            wanted = Plan.from_json(dict(plan_json))
+        except (KeyError, TypeError, ValueError) as exc:
+            return refuse(f"not a plan: {exc}")
+        if wanted.accelerator != self.acc.name:
+            return refuse(f"it is for {wanted.accelerator}; the job runs on {self.acc.name}")
+        models = {role: model.name for role, model in self.workload.models.items()}
+        if wanted.models and dict(wanted.models) != models:
+            return refuse(f"it is for the models {dict(wanted.models)}; the job's are {models}")
+        names = sorted(ms.name for ms in wanted.model_stages)
+        running = sorted(ms.name for ms in self.plan.model_stages)
+        if names != running:
+            return refuse(f"its model-stages {names} are not the job's {running}")
+        alive, pool = self._alive(engine), engine.pool_size()
+        used = sorted({s for ms in wanted.model_stages for s in ms.slots})
+        if len(used) > len(alive):
+            return refuse(f"it uses {len(used)} slots; {len(alive)} are alive")
+        try:
+            if set(used) <= set(alive):
+                candidate = dataclasses.replace(wanted, num_slots=pool)
+            elif used[-1] < len(alive):
+                candidate = place(wanted, alive, pool)
+            else:
+                gone = next(s for s in used if s not in alive)
+                return refuse(f"it uses slot {gone}, which is not alive")
+            workload = self._workload(self._gen_len)
+            over = [(ms.name, need) for ms, need in self._needs(candidate, self._gen_len)]
+        except (KeyError, ValueError, PlanningError) as exc:
+            return refuse(f"it cannot be placed on this job's slots: {exc}")
+        budget = memory_budget(self.acc.memory_bytes)
+        over = [(name, need) for name, need in over if not self._within(need)]
+        if over:
+            name, need = over[0]
+            return refuse(
+                f"it does not fit in memory: {name} needs {need * self.memory_factor / 2**30:.1f}"
+                f" GiB of a slot's {budget / 2**30:.1f} GiB at gen_len {self._gen_len:.0f}"
+            )
+        moves = not candidate.places_like(self.plan)
+        if not moves and self._same_plan(candidate, self.plan):
+            self.emit(self._decision(trigger, candidate, None, "override: the job runs it already"))
+            return "unchanged"
+        dag = None
+        if moves:
+            try:
+                dag = self._compile(engine, candidate, workload)
+            except (TransitionRefusedError, KeyError, ValueError) as exc:
+                return refuse(f"no live transition reaches it: {exc}")
+        # The person's plan wins over whatever the controller had in hand.
+        if self.pending is not None or self.staged is not None:
+            engine.drop_ahead()  # units built ahead for a move that will not be made
+        if self.pending is not None:
+            self.emit(
+                {
+                    "event": "control.stale",
+                    "proposal": self.pending.proposal_id,
+                    "reason": "superseded by an approved override",
+                }
+            )
+        self.pending, self.staged, self.deferred = None, None, None
+        if self.policy.fixed_layouts:
+            self.fixed = _layouts(candidate)  # the layouts a person chose are the ones to keep
+        decision = self._decision(trigger, candidate, None, "override approved by a person", dag)
+        decision["admit"] = True
+        self.emit(decision)
+        if dag is None:
+            self._rebatch(candidate, trigger)  # other micro-batches only: nothing moves
+            return "rebatched"
+        self._apply(candidate, workload, dag, engine)
+        if self.plan is candidate:
+            return "applied"
+        return "failed: its transition did not complete; the controller replanned"
 
     def _expire_pending(self, engine: Engine) -> None:
         if self.pending and engine.now() - self.pending.created_s > self.policy.approval_timeout_s:

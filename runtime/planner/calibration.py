@@ -21,7 +21,12 @@ import statistics
 from collections.abc import Mapping
 from pathlib import Path
 
+from runtime.planner import cost
+from runtime.planner.catalog import Accelerator
 from runtime.planner.cost import DEFAULT_EFFICIENCY, OPERATION_CLASSES
+from runtime.planner.plan import Plan
+from runtime.planner.shapes import LayoutShape
+from runtime.planner.workload import PpoWorkload
 
 _MAD_SCALE = 1.4826  # MAD of a normal distribution -> its standard deviation
 _OUTLIER_MADS = 3.0
@@ -144,6 +149,49 @@ class Calibrator:
     @classmethod
     def load(cls, path: str | Path) -> Calibrator:
         return cls.from_json(json.loads(Path(path).read_text()))
+
+
+TRAINING = ("actor@training", "critic@training")
+
+
+def samples_from_stages(
+    plan: Plan,
+    workload: PpoWorkload,
+    accelerator: Accelerator,
+    *,
+    measured: Mapping[str, float],
+    training_s: float,
+) -> tuple[tuple[str, float, float], ...]:
+    """(operation class, ideal seconds, measured seconds) samples from a step's measured seconds
+    per model-stage (``measured``; the two training models, which update in the same calls, are
+    timed together as ``training_s``), at ``workload`` (the step's own generated length).
+
+    Slots time model-stages, not operations: a model-stage's measured time is shared among its
+    classes in proportion to the time the cost model gives them at one efficiency, the 1F1B
+    bubble included (it stretches the classes inside the pipeline); each class's sample is its
+    share net of the bubble, which ``cost.predict`` adds back. A job that runs exactly as the
+    cost model says at one efficiency is learned exactly, at any pipeline degree."""
+    ideal: dict[str, dict[str, float]] = {}
+    stretched: dict[str, float] = {}  # the model-stage's ideal seconds, bubble included
+    for ms in workload.model_stages():
+        shape = LayoutShape.of_plan(ms, workload, accelerator, plan)
+        seconds, micro_batches = cost.ideal_breakdown(shape, num_slots=plan.num_slots)
+        stretch = float(cost.bubble_factor(shape.pp, micro_batches)[0])
+        ideal[ms.name] = {op: float(v[0]) for op, v in seconds.items() if float(v[0]) > 0}
+        stretched[ms.name] = sum(
+            s * (stretch if cost.in_pipeline(op) else 1.0) for op, s in ideal[ms.name].items()
+        )
+    measured = {k: v for k, v in measured.items() if k not in TRAINING}
+    training = sum(stretched[name] for name in TRAINING)
+    for name in TRAINING:
+        share = stretched[name] / training if training > 0 else 0.5
+        measured[name] = training_s * share
+    out = []
+    for name, ops in ideal.items():
+        if stretched[name] <= 0 or name not in measured:
+            continue
+        out += [(op, s, measured[name] * s / stretched[name]) for op, s in ops.items()]
+    return tuple(out)
 
 
 def calibration_path(root: str | Path, *, cluster_kind: str, job_id: str | None = None) -> Path:

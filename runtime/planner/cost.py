@@ -136,6 +136,17 @@ def ideal_breakdown(
     return out, m
 
 
+def in_pipeline(op_class: str) -> bool:
+    """Whether an operation class (``gemm``, ``pp_p2p:intra``, ...) runs inside the pipeline, where
+    the 1F1B bubble stretches it."""
+    return op_class.split(":")[0] in PIPELINED
+
+
+def bubble_factor(pp: int, micro_batches) -> np.ndarray:
+    """How much the 1F1B bubble stretches the classes inside the pipeline: ``1 + (pp - 1)/m``."""
+    return 1.0 + (pp - 1) / np.asarray(micro_batches, dtype=float)
+
+
 def predict(
     shape: LayoutShape, *, num_slots: int, efficiency: Mapping[str, float]
 ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
@@ -143,9 +154,8 @@ def predict(
     ideal, micro_batches = ideal_breakdown(shape, num_slots=num_slots)
     breakdown = {cls: seconds / efficiency[cls] for cls, seconds in ideal.items()}
     pipelined = sum(
-        (t for cls, t in breakdown.items() if cls.split(":")[0] in PIPELINED),
-        start=np.zeros_like(shape.dp),
+        (t for cls, t in breakdown.items() if in_pipeline(cls)), start=np.zeros_like(shape.dp)
     )
-    breakdown["pipeline_bubble"] = pipelined * (shape.pp - 1) / micro_batches
+    breakdown["pipeline_bubble"] = pipelined * (bubble_factor(shape.pp, micro_batches) - 1)
     total = sum(breakdown.values(), start=np.zeros_like(shape.dp))
     return total, breakdown

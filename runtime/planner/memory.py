@@ -3,24 +3,24 @@
 Components: parameters, gradients and Adam state (fp32 master weights and two moments) for training;
 activations (Korthikanti et al.'s per-layer count with flash attention, ``s·b·h·(10 + 24/tp)``, or the
 layer inputs only under full recomputation; a 1F1B first stage holds up to ``pp`` micro-batches of
-its ``L/pp`` layers); fp32 logits; the KV cache of the sequences generation decodes at once (all
-of a unit's, or a wave of them); a workspace (2% of the device, for cuBLAS/attention scratch
-and allocator slack); 64 MiB of buffers per communicator; and the
-co-resident weights of the other models, which stay on the slots between stages while gradients,
-optimizer state and KV caches are released. Feasible means the total fits in the device with 10%
-headroom.
+its ``L/pp`` layers, the last stage one micro-batch and the fp32 logits, and the fuller of the two
+counts); the KV cache of the sequences generation decodes at once (all of a unit's, or a wave of
+them); a workspace (2% of the device, for cuBLAS/attention scratch and allocator slack); 64 MiB of
+buffers per communicator; and the co-resident state of the other models: the frozen models'
+weights, which rest sharded evenly over the pool between uses, and the training units' weights,
+gradients and Adam state, which stay on their slots through the whole step. Feasible means the
+total fits in the device with 10% headroom.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from runtime.planner.shapes import LayoutShape
+from runtime.planner.shapes import ADAM_BYTES_PER_PARAM, LayoutShape
 
 HEADROOM = 0.10
 WORKSPACE_FRACTION = 0.02
 COLLECTIVE_BUFFER_BYTES = 64 * 2**20
-ADAM_BYTES_PER_PARAM = 12  # fp32 master weights + first and second moments
 
 
 def memory_budget(capacity_bytes: float) -> float:
@@ -29,26 +29,79 @@ def memory_budget(capacity_bytes: float) -> float:
 
 
 def co_resident_bytes(shape: LayoutShape, num_slots: int) -> float:
-    """Weights of the other models, kept sharded evenly over the pool between stages."""
-    workload = shape.workload
-    others = {role: m for role, m in workload.models.items() if role != shape.ms.role}
+    """State of the other models that stays on a slot while this model-stage runs: the frozen
+    models' weights (reference, reward), which rest sharded evenly over the pool between uses,
+    and the training units' state (actor, critic: weights, gradients, Adam), which stays where
+    those units are through the whole step (a training model-stage counts its own in its
+    components). A training unit is placed over the pool like any unit, so the fullest slot of
+    one model-stage may hold a shard of each: its bytes per slot are counted as they are on the
+    fullest slot of the training units (``shape.resident``), or, not knowing their layout, at
+    their least (the whole state spread evenly over the pool)."""
+    workload, ms = shape.workload, shape.ms
+    training = {t.role: t for t in workload.model_stages("training")}
+    resident = dict(shape.resident) if shape.resident is not None else {}
     total = 0.0
-    for role, model in others.items():
-        total += (
-            model.num_params(scalar_head=role in ("critic", "reward")) * workload.bytes_per_value
-        )
-    return total / max(1, num_slots)
+    for role, model in workload.models.items():
+        if role not in training:  # frozen: its weights rest evenly over the pool
+            if role != ms.role:
+                total += model.num_params(scalar_head=role in ("critic", "reward")) * (
+                    workload.bytes_per_value / max(1, num_slots)
+                )
+            continue
+        if ms.stage == "training" and role == ms.role:
+            continue  # its own: weights, gradients and optimizer above
+        if role in resident:
+            total += resident[role]
+        else:
+            least = LayoutShape(
+                ms=training[role],
+                workload=workload,
+                accelerator=shape.accelerator,
+                tp=1,
+                pp=1,
+                dp=np.array([1.0]),
+            )
+            total += (
+                training[role].num_params
+                * float(least.training_bytes_per_param[0])
+                / max(1, num_slots)
+            )
+    return total
 
 
 def memory_breakdown(shape: LayoutShape, *, num_slots: int) -> dict[str, np.ndarray]:
-    """Bytes per slot by component, one value per dp in ``shape.dp``."""
+    """Bytes per slot by component on the fullest slot, one value per dp in ``shape.dp``.
+
+    With a pipeline, the first and the last stage are each accounted for as they are (the first
+    holds the embedding and, in training, up to ``pp`` micro-batches in flight; the last holds
+    the head, one micro-batch and the logits) and the fuller of the two is the answer: no slot
+    holds both ends' loads. Stages between them hold no more than the first."""
+    if shape.pp == 1:
+        return _slot_bytes(shape, num_slots, shape.stage_params / shape.tp, first=True, last=True)
+    model = shape.ms.model
+    layers = model.num_layers / shape.pp * model.params_per_layer
+    head = model.head_params(scalar_head=shape.ms.scalar_head) + model.hidden_size
+    first = _slot_bytes(
+        shape, num_slots, (model.embedding_params + layers) / shape.tp, first=True, last=False
+    )
+    last = _slot_bytes(shape, num_slots, (head + layers) / shape.tp, first=False, last=True)
+    first_fuller = total_bytes(first) >= total_bytes(last)
+    return {k: np.where(first_fuller, first[k], last[k]) for k in first}
+
+
+def _slot_bytes(
+    shape: LayoutShape, num_slots: int, params: float, *, first: bool, last: bool
+) -> dict[str, np.ndarray]:
+    """Bytes by component of a slot of the pipeline stage holding ``params`` parameters per
+    slot; ``first``/``last``: whether that stage is the pipeline's first (the most micro-batches
+    in flight) and its last (the logits)."""
     w, ms, model = shape.workload, shape.ms, shape.ms.model
     b = w.bytes_per_value
     zeros = np.zeros_like(shape.dp)
-    params = shape.params_per_slot
     h, seq, layers = model.hidden_size, w.seq_len, model.num_layers / shape.pp
     vocab_cols = (1 if ms.scalar_head else model.vocab_size) / shape.tp
     out = {"weights": zeros + params * b}
+    logits = (lambda sequences: sequences * vocab_cols * 4) if last else (lambda _: zeros)
 
     if ms.stage == "training":
         out["gradients"] = zeros + params * b
@@ -56,17 +109,21 @@ def memory_breakdown(shape: LayoutShape, *, num_slots: int) -> dict[str, np.ndar
         out["optimizer"] = params * ADAM_BYTES_PER_PARAM / shards + zeros
         full_layer = seq * shape.mb * h * (10 + 24 / shape.tp)
         per_layer = 2 * seq * shape.mb * h if w.recompute else full_layer
-        in_flight = np.minimum(shape.pp, shape.micro_batches(shape.mb, per_flush=w.ppo_minibatches))
+        in_flight = (
+            np.minimum(shape.pp, shape.micro_batches(shape.mb, per_flush=w.ppo_minibatches))
+            if first
+            else 1.0
+        )
         out["activations"] = in_flight * layers * per_layer + (full_layer if w.recompute else 0.0)
-        out["logits"] = zeros + seq * shape.mb * vocab_cols * 4
+        out["logits"] = zeros + logits(seq * shape.mb)
     elif ms.stage == "inference":
         out["activations"] = zeros + seq * shape.mb * h * (10 + 24 / shape.tp)
-        out["logits"] = zeros + seq * shape.mb * vocab_cols * 4
+        out["logits"] = zeros + logits(seq * shape.mb)
     else:  # generation: every sequence a unit decodes at once keeps its KV cache until it
         # finishes (the unit's others wait for a later wave)
         per_sequence = 2 * layers * shape.kv_dim_per_slot * seq * b
         out["kv_cache"] = shape.concurrent * per_sequence
-        out["logits"] = np.minimum(shape.concurrent, w.gen_micro_batch) * vocab_cols * 4
+        out["logits"] = zeros + logits(np.minimum(shape.concurrent, w.gen_micro_batch))
     capacity = shape.accelerator.memory_bytes
     out["workspace"] = zeros + WORKSPACE_FRACTION * capacity
     groups = (shape.tp > 1) + (shape.pp > 1) + (shape.dp > 1)

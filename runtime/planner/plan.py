@@ -8,6 +8,7 @@ transition compiler diffs them. A unit's slots are listed pipeline-stage-major: 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 
@@ -108,8 +109,25 @@ class Plan:
     """(role, model name) of the workload the plan was made for; empty when not recorded."""
     job: str = ""
     """The job the plan belongs to; empty when not recorded."""
+    training_state: tuple[tuple[str, float], ...] = ()
+    """(training role, bytes per slot): the state of the training units (weights, gradients,
+    Adam), which stay on their slots through the whole step, that every model-stage's memory
+    was checked beside (at least what the plan's training layouts keep); empty: exactly what
+    they keep."""
 
     def __post_init__(self) -> None:
+        for role, nbytes in self.training_state:
+            if not isinstance(role, str) or not role:
+                raise PlanError(f"training_state: expected role names, got {role!r}")
+            if (
+                isinstance(nbytes, bool)
+                or not isinstance(nbytes, int | float)
+                or not math.isfinite(nbytes)
+                or nbytes < 0
+            ):
+                raise PlanError(
+                    f"training_state.{role}: must be a number of bytes >= 0, got {nbytes!r}"
+                )
         for ms in self.model_stages:
             outside = [s for s in ms.slots if not 0 <= s < self.num_slots]
             if outside:
@@ -195,6 +213,7 @@ class Plan:
             "predicted_step_s": self.predicted_step_s,
             "models": dict(self.models),
             "job": self.job,
+            "training_state": dict(self.training_state),
             "stages": [dataclasses.asdict(s) for s in self.stages],
             "model_stages": [
                 {
@@ -219,6 +238,7 @@ class Plan:
                 predicted_step_s=float(data["predicted_step_s"]),
                 models=tuple(sorted(data.get("models", {}).items())),
                 job=str(data.get("job", "")),
+                training_state=tuple(sorted(data.get("training_state", {}).items())),
                 stages=tuple(StagePlan(**s) for s in data["stages"]),
                 model_stages=tuple(
                     ModelStagePlan(

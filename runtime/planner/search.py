@@ -19,7 +19,7 @@ import numpy as np
 from runtime.planner import cost, memory
 from runtime.planner.catalog import GIB, Accelerator
 from runtime.planner.plan import Layout, ModelStagePlan, Plan, StagePlan
-from runtime.planner.shapes import LayoutShape, batchings
+from runtime.planner.shapes import LayoutShape, batchings, training_state
 from runtime.planner.space import Rejection, valid_layouts
 from runtime.planner.workload import STAGES, ModelStage, PpoWorkload
 
@@ -105,24 +105,93 @@ class _Priced:
 
 class _Prices:
     """Every layout of every model-stage, priced once per search: the best plan, each
-    alternative (a re-solve with one layout excluded) and the rejections read the same rows."""
+    alternative (a re-solve with one layout excluded) and the rejections read the same rows.
 
-    def __init__(self, workload, acc, num_slots: int, efficiency, fits_at) -> None:
+    ``resident`` ((training role, bytes per slot)) is the training state every model-stage's
+    memory is checked beside, and a training layout keeping more is not taken (so a plan found
+    holds what it was checked with); None: each at its least. Other allowances are priced from
+    the same tables (``at``): the state only adds a constant to a layout's need."""
+
+    def __init__(self, workload, acc, num_slots: int, efficiency, fits_at, resident=None) -> None:
         self.workload, self.acc, self.num_slots = workload, acc, num_slots
         self.efficiency, self.fits_at = efficiency, fits_at
+        self.resident = resident
+        self._tables: dict[tuple[str, int, int], tuple[np.ndarray, list]] = {}
         self._rows: dict[tuple[str, int, int], _Priced] = {}
+
+    def at(self, resident) -> _Prices:
+        """The same tables beside another allowance of training state."""
+        other = _Prices(
+            self.workload, self.acc, self.num_slots, self.efficiency, self.fits_at, resident
+        )
+        other._tables = self._tables
+        return other
+
+    def too_heavy(self, ms: ModelStage, tp: int, pp: int) -> float | None:
+        """The bytes per slot a training layout keeps when that is more than planned for."""
+        if self.resident is None or ms.stage != "training":
+            return None
+        keeps = _kept_per_slot(ms, self.workload, tp, pp)
+        return keeps if keeps > dict(self.resident)[ms.role] * (1 + 1e-9) else None
 
     def layout(self, ms: ModelStage, tp: int, pp: int) -> _Priced:
         key = (ms.name, tp, pp)
         if key not in self._rows:
-            max_dp = min(self.num_slots // (tp * pp), self.workload.global_batch)
-            dp = np.arange(1, max_dp + 1, dtype=float)
-            shape = LayoutShape(
-                ms=ms, workload=self.workload, accelerator=self.acc, tp=tp, pp=pp, dp=dp
-            )
-            found = fitting(shape, self.num_slots, self.efficiency, self.fits_at)
-            self._rows[key] = _Priced(dp, *found)
+            if key not in self._tables:
+                max_dp = min(self.num_slots // (tp * pp), self.workload.global_batch)
+                dp = np.arange(1, max_dp + 1, dtype=float)
+                shape = LayoutShape(
+                    ms=ms,
+                    workload=self.workload,
+                    accelerator=self.acc,
+                    tp=tp,
+                    pp=pp,
+                    dp=dp,
+                    resident=_none_kept(self.workload),
+                )
+                self._tables[key] = (
+                    dp,
+                    _batching_table(shape, self.num_slots, self.efficiency, self.fits_at),
+                )
+            dp, table = self._tables[key]
+            # The tables hold no training state beside the layout; the allowance adds its own.
+            offset = 0.0
+            if self.resident is not None:
+                offset = sum(
+                    v
+                    for role, v in self.resident
+                    if not (ms.stage == "training" and role == ms.role)
+                )
+            else:
+                offset = memory.co_resident_bytes(
+                    LayoutShape(
+                        ms=ms,
+                        workload=self.workload,
+                        accelerator=self.acc,
+                        tp=tp,
+                        pp=pp,
+                        dp=dp[:1],
+                    ),
+                    self.num_slots,
+                ) - memory.co_resident_bytes(
+                    LayoutShape(
+                        ms=ms,
+                        workload=self.workload,
+                        accelerator=self.acc,
+                        tp=tp,
+                        pp=pp,
+                        dp=dp[:1],
+                        resident=_none_kept(self.workload),
+                    ),
+                    self.num_slots,
+                )
+            budget = memory.memory_budget(self.acc.memory_bytes)
+            self._rows[key] = _Priced(dp, *_select(table, budget, offset))
         return self._rows[key]
+
+
+def _none_kept(workload: PpoWorkload) -> tuple[tuple[str, float], ...]:
+    return tuple((ms.role, 0.0) for ms in workload.model_stages("training"))
 
 
 def _column(ms: ModelStage, prices: _Prices, excluded: frozenset[tuple[str, int, int]]) -> _Column:
@@ -132,21 +201,19 @@ def _column(ms: ModelStage, prices: _Prices, excluded: frozenset[tuple[str, int,
     options: list[tuple[int, int, int, int]] = []
     allowed, _ = valid_layouts(ms.model, prices.acc, num_slots)
     for tp, pp in allowed:
-        if (ms.name, tp, pp) in excluded:
+        if (ms.name, tp, pp) in excluded or prices.too_heavy(ms, tp, pp) is not None:
             continue
         row = prices.layout(ms, tp, pp)
         dp, total = row.dp, row.seconds
-        slots = (dp * tp * pp).astype(np.int64)
-        for i in np.nonzero(row.fits & (total < exact[slots]))[0]:
-            exact[slots[i]] = total[i]
-            exact_choice[slots[i]] = len(options)
-            options.append((tp, pp, int(dp[i]), int(row.micro[i])))
-    # "at most g slots": a running minimum over g
+        slots = (dp * tp * pp).astype(np.int64)  # distinct within one layout
+        better = np.nonzero(row.fits & (total < exact[slots]))[0]
+        exact[slots[better]] = total[better]
+        exact_choice[slots[better]] = len(options) + np.arange(len(better))
+        options += [(tp, pp, int(dp[i]), int(row.micro[i])) for i in better]
+    # "at most g slots": a running minimum over g, choosing where it was last reached
     time_at_most = np.minimum.accumulate(exact)
-    choice = exact_choice.copy()
-    for g in range(1, num_slots + 1):
-        if exact[g] > time_at_most[g]:
-            choice[g] = choice[g - 1]
+    reached = np.where(exact <= time_at_most, np.arange(num_slots + 1), 0)
+    choice = exact_choice[np.maximum.accumulate(reached)]
     return _Column(
         model_stage=ms,
         gpus_per_node=prices.acc.gpus_per_node,
@@ -173,13 +240,28 @@ def fitting(
     pipeline drains its bubble faster in smaller ones; each tensor-parallel all-reduce pays its
     latency once per micro-batch; generation decodes in more waves only to fit), else the
     smallest, which needs the least."""
-    budget = memory.memory_budget(shape.accelerator.memory_bytes)
-    total = fits = micro = need = None
+    table = _batching_table(shape, num_slots, efficiency, fits_at)
+    return _select(table, memory.memory_budget(shape.accelerator.memory_bytes), 0.0)
+
+
+def _batching_table(shape, num_slots, efficiency, fits_at) -> list:
+    """(micro-batch, seconds, bytes per slot) of every batching of ``shape``, most memory first."""
+    table = []
     for size in batchings(shape):
         at = dataclasses.replace(shape, micro_batch=size)
         seconds, _ = cost.predict(at, num_slots=num_slots, efficiency=efficiency)
         held = at if fits_at is None else dataclasses.replace(at, workload=fits_at)
-        bytes_ = memory.total_bytes(memory.memory_breakdown(held, num_slots=num_slots))
+        table.append(
+            (size, seconds, memory.total_bytes(memory.memory_breakdown(held, num_slots=num_slots)))
+        )
+    return table
+
+
+def _select(table, budget: float, offset: float):
+    """``fitting``'s choice from a batching table whose needs grow by ``offset`` bytes."""
+    total = fits = micro = need = None
+    for size, seconds, bytes_ in table:
+        bytes_ = bytes_ + offset
         ok = bytes_ <= budget
         if total is None:
             total, fits, need, micro = seconds, ok, bytes_, np.full_like(seconds, size)
@@ -200,8 +282,10 @@ def _infeasible(
     acc: Accelerator,
     num_slots: int,
     excluded: frozenset[tuple[str, int, int]] = frozenset(),
+    resident=None,
 ) -> PlanningError:
-    """Explain why a model-stage fits nowhere: too little memory and by how much, or exclusions."""
+    """Explain why a model-stage fits nowhere: too little memory and by how much, or exclusions
+    (beside ``resident`` training state, as ``_Prices``)."""
     ms = column.model_stage
     allowed, _ = valid_layouts(ms.model, acc, num_slots)  # never empty: (1, 1) always fits
     budget = memory.memory_budget(acc.memory_bytes)
@@ -211,12 +295,7 @@ def _infeasible(
             1, max(1, min(num_slots // (tp * pp), workload.global_batch)) + 1, dtype=float
         )
         shape = LayoutShape(
-            ms=ms,
-            workload=workload,
-            accelerator=acc,
-            tp=tp,
-            pp=pp,
-            dp=dp,
+            ms=ms, workload=workload, accelerator=acc, tp=tp, pp=pp, dp=dp, resident=resident
         )
         shape = dataclasses.replace(shape, micro_batch=batchings(shape)[-1])
         need = memory.total_bytes(memory.memory_breakdown(shape, num_slots=num_slots))
@@ -232,10 +311,15 @@ def _infeasible(
             model_stage=ms.name,
             shortfall=0.0,
         )
+    beside = ""
+    if resident is not None:
+        kept = sum(v for role, v in resident if not (ms.stage == "training" and role == ms.role))
+        beside = f", beside {kept / GIB:.1f} GiB of training state kept per slot"
     return PlanningError(
         f"memory: {ms.name} needs at least {least / GIB:.1f} GiB per slot (dp,tp,pp)="
-        f"({where[0]},{where[1]},{where[2]}), {over / GIB:.1f} GiB over the {budget / GIB:.1f} GiB "
-        f"budget of {acc.name} ({acc.memory_bytes / GIB:.0f} GiB less {memory.HEADROOM:.0%} headroom)",
+        f"({where[0]},{where[1]},{where[2]}){beside}, {over / GIB:.1f} GiB over the "
+        f"{budget / GIB:.1f} GiB budget of {acc.name} ({acc.memory_bytes / GIB:.0f} GiB less "
+        f"{memory.HEADROOM:.0%} headroom)",
         constraint="memory",
         model_stage=ms.name,
         shortfall=over,
@@ -250,6 +334,7 @@ def _model_stage_plan(
     acc: Accelerator,
     num_slots: int,
     efficiency: Mapping[str, float],
+    resident,
 ) -> ModelStagePlan:
     tp, pp, dp, micro_batch = column.options[option]
     layout = Layout(dp=dp, tp=tp, pp=pp)
@@ -261,13 +346,15 @@ def _model_stage_plan(
             tuple(range(first_slot + u * size, first_slot + (u + 1) * size)) for u in range(dp)
         ),
         micro_batch=micro_batch,
-        **_described(column.model_stage, workload, acc, layout, micro_batch, num_slots, efficiency),
+        **_described(
+            column.model_stage, workload, acc, layout, micro_batch, num_slots, efficiency, resident
+        ),
     )
 
 
-def _described(ms, workload, acc, layout, micro_batch, num_slots, efficiency) -> dict:
+def _described(ms, workload, acc, layout, micro_batch, num_slots, efficiency, resident) -> dict:
     """A model-stage plan's predicted seconds, their breakdown and its memory per slot."""
-    shape = LayoutShape.of_layout(ms, workload, acc, layout, micro_batch)
+    shape = LayoutShape.of_layout(ms, workload, acc, layout, micro_batch, resident)
     total, breakdown = cost.predict(shape, num_slots=num_slots, efficiency=efficiency)
     mem = memory.memory_breakdown(shape, num_slots=num_slots)
     return {
@@ -289,16 +376,17 @@ def rebatched(
     give that layout now (the fastest that fits, at ``fits_at`` too; for generation, the fewest
     waves); None when some layout fits in none. Moving to it moves no state."""
     eff = _efficiencies(efficiency)
+    resident = training_state(plan_, workload)
     chosen: dict[str, ModelStagePlan] = {}
     for ms in workload.model_stages():
         running = plan_.model_stage(ms.name)
-        shape = LayoutShape.of_layout(ms, workload, accelerator, running.layout)
+        shape = LayoutShape.of_layout(ms, workload, accelerator, running.layout, 0, resident)
         _, fits, micro, _ = fitting(shape, plan_.num_slots, eff, fits_at)
         if not fits[0]:
             return None
         size = int(micro[0])
         described = _described(
-            ms, workload, accelerator, running.layout, size, plan_.num_slots, eff
+            ms, workload, accelerator, running.layout, size, plan_.num_slots, eff, resident
         )
         chosen[ms.name] = dataclasses.replace(running, micro_batch=size, **described)
     stages = []
@@ -381,12 +469,7 @@ def plan(
         raise ValueError(f"gpus: at most {MAX_SLOTS} slots are planned for, got {num_slots}")
     started = time.perf_counter()
     eff = _efficiencies(efficiency)
-    prices = _Prices(workload, accelerator, num_slots, eff, fits_at)
-    columns = {ms.name: _column(ms, prices, excluded) for ms in workload.model_stages()}
-    for column in columns.values():
-        if not np.isfinite(column.time[num_slots]):
-            raise _infeasible(column, fits_at or workload, accelerator, num_slots, excluded)
-    best = _assemble(columns, workload, accelerator, num_slots, eff)
+    best, prices, columns = _search(workload, accelerator, num_slots, eff, excluded, fits_at)
     alternatives = _alternatives(best, prices, excluded, num_alternatives)
     rejected = _rejections(best, columns, prices, excluded)
     return PlanResult(
@@ -397,7 +480,84 @@ def plan(
     )
 
 
-def _assemble(columns, workload, accelerator, num_slots, eff) -> Plan:
+def _search(workload, accelerator, num_slots, eff, excluded, fits_at):
+    """The best plan whose memory counts the training state it lays out itself.
+
+    The training units keep their state on their slots through the whole step, so every
+    model-stage's memory depends on the training layouts the search picks. The search is solved
+    beside each allowance of training state per slot that some training layout keeps, taking no
+    training layout that keeps more (so a plan found holds what it was checked with), and the
+    fastest plan of all is the answer: more room for that state allows faster training layouts
+    and leaves less for the rest. The allowances share one table of prices."""
+    base = _Prices(workload, accelerator, num_slots, eff, fits_at)
+    # Only the bytes a training layout that fits keeps (beside the other training model kept
+    # at the same) can be what the best plan keeps; nearly equal ones (the critic's head is
+    # smaller than the actor's) are one allowance.
+    kept = sorted(
+        (_kept_per_slot(ms, workload, tp, pp), ms, tp, pp)
+        for ms in workload.model_stages("training")
+        for tp, pp in valid_layouts(ms.model, accelerator, num_slots)[0]
+    )
+    clusters: list[list] = []
+    for entry in kept:
+        if clusters and entry[0] <= clusters[-1][0][0] * 1.005:
+            clusters[-1].append(entry)
+        else:
+            clusters.append([entry])
+    levels: list[float] = []
+    for cluster in clusters:
+        level = cluster[-1][0]
+        at = base.at(_allow(level, workload))
+        if any(at.layout(ms, tp, pp).fits.any() for _, ms, tp, pp in cluster):
+            levels.append(level)
+    if not levels:  # no training layout fits beside anything: say why at the least
+        levels = [
+            min(_kept_per_slot(ms, workload, 1, 1) for ms in workload.model_stages("training"))
+        ]
+    found, errors = [], []
+    for level in levels:
+        try:
+            found.append(_solve(base.at(_allow(level, workload)), excluded))
+        except PlanningError as exc:
+            errors.append(exc)
+    if not found:
+        # Say what binds where the plan comes closest to fitting: the smallest shortfall.
+        memory_errors = [e for e in errors if e.constraint == "memory"]
+        raise min(memory_errors, key=lambda e: e.shortfall) if memory_errors else errors[-1]
+    return min(found, key=lambda r: r[0].predicted_step_s)
+
+
+def _allow(level: float, workload: PpoWorkload) -> tuple[tuple[str, float], ...]:
+    return tuple((ms.role, level) for ms in workload.model_stages("training"))
+
+
+def _solve(prices: _Prices, excluded):
+    """The best plan at ``prices``' allowance of training state: it, the prices and the
+    columns it was read from; raises PlanningError when some model-stage fits nowhere."""
+    workload, accelerator, num_slots = prices.workload, prices.acc, prices.num_slots
+    columns = {ms.name: _column(ms, prices, excluded) for ms in workload.model_stages()}
+    for column in columns.values():
+        if not np.isfinite(column.time[num_slots]):
+            raise _infeasible(
+                column,
+                prices.fits_at or workload,
+                accelerator,
+                num_slots,
+                excluded,
+                prices.resident,
+            )
+    best = _assemble(columns, workload, accelerator, num_slots, prices.efficiency, prices.resident)
+    return best, prices, columns
+
+
+def _kept_per_slot(ms: ModelStage, workload: PpoWorkload, tp: int, pp: int) -> float:
+    """Bytes of state a training layout keeps on the fullest slot of its units (at dp 1: with a
+    distributed optimizer more replicas keep less)."""
+    shape = LayoutShape.of_layout(ms, workload, None, Layout(dp=1, tp=tp, pp=pp))
+    return float(shape.params_per_slot * shape.training_bytes_per_param[0])
+
+
+def _assemble(columns, workload, accelerator, num_slots, eff, resident) -> Plan:
     stage_plans, ms_plans = [], []
     for stage in STAGES:
         stage_columns = [columns[ms.name] for ms in workload.model_stages(stage)]
@@ -405,7 +565,7 @@ def _assemble(columns, workload, accelerator, num_slots, eff) -> Plan:
         stage_plans.append(StagePlan(stage=stage, mode=mode, predicted_s=seconds))
         built = {
             column.model_stage.name: _model_stage_plan(
-                column, option, first, workload, accelerator, num_slots, eff
+                column, option, first, workload, accelerator, num_slots, eff, resident
             )
             for column, option, first in placed
         }
@@ -417,6 +577,7 @@ def _assemble(columns, workload, accelerator, num_slots, eff) -> Plan:
         stages=tuple(stage_plans),
         predicted_step_s=sum(s.predicted_s for s in stage_plans),
         models=tuple(sorted((role, model.name) for role, model in workload.models.items())),
+        training_state=tuple(resident or ()),
     )
 
 
@@ -431,7 +592,9 @@ def _alternatives(best, prices: _Prices, excluded, count) -> tuple[Plan, ...]:
         columns = {m.name: _column(m, prices, ban) for m in workload.model_stages()}
         if any(not np.isfinite(c.time[num_slots]) for c in columns.values()):
             continue
-        candidate = _assemble(columns, workload, prices.acc, num_slots, prices.efficiency)
+        candidate = _assemble(
+            columns, workload, prices.acc, num_slots, prices.efficiency, prices.resident
+        )
         key = tuple(sorted((n, str(lay)) for n, lay in candidate.layouts().items()))
         if candidate.layouts() != best.layouts():
             found.setdefault(key, candidate)
@@ -464,6 +627,15 @@ def _rejections(best, columns, prices: _Prices, excluded) -> tuple[Rejection, ..
                 out.append(
                     Rejection(model_stage=ms.name, tp=tp, pp=pp, reason="excluded by the caller")
                 )
+                continue
+            keeps = prices.too_heavy(ms, tp, pp)
+            if keeps is not None:
+                reason = (
+                    f"memory: keeps {keeps / GIB:.1f} GiB of training state per slot through the "
+                    f"step, more than the {dict(prices.resident)[ms.role] / GIB:.1f} GiB the "
+                    "other model-stages were planned beside"
+                )
+                out.append(Rejection(model_stage=ms.name, tp=tp, pp=pp, reason=reason))
                 continue
             row = prices.layout(ms, tp, pp)
             dp, total, need = row.dp, row.seconds, row.need
@@ -566,7 +738,7 @@ def on_ready(
             return None
         layout = dataclasses.replace(running.layout, dp=len(units))
         whole = LayoutShape.of_plan(ms, workload, accelerator, plan_)
-        shape = LayoutShape.of_layout(ms, workload, accelerator, layout)
+        shape = LayoutShape.of_layout(ms, workload, accelerator, layout, 0, whole.resident)
         _, fits, micro, _ = fitting(shape, plan_.num_slots, eff)
         size = int(micro[0]) if fits[0] else int(whole.concurrent[0])
         changed[ms.name] = dataclasses.replace(

@@ -25,6 +25,11 @@ class LayoutShape:
     """Sequences per micro-batch in training and inference (0: the workload's); in generation,
     the sequences a unit decodes at once, as many as its KV cache holds (0: all of its
     sequences; an array: one value per dp)."""
+    resident: tuple[tuple[str, float], ...] | None = None
+    """(training role, bytes per slot): the state each training model keeps on the fullest slot
+    of its units through the whole step (its weights, gradients and Adam state), as the plan
+    lays it out (``training_state``); None: each at its least, its whole state spread evenly
+    over the pool."""
 
     @classmethod
     def of_layout(
@@ -34,6 +39,7 @@ class LayoutShape:
         accelerator: Accelerator,
         layout,
         micro_batch: int = 0,
+        resident: tuple[tuple[str, float], ...] | None = None,
     ) -> LayoutShape:
         """The shape of one concrete layout (anything with ``dp``, ``tp`` and ``pp``)."""
         return cls(
@@ -44,20 +50,35 @@ class LayoutShape:
             pp=layout.pp,
             dp=np.array([float(layout.dp)]),
             micro_batch=micro_batch,
+            resident=resident,
         )
 
     @classmethod
     def of_plan(
         cls, ms: ModelStage, workload: PpoWorkload, accelerator: Accelerator, plan_
     ) -> LayoutShape:
-        """The shape of ``ms`` as ``plan_`` runs it: its layout and its micro-batch."""
+        """The shape of ``ms`` as ``plan_`` runs it: its layout, its micro-batch, and the training
+        state the plan's training units keep on the slots."""
         ms_plan = plan_.model_stage(ms.name)
-        return cls.of_layout(ms, workload, accelerator, ms_plan.layout, ms_plan.micro_batch)
+        return cls.of_layout(
+            ms,
+            workload,
+            accelerator,
+            ms_plan.layout,
+            ms_plan.micro_batch,
+            resident=training_state(plan_, workload),
+        )
 
     @property
-    def mb(self) -> int:
-        """Sequences per micro-batch in training and inference."""
-        return self.micro_batch or self.workload.micro_batch
+    def mb(self) -> np.ndarray:
+        """Sequences per micro-batch in training and inference, as a unit runs them: the plan's
+        (or the workload's) size, but never more than the unit has at once (its share of a PPO
+        minibatch in training, of the batch in inference)."""
+        size = self.micro_batch or self.workload.micro_batch
+        has = self.batch_per_unit
+        if self.ms.stage == "training":
+            has = np.ceil(has / self.workload.ppo_minibatches)
+        return np.minimum(float(size), has)
 
     @property
     def concurrent(self) -> np.ndarray:
@@ -106,9 +127,35 @@ class LayoutShape:
         return np.maximum(1.0, np.ceil(self.batch_per_unit / (micro_batch * per_flush)))
 
     @property
+    def training_bytes_per_param(self) -> np.ndarray:
+        """Bytes a training unit keeps per parameter it holds: weights, gradients (kept until
+        the next update) and Adam's fp32 master weights and two moments (sharded over the data-
+        parallel replicas with a distributed optimizer)."""
+        b = self.workload.bytes_per_value
+        shards = self.dp if self.workload.distributed_optimizer else 1.0
+        return 2 * b + ADAM_BYTES_PER_PARAM / shards + np.zeros_like(self.dp)
+
+    @property
     def dense_params(self) -> float:
         """Parameters that do matrix multiplies for every token (all but the embedding table)."""
         return self.ms.num_params - self.ms.model.embedding_params
+
+
+ADAM_BYTES_PER_PARAM = 12  # fp32 master weights + first and second moments
+
+
+def training_state(plan_, workload: PpoWorkload) -> tuple[tuple[str, float], ...]:
+    """(training role, bytes per slot) of training state ``plan_``'s model-stages run beside: what
+    the plan recorded it keeps room for, else what each training model keeps on the fullest
+    slot of its units through the whole step, as the plan lays it out."""
+    if plan_.training_state:
+        return tuple(plan_.training_state)
+    out = []
+    for ms in workload.model_stages("training"):
+        layout = plan_.model_stage(ms.name).layout
+        shape = LayoutShape.of_layout(ms, workload, None, layout)
+        out.append((ms.role, float(shape.params_per_slot * shape.training_bytes_per_param[0])))
+    return tuple(out)
 
 
 GENERATION_WAVES = (1, 2, 4, 8, 16)

@@ -4,8 +4,13 @@ others are refused."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from runtime.planner.catalog import Accelerator, ModelConfig
+
+if TYPE_CHECKING:
+    from runtime.planner.workload import PpoWorkload
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -96,12 +101,19 @@ def check_layout(
         )
 
 
-def only_layouts(layouts: dict[str, tuple[int, int]]) -> frozenset[tuple[str, int, int]]:
-    """The planner's exclusions that leave each named model-stage only its given (tp, pp)."""
+def only_layouts(
+    layouts: Mapping[str, tuple[int, int]],
+    workload: PpoWorkload,
+    accelerator: Accelerator,
+    num_slots: int,
+) -> frozenset[tuple[str, int, int]]:
+    """The planner's exclusions that leave each named model-stage only its given (tp, pp): every
+    other pair of the grid the planner searches for that model-stage (``candidate_degrees``,
+    which holds every divisor of the layer count, not only powers of two)."""
     return frozenset(
-        (name, tp, pp)
-        for name, (keep_tp, keep_pp) in layouts.items()
-        for tp in (1, 2, 4, 8, 16, 32, 64)
-        for pp in (1, 2, 4, 8, 16, 32, 64)
-        if (tp, pp) != (keep_tp, keep_pp)
+        (ms.name, tp, pp)
+        for ms in workload.model_stages()
+        if ms.name in layouts
+        for tp, pp in candidate_degrees(ms.model, accelerator, num_slots)
+        if (tp, pp) != tuple(layouts[ms.name])
     )

@@ -1,8 +1,9 @@
 """An exhaustive reference planner for small pools: the tests' oracle for the DP search.
 
 It prices every (tp, pp, dp) of every model-stage with the same cost and memory models, then tries
-every split of the slots among a stage's model-stages (and the colocated alternative). Slow and
-obviously correct; only for pools of a few dozen slots."""
+every split of the slots among a stage's model-stages (and the colocated alternative), beside a
+given allowance of training state per slot (no training layout keeping more). Slow and obviously
+correct; only for pools of a few dozen slots."""
 
 from __future__ import annotations
 
@@ -18,17 +19,32 @@ from runtime.planner.space import valid_layouts
 from runtime.planner.workload import STAGES
 
 
-def exact_slot_times(ms, workload, acc, num_slots, efficiency) -> list[float]:
+def exact_slot_times(ms, workload, acc, num_slots, efficiency, resident) -> list[float]:
     """best[g]: the fastest feasible layout of ``ms`` using exactly g slots (inf if none), each
     layout at whichever of its micro-batches (generation: waves) that fits is fastest."""
     best = [math.inf] * (num_slots + 1)
     budget = memory.memory_budget(acc.memory_bytes)
+    allowed = dict(resident)
     for tp, pp in valid_layouts(ms.model, acc, num_slots)[0]:
+        if ms.stage == "training":
+            one = LayoutShape(
+                ms=ms, workload=workload, accelerator=acc, tp=tp, pp=pp, dp=np.array([1.0])
+            )
+            if one.params_per_slot * one.training_bytes_per_param[0] > allowed[ms.role] * (
+                1 + 1e-9
+            ):
+                continue
         for dp in range(1, num_slots // (tp * pp) + 1):
             if dp > workload.global_batch:
                 continue
             layout = LayoutShape(
-                ms=ms, workload=workload, accelerator=acc, tp=tp, pp=pp, dp=np.array([float(dp)])
+                ms=ms,
+                workload=workload,
+                accelerator=acc,
+                tp=tp,
+                pp=pp,
+                dp=np.array([float(dp)]),
+                resident=resident,
             )
             for micro_batch in batchings(layout):
                 shape = dataclasses.replace(layout, micro_batch=micro_batch)
@@ -42,12 +58,13 @@ def exact_slot_times(ms, workload, acc, num_slots, efficiency) -> list[float]:
     return best
 
 
-def exhaustive_step_seconds(workload, acc, num_slots, efficiency=None) -> float:
+def exhaustive_step_seconds(workload, acc, num_slots, resident, efficiency=None) -> float:
+    """The fastest plan beside ``resident`` ((training role, bytes per slot)), by enumeration."""
     eff = {**cost.DEFAULT_EFFICIENCY, **(efficiency or {})}
     total = 0.0
     for stage in STAGES:
         tables = [
-            exact_slot_times(ms, workload, acc, num_slots, eff)
+            exact_slot_times(ms, workload, acc, num_slots, eff, resident)
             for ms in workload.model_stages(stage)
         ]
         colocated = sum(min(t) for t in tables)

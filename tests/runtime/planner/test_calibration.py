@@ -139,3 +139,47 @@ def test_saved_per_job_and_per_cluster_kind_and_reloaded(tmp_path):
     (tmp_path / "bad.json").write_text('{"prior": {}, "window": 8, "samples": {"nope": [0.1]}}')
     with pytest.raises(ValueError, match=r"samples\.nope: unknown operation class"):
         Calibrator.load(tmp_path / "bad.json")
+
+
+@pytest.mark.parametrize("pp", [1, 2, 4])
+def test_samples_from_model_stage_times_learn_the_truth_at_any_pipeline_degree(pp):
+    """Slots time whole model-stages; the samples split that time among operation classes net of
+    the 1F1B bubble, which the cost model adds back (found by review: the bubble was folded into
+    every class's efficiency, and the calibrated model over-predicted pp=4 layouts about 2x)."""
+    from runtime.planner.calibration import samples_from_stages
+    from runtime.planner.cost import predict
+    from runtime.planner.plan import Layout, Plan
+
+    acc = CATALOG.accelerator("cpu-slot")
+    workload = PpoWorkload.for_model(
+        CATALOG.model("tiny-llama"), global_batch=16, prompt_len=32, gen_len=48, micro_batch=4
+    )
+    units = tuple(tuple(range(u * pp, (u + 1) * pp)) for u in range(4 // pp))
+    layouts = {ms.name: (Layout(dp=4 // pp, tp=1, pp=pp), units) for ms in workload.model_stages()}
+    plan_ = Plan.of_units(accelerator=acc.name, num_slots=4, layouts=layouts)
+    truth = dict.fromkeys(OPERATION_CLASSES, 0.37)  # one efficiency: exactly learnable
+
+    def seconds(efficiency):
+        return {
+            ms.name: float(
+                predict(
+                    LayoutShape.of_plan(ms, workload, acc, plan_),
+                    num_slots=4,
+                    efficiency=efficiency,
+                )[0][0]
+            )
+            for ms in workload.model_stages()
+        }
+
+    measured = seconds(truth)
+    training_s = measured["actor@training"] + measured["critic@training"]
+    calibrator = Calibrator()
+    for op_class, ideal_s, measured_s in samples_from_stages(
+        plan_, workload, acc, measured=measured, training_s=training_s
+    ):
+        calibrator.observe(op_class, ideal_s=ideal_s, measured_s=measured_s)
+    learned = calibrator.efficiency()
+    assert learned["gemm"] == pytest.approx(0.37, rel=1e-9)
+    calibrated = seconds(learned)
+    for name, real in measured.items():
+        assert calibrated[name] == pytest.approx(real, rel=1e-6), name

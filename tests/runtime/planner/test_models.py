@@ -10,8 +10,12 @@ from runtime.planner.shapes import LayoutShape
 CATALOG = default_catalog()
 
 
-def _training_table(seq_len: int) -> dict[tuple[int, int, int], tuple[float, bool]]:
-    """actor@training of Llama-3.1-8B on 16 slots: (seconds, fits) for every layout using all 16."""
+def _training_table(
+    seq_len: int, resident=(("critic", 0.0),)
+) -> dict[tuple[int, int, int], tuple[float, bool]]:
+    """actor@training of Llama-3.1-8B on 16 slots: (seconds, fits) for every layout using all 16;
+    ``resident``: the critic's training state on those slots (none by default: the seed's
+    example is the actor's training alone)."""
     model, acc = CATALOG.model("llama-3.1-8b"), CATALOG.accelerator("a100-80gb")
     workload = PpoWorkload.for_model(
         model, prompt_len=512, gen_len=seq_len - 512, global_batch=256, micro_batch=4, ppo_epochs=1
@@ -36,7 +40,13 @@ def _training_table(seq_len: int) -> dict[tuple[int, int, int], tuple[float, boo
     ]:
         dp = 16 // (tp * pp)
         shape = LayoutShape(
-            ms=ms, workload=workload, accelerator=acc, tp=tp, pp=pp, dp=np.array([dp * 1.0])
+            ms=ms,
+            workload=workload,
+            accelerator=acc,
+            tp=tp,
+            pp=pp,
+            dp=np.array([dp * 1.0]),
+            resident=resident,
         )
         seconds = float(cost.predict(shape, num_slots=16, efficiency=cost.DEFAULT_EFFICIENCY)[0][0])
         need = float(memory.total_bytes(memory.memory_breakdown(shape, num_slots=16))[0])
@@ -54,6 +64,9 @@ def test_seed_example_422_fastest_at_2k_out_of_memory_at_4k_441_still_fits():
     assert feasible_2k[(4, 2, 2)] < feasible_2k[(4, 4, 1)]  # (4,4,1) pays for more TP traffic at 2K
     assert not at_4k[(4, 2, 2)][1]
     assert at_4k[(4, 4, 1)][1]
+    # With the critic's training state beside it (at its least: spread evenly over the 16 slots),
+    # the 7 GiB it keeps per slot leaves (4,4,1) no room at 4K either.
+    assert not _training_table(4096, resident=None)[(4, 4, 1)][1]
 
 
 def _actor_training(**overrides):
@@ -115,3 +128,43 @@ def test_workload_validates_fields():
         PpoWorkload.for_model(model, adaptive_micro_batch="yes")
     with pytest.raises(ValueError, match=r"models\.critic: every role needs a model"):
         PpoWorkload(models={"actor": model})
+
+
+@pytest.mark.parametrize(("micro_batch", "pp"), [(4, 2), (1, 2), (4, 4), (2, 8)])
+def test_a_pipeline_s_fullest_slot_is_its_first_or_its_last_stage_not_both(micro_batch, pp):
+    """The first stage holds the embedding and up to ``pp`` micro-batches in flight; the last the
+    head, one micro-batch and the fp32 logits. The fullest slot is the fuller of the two, each
+    counted on its own (found by review: the model added the first's activations to the last's
+    logits on one slot, and refused layouts that fit)."""
+    workload = PpoWorkload.for_model(CATALOG.model("llama-3.1-8b"), gen_len=2048, micro_batch=8)
+    ms = next(m for m in workload.model_stages("training") if m.role == "actor")
+    acc = CATALOG.accelerator("h100-sxm")
+    shape = LayoutShape(
+        ms=ms,
+        workload=workload,
+        accelerator=acc,
+        tp=1,
+        pp=pp,
+        dp=np.array([1.0]),
+        micro_batch=micro_batch,
+    )
+    fullest = {k: float(v[0]) for k, v in memory.memory_breakdown(shape, num_slots=16).items()}
+    whole = LayoutShape(
+        ms=ms,
+        workload=workload,
+        accelerator=acc,
+        tp=1,
+        pp=1,
+        dp=np.array([1.0]),
+        micro_batch=micro_batch,
+    )
+    one = {k: float(v[0]) for k, v in memory.memory_breakdown(whole, num_slots=16).items()}
+    one_micro_batch = one["activations"] / pp  # a stage's layers, one micro-batch in flight
+    first = fullest["logits"] == 0
+    last = fullest["activations"] == pytest.approx(one_micro_batch)
+    assert first != last  # one end or the other, never both ends' loads
+    if last:
+        assert fullest["logits"] == pytest.approx(one["logits"])
+    else:
+        in_flight = min(pp, float(shape.micro_batches(shape.mb)[0]))
+        assert fullest["activations"] == pytest.approx(in_flight * one_micro_batch)

@@ -21,7 +21,8 @@ from runtime.planner.catalog import Accelerator, ModelConfig
 from runtime.planner.memory import memory_breakdown, memory_budget, total_bytes
 from runtime.planner.plan import Plan, PlanError
 from runtime.planner.search import fitting, price_plan, rebatched
-from runtime.planner.shapes import LayoutShape, batchings
+from runtime.planner.shapes import LayoutShape, batchings, training_state
+from runtime.planner.space import only_layouts, valid_layouts
 from tests.runtime.planner.oracle import exhaustive_step_seconds
 from tests.support.hashing import outputs_under_hash_seeds
 
@@ -92,15 +93,28 @@ def small_instances(draw):
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(small_instances())
 def test_dp_equals_exhaustive_optimum(instance):
+    """The search is exact beside the training state it plans room for, and that room holds
+    what its training layouts keep; where it finds nothing, nothing fits beside any room a
+    training layout could need."""
     workload, acc, num_slots = instance
-    optimum = exhaustive_step_seconds(workload, acc, num_slots)
-    if not math.isfinite(optimum):
-        with pytest.raises(PlanningError):
-            plan(workload, acc, num_slots)
+    try:
+        result = plan(workload, acc, num_slots)
+    except PlanningError:
+        for ms in workload.model_stages("training"):
+            for tp, pp in valid_layouts(ms.model, acc, num_slots)[0]:
+                one = LayoutShape(
+                    ms=ms, workload=workload, accelerator=acc, tp=tp, pp=pp, dp=np.array([1.0])
+                )
+                level = float(one.params_per_slot * one.training_bytes_per_param[0])
+                room = tuple((t.role, level) for t in workload.model_stages("training"))
+                assert not math.isfinite(exhaustive_step_seconds(workload, acc, num_slots, room))
         return
-    result = plan(workload, acc, num_slots)
+    room = result.best.training_state
+    optimum = exhaustive_step_seconds(workload, acc, num_slots, room)
     assert result.best.predicted_step_s == pytest.approx(optimum, rel=1e-9)
     assert price_plan(result.best, workload, acc) == pytest.approx(optimum, rel=1e-9)
+    kept = dict(training_state(dataclasses.replace(result.best, training_state=()), workload))
+    assert all(kept[role] <= nbytes * (1 + 1e-9) for role, nbytes in room)
     _assert_valid_placement(result.best, acc)
 
 
@@ -154,7 +168,8 @@ def test_every_unused_candidate_has_a_reason():
     reasons = {(r.model_stage, r.tp, r.pp): r.reason for r in result.rejected}
     assert "28 attention heads are not divisible by tp=8" in reasons[("actor@training", 8, 1)]
     assert reasons[("actor@training", 16, 1)].startswith("tp=16 exceeds the 8 GPUs of a node")
-    assert any(r.startswith("memory: needs") for r in reasons.values())
+    # Training layouts keeping more state per slot than the plan made room for are not taken.
+    assert any(r.startswith("memory: keeps") for r in reasons.values())
     chosen = result.best.model_stage("actor@training").layout
     assert ("actor@training", chosen.tp, chosen.pp) not in reasons
 
@@ -245,15 +260,68 @@ def test_excluding_every_fitting_layout_says_so():
     assert reasons.get(("actor@training", 1, 1)) == "excluded by the caller"
 
 
+@pytest.mark.parametrize(
+    ("model", "num_slots", "keep"),
+    [("qwen2.5-7b", 28, (4, 1)), ("llama-3.1-70b", 80, (4, 20)), ("llama-3.1-8b", 16, (2, 2))],
+)
+def test_keeping_layouts_leaves_only_those_layouts(model, num_slots, keep):
+    """``only_layouts`` excludes the whole grid the planner searches: pp of every divisor of the
+    layer count, not only powers of two (found by review: keeping (4, 1) for a 28-layer model
+    gave every model-stage but generation (1, 7))."""
+    workload = PpoWorkload.for_model(CATALOG.model(model))
+    acc = CATALOG.accelerator("h100-sxm")
+    kept = {ms.name: keep for ms in workload.model_stages()}
+    best = plan(
+        workload,
+        acc,
+        num_slots,
+        num_alternatives=0,
+        excluded=only_layouts(kept, workload, acc, num_slots),
+    ).best
+    assert {ms.name: (ms.layout.tp, ms.layout.pp) for ms in best.model_stages} == kept
+
+
+@pytest.mark.parametrize("stage", ["training", "inference"])
+def test_a_micro_batch_is_never_charged_more_sequences_than_its_unit_has(stage):
+    """A pinned micro-batch of 8 on a unit holding one sequence runs micro-batches of one: memory
+    and time are those of micro-batch 1 (found by review: such a unit was charged the
+    activations of 8 sequences, and a layout that fits was refused)."""
+    from runtime.planner.plan import Layout
+
+    workload = PpoWorkload.for_model(
+        CATALOG.model("llama-3.1-8b"),
+        global_batch=8,
+        micro_batch=8,
+        adaptive_micro_batch=False,
+        gen_len=2048,
+    )
+    acc = CATALOG.accelerator("h100-sxm")
+    ms = next(m for m in workload.model_stages(stage) if m.role == "actor")
+
+    def priced(dp, micro_batch):
+        shape = LayoutShape.of_layout(ms, workload, acc, Layout(dp=dp, tp=2, pp=2), micro_batch)
+        need = float(total_bytes(memory_breakdown(shape, num_slots=32))[0])
+        seconds = float(cost.predict(shape, num_slots=32, efficiency=cost.DEFAULT_EFFICIENCY)[0][0])
+        return need, seconds
+
+    assert priced(8, 8) == pytest.approx(priced(8, 1))  # one sequence per unit
+    assert priced(4, 8) == pytest.approx(priced(4, 2))  # two
+    assert priced(1, 8)[0] > priced(1, 4)[0]  # eight: the size is the plan's
+
+
 def test_a_layout_memory_outgrows_runs_in_smaller_micro_batches_before_it_is_dropped():
     """Training and inference at 8,000 generated tokens in micro-batches of 8 sequences: each
     model-stage runs in the fastest of 8, 4, 2 and 1 that fits its layout, and some fit only in
-    smaller ones; pinned to 8, no layout of the actor's training fits at all."""
+    smaller ones; pinned to 8, no plan fits: the actor's training fits only in layouts keeping
+    so much state on every slot that its generation no longer fits beside it."""
     acc = CATALOG.accelerator("h100-sxm")
     adaptive = PpoWorkload.for_model(CATALOG.model("llama-3.1-8b"), gen_len=8000, micro_batch=8)
     pinned = dataclasses.replace(adaptive, adaptive_micro_batch=False)
     free = plan(adaptive, acc, 32, num_alternatives=0).best
-    with pytest.raises(PlanningError, match=r"memory: actor@training needs") as refused:
+    with pytest.raises(
+        PlanningError,
+        match=r"memory: actor@generation needs .* beside \d+\.\d GiB of training state kept",
+    ) as refused:
         plan(pinned, acc, 32, num_alternatives=0)
     assert refused.value.constraint == "memory"
     budget = memory_budget(acc.memory_bytes)
@@ -306,14 +374,14 @@ def test_generation_whose_kv_cache_cannot_hold_every_sequence_decodes_in_waves()
 
 
 def test_a_plan_rebatched_for_a_longer_length_keeps_its_layouts_and_slots():
-    """A plan made at 2,000 tokens, re-batched for 6,000: every model-stage keeps its layout
+    """A plan made at 2,000 tokens, re-batched for 5,000: every model-stage keeps its layout
     and slots, micro-batches only shrink (generation decodes in waves, so ``micro_batch`` goes
     from all at once to some), the plan's predictions are its own at the new length, and it
     fits there; at a length no micro-batch of some layout fits, there is none."""
     acc = CATALOG.accelerator("h100-sxm")
     short = PpoWorkload.for_model(CATALOG.model("llama-3.1-8b"), gen_len=2000, global_batch=2048)
     running = plan(short, acc, 16, num_alternatives=0).best
-    longer = short.with_gen_len(6000)
+    longer = short.with_gen_len(5000)
     again = rebatched(running, longer, acc)
     assert again is not None and again.places_like(running)
     assert again.predicted_step_s == pytest.approx(price_plan(again, longer, acc))
