@@ -312,6 +312,26 @@ def reject_command(
     _decide("reject", proposal_id, comment, as_json, url, token)
 
 
+@app.command("override", epilog=_API_EPILOG)
+def override_command(
+    job_id: Annotated[int, typer.Argument(min=1)],
+    plan: Annotated[str, typer.Option(help="A plan's JSON file ('-': standard input).")],
+    reason: Annotated[str | None, typer.Option(help="Why (required).")] = None,
+    as_json: _Json = False,
+    url: _Url = None,
+    token: _Token = None,
+) -> None:
+    """Propose a plan of your own for a job (POST /api/v1/jobs/<id>/override/); another approver
+    approves it with nereus approve before the job moves to it."""
+    from nereus.client_cli import override
+
+    raise typer.Exit(
+        code=override(
+            job_id=job_id, plan_file=plan, reason=reason, as_json=as_json, url=url, token=token
+        )
+    )
+
+
 @app.command("download", epilog=_API_EPILOG)
 def download_command(
     job_id: Annotated[int, typer.Argument(min=1)],

@@ -287,6 +287,12 @@ class Client:
         path = f"/api/v1/proposals/{int(proposal_id)}/{decision}/"
         return self._call("POST", path, body={"comment": comment})[1]
 
+    def job_override(self, job_id: int, *, plan: dict[str, Any], reason: str) -> dict[str, Any]:
+        """Propose a plan of one's own for a job; another approver approves it."""
+        return self._call(
+            "POST", f"/api/v1/jobs/{int(job_id)}/override/", body={"plan": plan, "reason": reason}
+        )[1]
+
     # --- transport -------------------------------------------------------------------------
 
     def _call(

@@ -1,4 +1,4 @@
-"""``nereus submit|status|watch|approve|reject|download``: the REST API from a CI pipeline.
+"""``nereus submit|status|watch|approve|reject|override|download``: the REST API from a CI pipeline.
 
 Each function returns the command's exit code (see ``nereus.client`` for the table). Errors go to
 stderr as ``nereus <command>: …`` with one line per field the API named; with ``--json`` they are
@@ -55,17 +55,18 @@ def _client(url: str | None, token: str | None) -> Client:
     return Client(ClientConfig.resolve(url=url, token=token))
 
 
-def _read_spec(path: str) -> dict[str, Any]:
+def _read_spec(path: str, option: str = "--spec") -> dict[str, Any]:
+    """The JSON object in file ``path`` ('-': standard input); errors name ``option``."""
     try:
         text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
-        raise usage_error("--spec", f"cannot read {path}: {exc}") from None
+        raise usage_error(option, f"cannot read {path}: {exc}") from None
     try:
         spec = loads_strict(text)
     except ValueError as exc:
-        raise usage_error("--spec", f"{path}: not valid JSON: {exc}") from None
+        raise usage_error(option, f"{path}: not valid JSON: {exc}") from None
     if not isinstance(spec, dict):
-        raise usage_error("--spec", f"{path}: expected a JSON object, got {type(spec).__name__}")
+        raise usage_error(option, f"{path}: expected a JSON object, got {type(spec).__name__}")
     return spec
 
 
@@ -175,6 +176,34 @@ def decide(
         state = proposal.get("state") or ("approved" if decision == "approve" else "rejected")
         job = f" (job {proposal['job']})" if proposal.get("job") is not None else ""
         typer.echo(f"proposal {proposal_id}: {state}{job}")
+    return EXIT_OK
+
+
+def override(
+    *,
+    job_id: int,
+    plan_file: str,
+    reason: str | None,
+    as_json: bool,
+    url: str | None,
+    token: str | None,
+) -> int:
+    """Propose a plan of your own for a job (POST /api/v1/jobs/<id>/override/): a proposal that
+    another approver approves (``nereus approve``) before the job moves to it."""
+    try:
+        if reason is None or not reason.strip():
+            raise usage_error("reason", "required: say why with --reason TEXT")
+        plan = _read_spec(plan_file, "--plan")
+        proposal = _client(url, token).job_override(job_id, plan=plan, reason=reason)
+    except ApiError as exc:
+        return _fail("override", exc, as_json=as_json)
+    if as_json:
+        typer.echo(json.dumps(proposal))
+    else:
+        typer.echo(
+            f"proposal {proposal.get('id')}: {proposal.get('state', 'waiting')} (job {job_id}); "
+            "another approver approves it with nereus approve"
+        )
     return EXIT_OK
 
 

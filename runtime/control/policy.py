@@ -17,6 +17,9 @@ ADMISSIONS = ("payback", "always_faster", "never", "restart")
 RUNWAYS = ("shortest", "amortized", "longest")
 """``payback`` is Nereus's rule; ``always_faster`` admits whatever is predicted faster (DynaRL-style);
 ``never`` keeps the plan unless forced; ``restart`` admits by payback but moves by checkpoint/restart."""
+MAX_APPROVAL_TIMEOUT_S = 30 * 24 * 3600
+"""The longest a proposal may wait for a person: 30 days (a deadline far beyond it is no
+deadline, and one past the calendar's end cannot be stored)."""
 
 
 class PolicyError(ValueError):
@@ -33,7 +36,8 @@ class JobPolicy:
     approval_above_s: float = 0.0
     """With ``manual_above``: transitions predicted to cost more than this wait for a person."""
     approval_timeout_s: float = 3600.0
-    """A proposal nobody answers is dropped after this long; the job keeps its plan."""
+    """A proposal nobody answers is dropped after this long (at most ``MAX_APPROVAL_TIMEOUT_S``);
+    the job keeps its plan."""
     admission: str = "payback"
     lookahead_steps: int = 5
     """How far ahead a memory violation is predicted from the signals' trend."""
@@ -73,6 +77,11 @@ class JobPolicy:
             value = getattr(self, field)
             if not _number(value) or value < 0:
                 raise PolicyError(f"policy.{field}: must be a number >= 0, got {value!r}")
+        if self.approval_timeout_s > MAX_APPROVAL_TIMEOUT_S:
+            raise PolicyError(
+                f"policy.approval_timeout_s: must be at most {MAX_APPROVAL_TIMEOUT_S} "
+                f"(30 days), got {self.approval_timeout_s!r}"
+            )
         if not _number(self.min_saving) or not 0 <= self.min_saving < 1:
             raise PolicyError(
                 f"policy.min_saving: must be a number in [0, 1), got {self.min_saving!r}"

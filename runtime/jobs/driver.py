@@ -11,6 +11,7 @@ import dataclasses
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 from runtime.engine.ray_cluster import ray_connection
 from runtime.engine.slots import SlotPool
@@ -18,8 +19,10 @@ from runtime.events import EventSink, RuntimeEvent
 from runtime.jobs import sft
 from runtime.jobs.spec import SftJobSpec
 
-Command = tuple[str, int]
-"""(``approve`` or ``reject``, the controller's proposal id): what people send a running job."""
+Command = tuple[str, Any]
+"""What people send a running job: (``approve`` or ``reject``, the controller's proposal id), or
+(``override``, ``{"plan": the plan's JSON, "proposal": the override's id as people know it}``)
+for a person's plan that another person approved (a rejected override asks nothing of the job)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -33,11 +36,17 @@ class JobOutcome:
 
 
 def apply_commands(controller, engine, commands: list[Command], sink: EventSink) -> None:
-    """Hand people's approvals and rejections to the controller, between steps; each outcome
-    becomes a ``command.applied`` event (a proposal that stopped waiting is ignored, saying why)."""
-    for kind, proposal in commands:
+    """Hand people's approvals, rejections and approved overrides to the controller, between
+    steps; each outcome becomes a ``command.applied`` event (a proposal that stopped waiting is
+    ignored, and an override the controller cannot take is refused, saying why)."""
+    for kind, argument in commands:
+        override = kind == "override"
+        proposal = argument.get("proposal") if override else argument
         try:
-            outcome = controller.command(kind, proposal, engine)
+            if override:
+                outcome = controller.override(argument.get("plan"), engine)
+            else:
+                outcome = controller.command(kind, proposal, engine)
         except ValueError as exc:  # not waiting any more (expired, superseded)
             outcome = f"ignored: {exc}"
         sink.emit(

@@ -3,7 +3,8 @@ and transition compiler run for real against ``SimulatedEngine``; steps are pace
 that a person can watch triggers, proposals and transitions arrive and approve them.
 
 Every event it emits says ``simulated: true``. Approval commands come in through ``commands``
-(the job's log, in the web service) and go to ``Controller.command`` between steps.
+(the job's log, in the web service) and go to the controller between steps (``apply_commands``:
+``Controller.command``, or ``Controller.override`` for a person's approved plan).
 """
 
 from __future__ import annotations

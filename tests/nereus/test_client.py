@@ -314,6 +314,7 @@ def test_an_unreachable_service_exits_6_with_the_url(service, spec_file):
         ["submit", "--spec", str(spec_file)],
         ["approve", "1", "--comment", "looks right"],
         ["reject", "1", "--comment", "too risky"],
+        ["override", "1", "--plan", str(spec_file), "--reason", "more slots"],
     ):
         done = _run(args, env)
         assert done.returncode == client.EXIT_UNREACHABLE, (args, done.stderr)
@@ -321,13 +322,17 @@ def test_an_unreachable_service_exits_6_with_the_url(service, spec_file):
         _no_traceback(done)
 
 
-def test_approve_and_reject_refuse_a_missing_comment_before_any_request(service):
+def test_approve_and_reject_refuse_a_missing_comment_before_any_request(service, spec_file):
     # An unreachable URL: the refusal must come from the client, not the server.
     env = service.cli_env(NEREUS_URL=f"http://127.0.0.1:{free_port()}")
-    for args in (["approve", "7"], ["reject", "7", "--comment", "  "]):
+    for args, field in (
+        (["approve", "7"], "comment"),
+        (["reject", "7", "--comment", "  "], "comment"),
+        (["override", "7", "--plan", str(spec_file)], "reason"),
+    ):
         done = _run(args, env)
         assert done.returncode == client.EXIT_USAGE
-        assert f"nereus {args[0]}: comment: required" in done.stderr
+        assert f"nereus {args[0]}: {field}: required" in done.stderr
         _no_traceback(done)
 
 

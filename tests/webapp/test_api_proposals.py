@@ -1,14 +1,21 @@
 """REST API ``/api/v1/proposals/``: the approvals inbox, one proposal, approve and reject; who may
-decide, the required comment, self-approval, state conflicts; bad input names the field."""
+decide, the required comment, self-approval, state conflicts; bad input names the field. And
+``/api/v1/jobs/<id>/override/``: a person's own plan for a job, proposed for another to approve."""
 
 from __future__ import annotations
 
+import json
+from datetime import timedelta
+
 import pytest
+from django.utils import timezone
 
 from tests.support import plans as events
 from tests.support.jobs import make_job
 from webapp.api.exceptions import INVALID_INPUT
 from webapp.api.jobs import NO_SUCH_PROJECT, UNKNOWN_FIELD
+from webapp.jobs import services as job_services
+from webapp.jobs.models import Job, JobState
 from webapp.plans import errors, services
 from webapp.plans.models import Proposal, ProposalState
 from webapp.projects import services as project_services
@@ -102,6 +109,10 @@ def test_the_inbox_is_cursor_paginated(api, project, member, job, approver):
         ("project=Not a slug!", "project", None),
         ("job=x", "job", None),
         ("cursor=zzz", "cursor", None),
+        ("limit=abc", "limit", None),  # these three were read as the default page
+        ("limit=0", "limit", None),
+        ("limit=-5", "limit", None),
+        ("limit=201", "limit", None),
     ],
 )
 def test_bad_filters_name_the_field(api, other_project, approver, waiting, query, field, message):
@@ -249,6 +260,57 @@ def test_an_outdated_proposal_is_a_409_and_marked_stale(api, approver, waiting, 
     assert waiting.state == ProposalState.STALE
 
 
+def test_a_proposal_of_a_cancelling_job_is_a_409_and_marked_stale(api, approver, job):
+    """Its driver stops at its next step boundary, before it reads commands: an approval was
+    recorded and never applied (found by review)."""
+    job.state = JobState.RUNNING
+    job.save(update_fields=["state"])
+    cancel = api(user=job.owner).post(f"/api/v1/jobs/{job.pk}/cancel/")
+    assert cancel.json()["state"] == JobState.CANCELLING
+    late = _propose(job)  # the controller proposed during the step the job stops after
+    response = _decide(api(user=approver), late)
+    assert response.status_code == 409 and response.json()["code"] == "not_waiting"
+    assert response.json()["message"] == errors.JOB_FINISHED.format(
+        proposal_id=late.pk, state=JobState.CANCELLING
+    )
+    late.refresh_from_db()
+    assert late.state == ProposalState.STALE
+    assert not job.events.filter(kind="command.approve").exists()
+
+
+def _stop(job, end: str) -> None:
+    if end in ("succeeded", "failed"):
+        job_services._finish(job.pk, job.epoch, end, "runtime_error" if end == "failed" else "")
+    elif end == "cancelled":
+        job_services.job_cancel(job_id=job.pk)  # cancelling: the driver stops at its next step
+        job_services._finish(job.pk, job.epoch, JobState.CANCELLED)
+    elif end == "pending-cancelled":
+        Job.objects.filter(pk=job.pk).update(state=JobState.PENDING)
+        job_services.job_cancel(job_id=job.pk)
+    else:  # "reaped": a cancelling job whose driver went silent is ended by the reaper
+        Job.objects.filter(pk=job.pk).update(
+            state=JobState.CANCELLING, heartbeat_at=timezone.now() - timedelta(hours=1)
+        )
+        assert job_services.jobs_reap_lost() == []
+
+
+@pytest.mark.parametrize("end", ["succeeded", "failed", "cancelled", "pending-cancelled", "reaped"])
+def test_a_job_that_ends_leaves_no_proposal_waiting_in_the_inbox(api, approver, job, end):
+    """Its proposals stayed waiting forever (found by review): they go stale with the move."""
+    Job.objects.filter(pk=job.pk).update(state=JobState.AWAITING_APPROVAL)
+    waiting = _propose(job)
+    client = api(user=approver)
+    assert [r["id"] for r in client.get(f"{PROPOSALS}?state=waiting").json()["results"]] == [
+        waiting.pk
+    ]
+    _stop(job, end)
+    job.refresh_from_db()
+    assert job.is_terminal, job.state
+    waiting.refresh_from_db()
+    assert waiting.state == ProposalState.STALE
+    assert client.get(f"{PROPOSALS}?state=waiting").json()["results"] == []
+
+
 def test_self_approval_is_a_409_with_its_own_code(api, project, member, job, approver):
     proposer = member(project, Role.APPROVER, "proposer")
     override = services.proposal_override(
@@ -269,6 +331,141 @@ def test_self_approval_is_a_409_with_its_own_code(api, project, member, job, app
     )
 
 
+# --- overrides ---------------------------------------------------------------------------------
+
+
+def _override(client, job_id, body):
+    return client.post(f"/api/v1/jobs/{job_id}/override/", body, format="json")
+
+
+@pytest.fixture
+def running(job):
+    Job.objects.filter(pk=job.pk).update(state=JobState.RUNNING)
+    job.refresh_from_db()
+    return job
+
+
+def test_an_operator_proposes_an_override_and_another_person_approves_it(
+    api, project, member, running, approver
+):
+    proposer = member(project, Role.OPERATOR, "pat")
+    response = _override(
+        api(user=proposer), running.pk, {"plan": events.plan_json(8), "reason": "x"}
+    )
+    assert response.status_code == 201, response.content
+    body = response.json()
+    assert response["Location"] == f"{PROPOSALS}{body['id']}/"
+    assert (body["job"], body["state"], body["proposed_by"]) == (running.pk, "waiting", "pat")
+    assert (body["controller_id"], body["verdict"], body["reason"]) == (None, None, "x")
+    assert body["plan"] == events.plan_json(8) and body["epoch"] == running.epoch
+    assert running.events.filter(kind="proposal.override").exists()
+    decided = _decide(api(user=approver), Proposal.objects.get(pk=body["id"]))
+    assert decided.status_code == 200 and decided.json()["state"] == "approved"
+    # What the job's driver reads between steps: the override with its plan.
+    link = job_services._ControlLink(running.pk, running.epoch)
+    link.after = 0
+    assert link.commands() == [("override", {"plan": events.plan_json(8), "proposal": body["id"]})]
+
+
+def test_a_rejected_override_asks_nothing_of_the_driver(api, project, member, running, approver):
+    link = job_services._ControlLink(running.pk, running.epoch)
+    proposer = member(project, Role.OPERATOR, "pat")
+    body = _override(api(user=proposer), running.pk, {"plan": events.plan_json(8), "reason": "x"})
+    rejected = _decide(api(user=approver), Proposal.objects.get(pk=body.json()["id"]), "reject")
+    assert rejected.status_code == 200
+    assert running.events.filter(kind="command.reject").exists() and link.commands() == []
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"reason": "more slots"}, "plan"),
+        ({"plan": None, "reason": "more slots"}, "plan"),
+        ({"plan": [1, 2], "reason": "more slots"}, "plan"),
+        ({"plan": {"num_slots": 3}, "reason": "more slots"}, "plan"),
+        ({"plan": "a plan", "reason": "more slots"}, "plan"),
+        ({"plan": events.plan_json(8)}, "reason"),
+        ({"plan": events.plan_json(8), "reason": "  "}, "reason"),
+        ({"plan": events.plan_json(8), "reason": "x", "urgent": True}, "urgent"),
+    ],
+)
+def test_bad_override_bodies_name_the_field(api, project, member, running, body, field):
+    response = _override(api(user=member(project, Role.OPERATOR, "pat")), running.pk, body)
+    assert response.status_code == 400, response.content
+    assert list(_fields(response)) == [field]
+    assert not Proposal.objects.exists()
+
+
+def test_an_override_of_an_unknown_or_unseen_job_is_a_404_and_viewers_get_403(
+    api, project, other_project, member, running
+):
+    body = {"plan": events.plan_json(8), "reason": "x"}
+    operator = member(project, Role.OPERATOR, "pat")
+    assert _override(api(user=operator), 987654, body).status_code == 404
+    assert (
+        _override(api(user=member(other_project, Role.ADMIN)), running.pk, body).status_code == 404
+    )
+    assert _override(api(user=member(project, Role.VIEWER)), running.pk, body).status_code == 403
+    assert not Proposal.objects.exists()
+
+
+@pytest.mark.parametrize("state", [JobState.CANCELLING, JobState.SUCCEEDED, JobState.FAILED])
+def test_an_override_of_a_stopping_or_finished_job_is_a_409(api, project, member, job, state):
+    Job.objects.filter(pk=job.pk).update(state=state)
+    body = {"plan": events.plan_json(8), "reason": "x"}
+    response = _override(api(user=member(project, Role.OPERATOR, "pat")), job.pk, body)
+    assert response.status_code == 409
+    assert response.json()["message"] == errors.OVERRIDE_JOB_STOPPED.format(
+        job_id=job.pk, state=state
+    )
+    assert not Proposal.objects.exists()
+
+
+def test_nereus_override_posts_the_plan_file_and_names_bad_input(
+    api, project, member, running, monkeypatch, tmp_path, capsys
+):
+    """The CLI's command (``nereus.client_cli.override``) against the real view."""
+    from nereus import client, client_cli
+    from nereus.client import EXIT_OK, EXIT_USAGE
+
+    operator = member(project, Role.OPERATOR, "pat")
+
+    class Client(client.Client):
+        """The real client's requests, answered by the test client instead of a socket."""
+
+        def __init__(self):
+            pass
+
+        def _call(self, method, path, *, body=None, headers=None):
+            response = api(user=operator).generic(
+                method, path, json.dumps(body), content_type="application/json"
+            )
+            if response.status_code >= 400:
+                raise client_cli.ApiError(
+                    str(response.json()), exit_code=EXIT_USAGE, fields=response.json()["fields"]
+                )
+            return response.status_code, response.json()
+
+    monkeypatch.setattr(client_cli, "_client", lambda url, token: Client())
+    plan_file = tmp_path / "plan.json"
+    plan_file.write_text(json.dumps(events.plan_json(8)))
+    common = {"job_id": running.pk, "as_json": False, "url": None, "token": None}
+
+    assert client_cli.override(plan_file=str(plan_file), reason="more slots", **common) == EXIT_OK
+    proposal = Proposal.objects.get()
+    assert proposal.proposed_by == operator and proposal.plan == events.plan_json(8)
+    assert capsys.readouterr().out.startswith(f"proposal {proposal.pk}: waiting (job {running.pk})")
+    assert client_cli.override(plan_file=str(plan_file), reason=" ", **common) == EXIT_USAGE
+    assert "nereus override: reason: required" in capsys.readouterr().err
+    missing = str(tmp_path / "nope.json")
+    assert client_cli.override(plan_file=missing, reason="x", **common) == EXIT_USAGE
+    assert "nereus override: --plan: cannot read" in capsys.readouterr().err
+    plan_file.write_text('{"num_slots": 3}')
+    assert client_cli.override(plan_file=str(plan_file), reason="x", **common) == EXIT_USAGE
+    assert "plan" in capsys.readouterr().err
+    assert Proposal.objects.count() == 1
+
+
 def test_the_schema_is_valid(api, approver):
     response = api(user=approver).get("/api/schema/", HTTP_ACCEPT="application/json")
     assert response.status_code == 200
@@ -281,5 +478,6 @@ def test_the_schema_is_valid(api, approver):
         "/api/v1/proposals/{proposal_id}/",
         "/api/v1/proposals/{proposal_id}/approve/",
         "/api/v1/proposals/{proposal_id}/reject/",
+        "/api/v1/jobs/{job_id}/override/",
     ):
         assert path in paths, path

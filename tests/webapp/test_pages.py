@@ -266,6 +266,19 @@ def test_the_submit_page_submits_a_real_ppo_job(client, operator):
     assert spec["policy"] == {"approval": "manual_above", "approval_above_s": 2.5}
 
 
+@pytest.mark.parametrize(("batch_size", "minibatch_size"), [(4, 4), (1, 1), (8, 8), (16, 8)])
+def test_the_ppo_submit_form_takes_a_batch_smaller_than_the_default_minibatch(
+    client, operator, batch_size, minibatch_size
+):
+    """The form has no minibatch field, and the spec's default of 8 refused any batch below 8
+    (found by review): the minibatch is the default cut to the batch."""
+    client.force_login(operator)
+    response = client.post("/jobs/new/", {**PPO_FORM, "batch_size": batch_size})
+    assert response.status_code == 302, response.context["form"].errors
+    spec = Job.objects.get(name="ppo").spec
+    assert (spec["batch_size"], spec["minibatch_size"]) == (batch_size, minibatch_size)
+
+
 @pytest.mark.parametrize(
     "change, field",
     [

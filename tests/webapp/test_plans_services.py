@@ -108,6 +108,24 @@ def test_an_unanswered_proposal_expires_and_the_job_keeps_its_plan(job):
     assert Plan.objects.get(job=job, current=True).reason == "initial"
 
 
+@pytest.mark.parametrize("stored", [3e11, 1e300, 10**30])
+def test_a_stored_approval_timeout_beyond_30_days_waits_30_days(owner, project, stored):
+    """A spec stored before the bound (or written around it) must not fail the job at its first
+    proposal: the deadline overflowed the calendar (found by review)."""
+    job = make_job(
+        owner=owner,
+        project=project,
+        state=JobState.RUNNING,
+        epoch=1,
+        spec={"kind": "ppo-sim", "policy": {"approval": "manual", "approval_timeout_s": stored}},
+    )
+    assert services.approval_timeout(job) == timedelta(days=30)
+    before = timezone.now()
+    _record(job, events.proposal_event(1))
+    waiting = Proposal.objects.get(job=job)
+    assert before + timedelta(days=30) <= waiting.expires_at <= timezone.now() + timedelta(days=30)
+
+
 def test_automatic_transitions_take_their_target_from_the_decision(job):
     controller, engine = events.simulated_controller(
         lambda e: services.record_controller_event(job=job, event=e)

@@ -1,19 +1,22 @@
-"""``/api/v1/proposals/``: the approvals inbox, one proposal, and approving or rejecting it.
+"""``/api/v1/proposals/``: the approvals inbox, one proposal, and approving or rejecting it; and
+``/api/v1/jobs/<id>/override/``: a person proposing a plan of their own for a job.
 
 Anyone who can see the job reads its proposals; approving or rejecting needs the approver role in
-its project and a comment. The rules live in ``webapp.plans.services.proposal_decide``.
+its project and a comment; proposing an override, the operator role and a reason. The rules live
+in ``webapp.plans.services`` (``proposal_decide``, ``proposal_override``).
 """
 
 from __future__ import annotations
 
+from django.urls import reverse
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema
-from rest_framework import serializers
+from rest_framework import serializers, status
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from webapp.api.authentication import request_token
-from webapp.api.jobs import UNKNOWN_FIELD, _project_or_field_error
+from webapp.api.jobs import UNKNOWN_FIELD, _job_or_404, _project_or_field_error
 from webapp.api.pagination import IdCursorPagination
 from webapp.api.parsers import JSONParser
 from webapp.plans import selectors, services
@@ -160,3 +163,51 @@ class ProposalRejectApi(_DecisionApi):
     )
     def post(self, request, proposal_id: int):
         return super().post(request, proposal_id)
+
+
+class OverrideInput(serializers.Serializer):
+    plan = serializers.JSONField(
+        help_text="The plan to move the job to, as the runtime's Plan.to_json() (a plan of "
+        "GET /api/v1/jobs/<id>/plans/, changed)."
+    )
+    reason = serializers.CharField(max_length=4000, help_text="Why; required, not blank.")
+
+    def validate(self, attrs):
+        unknown = sorted(set(self.initial_data) - set(self.fields))
+        if unknown:
+            raise serializers.ValidationError({name: [UNKNOWN_FIELD] for name in unknown})
+        return attrs
+
+
+class JobOverrideApi(APIView):
+    """Propose a plan of your own for a job (operator role or above), with a reason: a waiting
+    proposal that another approver approves or rejects like the controller's. Approved, the
+    job's driver moves to it between steps, or refuses it saying why (``control.override_refused``
+    in the job's events: it does not fit, uses more slots than are alive, has other
+    model-stages). A job that has finished or is being cancelled answers 409."""
+
+    parser_classes = [JSONParser]
+
+    @extend_schema(
+        operation_id="jobs_override", request=OverrideInput, responses={201: ProposalOutput}
+    )
+    def post(self, request, job_id: int):
+        token = request_token(request)
+        job = _job_or_404(request, job_id)
+        data = OverrideInput(data=request.data)
+        data.is_valid(raise_exception=True)
+        proposal = services.proposal_override(
+            user=request.user,
+            job=job,
+            plan=data.validated_data["plan"],
+            reason=data.validated_data["reason"],
+            token=token,
+        )
+        response = Response(
+            ProposalOutput(
+                selectors.proposal_get_for(request.user, proposal_id=proposal.pk, token=token)
+            ).data,
+            status=status.HTTP_201_CREATED,
+        )
+        response["Location"] = reverse("api:proposal-detail", kwargs={"proposal_id": proposal.pk})
+        return response

@@ -14,6 +14,7 @@ urlpatterns = [
         jobs.JobArtifactFileApi.as_view(),
         name="job-artifact-file",
     ),
+    path("jobs/<int:job_id>/override/", proposals.JobOverrideApi.as_view(), name="job-override"),
     path("jobs/<int:job_id>/plans/", plans.JobPlansApi.as_view(), name="job-plans"),
     path(
         "jobs/<int:job_id>/transitions/", plans.JobTransitionsApi.as_view(), name="job-transitions"

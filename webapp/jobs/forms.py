@@ -46,7 +46,7 @@ _SPEC_FIELD = {
     "policy.approval_above_s": "approval_above_s",
     "policy.memory_runway": "memory_runway",
     "policy.min_saving": "min_saving",
-    "minibatch_size": "batch_size",  # the form leaves minibatches at their default
+    "minibatch_size": "batch_size",  # the form derives minibatches from the batch size
     **{f"policy.thresholds.{signal}": "threshold" for signal in SIGNALS},
 }
 
@@ -241,6 +241,9 @@ class JobSubmitForm(forms.Form):
                 "max_slots": data["max_slots"],
                 "num_steps": data["num_steps"],
                 "batch_size": data["batch_size"],
+                # The form has no minibatch field: the spec's default, cut to a smaller batch
+                # (the spec needs minibatch_size <= batch_size).
+                "minibatch_size": min(_PPO.minibatch_size, data["batch_size"]),
                 "max_new_tokens": data["max_new_tokens"],
                 "warmup_steps": data["warmup_steps"],
                 "checkpoint_every": data["checkpoint_every"],

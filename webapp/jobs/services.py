@@ -19,6 +19,7 @@ from django.utils import timezone
 
 from webapp.jobs import errors, selectors
 from webapp.jobs.models import ALLOWED_MOVES, FailureReason, Job, JobEvent, JobState
+from webapp.plans.models import Proposal, ProposalState
 from webapp.projects import errors as project_errors
 from webapp.projects.models import ApiToken, Project, Role
 from webapp.projects.selectors import require_role
@@ -143,7 +144,8 @@ def _enqueue_driver(job_id: int, *, epoch: int | None = None) -> None:
 
 
 def job_move(*, job: Job, target: str, reason: str = "", detail: str = "") -> Job:
-    """Move a job along the state machine (caller holds the row lock); illegal moves raise."""
+    """Move a job along the state machine (caller holds the row lock); illegal moves raise.
+    Stopping or stopped, its waiting proposals become stale in the same transaction."""
     if target not in ALLOWED_MOVES[job.state]:
         raise errors.JobError(errors.ILLEGAL_MOVE.format(current=job.state, target=target))
     job.state = target
@@ -164,6 +166,11 @@ def job_move(*, job: Job, target: str, reason: str = "", detail: str = "") -> Jo
             "updated_at",
         ]
     )
+    if target in (JobState.CANCELLING, JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED):
+        # No driver will act on a decision any more: the inbox must not keep asking for one.
+        Proposal.objects.filter(job=job, state=ProposalState.WAITING).update(
+            state=ProposalState.STALE
+        )
     job_event_append(
         job=job, epoch=job.epoch, kind="job.state", data={"state": target, "reason": reason}
     )
@@ -229,6 +236,26 @@ class DatabaseEventSink:
             data=dict(event.data),
             at=datetime.fromtimestamp(event.at, tz=UTC),
         )
+        if event.kind == "command.applied" and event.data.get("command") == "override":
+            _override_outcome(job, event.data.get("proposal"), str(event.data.get("outcome")))
+
+
+OVERRIDE_TAKEN = ("applied", "rebatched", "unchanged")
+"""What ``Controller.override`` answers when the job runs on the override's plan."""
+
+
+def _override_outcome(job: Job, proposal_id: Any, outcome: str) -> None:
+    """An approved override that the controller did not take (refused, ignored, or its
+    transition failed) never applied: it is stale, as a proposal found stale on approval is."""
+    if (
+        outcome in OVERRIDE_TAKEN
+        or isinstance(proposal_id, bool)
+        or not isinstance(proposal_id, int)
+    ):
+        return
+    Proposal.objects.filter(
+        pk=proposal_id, job=job, proposed_by__isnull=False, state=ProposalState.APPROVED
+    ).update(state=ProposalState.STALE)
 
 
 def _claim_driver(
@@ -453,7 +480,11 @@ class _ControlLink:
         if job.epoch == self.epoch and job.state == source:
             job_move(job=job, target=target)
 
-    def commands(self) -> list[tuple[str, int]]:
+    def commands(self) -> list[tuple[str, Any]]:
+        """The commands people gave since the last call (``runtime.jobs.driver.Command``): an
+        approval or rejection of a controller's proposal, by its controller id; an approved
+        override (a person's proposal: no controller id), with its plan. A rejected override
+        asks nothing of the driver."""
         new = list(
             JobEvent.objects.filter(
                 job_id=self.job_id, pk__gt=self.after, kind__in=COMMAND_KINDS
@@ -461,11 +492,17 @@ class _ControlLink:
         )
         if new:
             self.after = new[-1].pk
-        return [
-            (e.kind.partition(".")[2], int(e.data["proposal"]))
-            for e in new
-            if e.epoch == self.epoch
-        ]
+        commands: list[tuple[str, Any]] = []
+        for e in new:
+            if e.epoch != self.epoch:
+                continue
+            decision, proposal = e.kind.partition(".")[2], e.data.get("proposal")
+            if proposal is not None:
+                commands.append((decision, int(proposal)))
+            elif decision == "approve":
+                override = {"plan": e.data.get("plan"), "proposal": e.data.get("proposal_row")}
+                commands.append(("override", override))
+        return commands
 
 
 COMMAND_KINDS = ("command.approve", "command.reject")

@@ -5,7 +5,8 @@ EXPIRED = "proposal {proposal_id} expired at {expires_at}; the job kept its plan
 SUPERSEDED_EPOCH = (
     "proposal {proposal_id} belongs to driver epoch {epoch}; the job is at epoch {current}"
 )
-JOB_FINISHED = "proposal {proposal_id}: its job has finished ({state})"
+JOB_FINISHED = "proposal {proposal_id}: its job has finished or is stopping ({state})"
+OVERRIDE_JOB_STOPPED = "job {job_id} is {state}: there is no running plan to override"
 SELF_APPROVAL = "you proposed this change; another approver must approve it"
 COMMENT_REQUIRED = "a comment is required: say why"
 COMMENT_NUL = "must not contain NUL characters"

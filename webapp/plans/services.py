@@ -5,7 +5,9 @@ the job's event log. ``proposal_decide`` records a person's answer to a proposal
 ``command.approve`` / ``command.reject`` event; the job's driver (``webapp.jobs.services``, for the
 "ppo" and "ppo-sim" kinds) reads those commands between steps and passes them to
 ``Controller.command``, which answers with ``control.approved`` / ``control.rejected`` /
-``control.stale``.
+``control.stale``. An approved override (``proposal_override``: a person's plan) goes to
+``Controller.override``, which moves the job to it (a ``control.decision`` with trigger
+``override``, then its transition) or refuses it (``control.override_refused``).
 """
 
 from __future__ import annotations
@@ -20,10 +22,10 @@ from django.core.exceptions import ValidationError
 from django.db import transaction
 from django.utils import timezone
 
-from runtime.control.policy import JobPolicy, PolicyError
+from runtime.control.policy import MAX_APPROVAL_TIMEOUT_S, JobPolicy, PolicyError
 from runtime.planner.plan import Plan as RuntimePlan
 from webapp.jobs import errors as job_errors
-from webapp.jobs.models import Job, JobEvent
+from webapp.jobs.models import Job, JobEvent, JobState
 from webapp.jobs.services import job_event_append
 from webapp.plans import errors
 from webapp.plans.models import (
@@ -267,13 +269,18 @@ def _finite(value: Any) -> Any:
 
 def approval_timeout(job: Job) -> timedelta:
     """How long a proposal of this job waits: its spec's ``policy.approval_timeout_s``, or the
-    runtime's default."""
+    runtime's default; never more than ``MAX_APPROVAL_TIMEOUT_S`` (a spec stored before that
+    bound must not make the deadline overflow the calendar and fail the job)."""
     policy = job.spec.get("policy") if isinstance(job.spec, dict) else None
     try:
         seconds = JobPolicy.from_json(policy).approval_timeout_s if policy else None
     except (PolicyError, TypeError):
-        seconds = None
-    return timedelta(seconds=seconds if seconds is not None else JobPolicy().approval_timeout_s)
+        raw = policy.get("approval_timeout_s") if isinstance(policy, Mapping) else None
+        valid = isinstance(raw, int | float) and not isinstance(raw, bool) and raw >= 0  # no NaN
+        seconds = raw if valid else None
+    if seconds is None:
+        seconds = JobPolicy().approval_timeout_s
+    return timedelta(seconds=min(seconds, MAX_APPROVAL_TIMEOUT_S))
 
 
 # --- people's proposals and decisions ----------------------------------------------------------
@@ -283,7 +290,12 @@ def approval_timeout(job: Job) -> timedelta:
 def proposal_override(
     *, user, job: Job, plan: dict[str, Any], reason: str, token: ApiToken | None = None
 ) -> Proposal:
-    """A person proposes a plan for a job (operator role or above); another person approves it."""
+    """A person proposes a plan for a job (operator role or above); another person approves it,
+    and the job's driver moves to it (``Controller.override``), or refuses it saying why.
+
+    Refuses: a caller below operator (``RoleError``); a plan that is not one
+    (``ValidationError`` on ``plan``); a job that has finished or is being cancelled
+    (``JobError``), whose driver will never read the approval."""
     require_role(user, job.project, Role.OPERATOR, token=token)
     if not isinstance(plan, dict):
         raise ValidationError({"plan": ["expected a plan object"]})
@@ -292,6 +304,10 @@ def proposal_override(
     except (KeyError, TypeError, ValueError) as exc:
         raise ValidationError({"plan": [f"not a plan: {exc}"]}) from None
     job = Job.objects.select_for_update().get(pk=job.pk)
+    if job.is_terminal or job.state == JobState.CANCELLING:
+        raise job_errors.JobError(
+            errors.OVERRIDE_JOB_STOPPED.format(job_id=job.pk, state=job.state)
+        )
     proposal = Proposal.objects.create(
         job=job,
         epoch=job.epoch,
@@ -321,11 +337,12 @@ def proposal_decide(
 
     Refuses: a caller who cannot see the job (``NotFoundError``) or is below approver
     (``RoleError``); a bad decision or blank comment (``ValidationError`` naming the field); a
-    proposal that is not waiting, expired, from an older driver epoch or of a finished job
-    (``ProposalError``; the last three are marked expired or stale as they are found); the
-    proposer approving their own override (``SelfApprovalError``, unless
-    ``NEREUS_ALLOW_SELF_APPROVAL``). On success, appends ``command.<decision>`` to the job's log
-    for its driver to pass to the controller (that driver side is not built yet).
+    proposal that is not waiting, expired, from an older driver epoch or of a job that has
+    finished or is being cancelled (``ProposalError``; the last three are marked expired or
+    stale as they are found); the proposer approving their own override
+    (``SelfApprovalError``, unless ``NEREUS_ALLOW_SELF_APPROVAL``). On success, appends
+    ``command.<decision>`` to the job's log for its driver to pass to the controller between
+    steps (an approved override: ``Controller.override``; a rejected one asks nothing of it).
     """
     require_role(user, proposal.job.project, Role.APPROVER, token=token)
     if decision not in DECISIONS:
@@ -357,7 +374,9 @@ def _decide(
         return row, errors.ProposalError(
             errors.NOT_WAITING.format(proposal_id=row.pk, state=row.state)
         )
-    if job.is_terminal:
+    if job.is_terminal or job.state == JobState.CANCELLING:
+        # A cancelling job's driver stops at its next step boundary, before it reads commands:
+        # an approval now would be recorded and never applied.
         return _mark(row, ProposalState.STALE), errors.ProposalError(
             errors.JOB_FINISHED.format(proposal_id=row.pk, state=job.state)
         )
