@@ -11,12 +11,13 @@ cluster taking a slot away and giving one.
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-from runtime.control import Controller, JobPolicy, run_job
+from runtime.control import Controller, JobPolicy, RunSummary, run_job
 from runtime.engine.ray_cluster import ray_connection
 from runtime.engine.ray_engine import RayEngine
 from runtime.engine.slots import SlotPool
@@ -123,27 +124,30 @@ def run_ppo_job(
             )
 
         try:
-            summary = run_job(
+            run = run_ppo_steps(
                 engine,
                 controller,
-                max(0, spec.num_steps - first),
+                job,
+                spec.num_steps,
                 between_steps=between_steps,
                 on_step=on_step,
             )
+            summary = run.summary
             forward_engine_events()
             _export(job, engine, sink)
             engine.stop()
         finally:
             pool.close()
-    status = "cancelled" if summary.stopped else "succeeded"
+    status = "failed" if run.failure else "cancelled" if run.stopped else "succeeded"
     last = job.stats[-1] if job.stats else None
     sink.emit(
         RuntimeEvent(
             kind="job.finished",
             data={
                 "status": status,
-                "steps": first + summary.steps,
+                "steps": run.steps_done,
                 "resumed_from": first,
+                "failure": run.failure,
                 "wall_s": round(summary.seconds, 2),
                 "transitions": summary.transitions,
                 "transition_s": round(summary.transition_seconds, 3),
@@ -153,7 +157,97 @@ def run_ppo_job(
             },
         )
     )
-    return JobOutcome(status=status, steps_done=first + summary.steps, final_loss=None)
+    if run.failure:
+        raise RuntimeError(
+            f"the PPO job gave up after {run.steps_done} of {spec.num_steps} steps: {run.failure}"
+        )
+    return JobOutcome(status=status, steps_done=run.steps_done, final_loss=None)
+
+
+RETRIES = 3
+"""Setbacks (a failed step, a resume from an earlier checkpoint) a PPO job takes without getting
+past the furthest step it reached before it gives up."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PpoRun:
+    """How a PPO job's step loop ended (``run_ppo_steps``)."""
+
+    summary: RunSummary
+    """The loop's: its ``steps`` count loop steps, repeated and failed ones included."""
+    steps_done: int
+    """The job's own count: the PPO updates its state holds (``JobState.next_step``)."""
+    stopped: bool
+    """Told to stop (``between_steps`` said so) before its last step."""
+    failure: str
+    """Why the job gave up before its last step; empty if it did not."""
+
+
+def run_ppo_steps(
+    engine: RayEngine,
+    controller: Controller,
+    job: PpoRuntime,
+    num_steps: int,
+    *,
+    between_steps: Callable[[int], bool] | None = None,
+    on_step: Callable | None = None,
+    retries: int = RETRIES,
+) -> PpoRun:
+    """The job's step loop (``run_job``), run until the job has made ``num_steps`` PPO updates by
+    its own count (``JobState.next_step``), however many loop steps that takes: a failed step
+    makes no update, and a resume from a checkpoint (a slot died with the only copy of a unit's
+    state) sends the job back to the checkpoint's step, whose successors run again.
+
+    A loop step that does not take the job exactly one step on is a setback. After ``retries``
+    setbacks without getting past the furthest step it had reached, the loop gives up and says
+    why in ``failure``: a step that fails every time, or a slot that dies every step, ends the
+    job. The controller's horizon (``last_step``) is the loop step at which the job, from where
+    it is, would reach ``num_steps``."""
+    seen = {"at": -1, "ok": True, "furthest": -1, "setbacks": 0, "why": ""}
+    ended = {"stopped": False, "failure": ""}
+
+    def before(loop_step: int) -> bool:
+        at = job.state.next_step  # after the last loop step, and any resume it led to
+        if loop_step:
+            if not seen["ok"] or at != seen["at"] + 1:
+                seen["setbacks"] += 1
+                if seen["ok"]:
+                    seen["why"] = (
+                        f"resumed from a checkpoint (a step begun at step {seen['at']} ended at {at})"
+                    )
+            elif at > seen["furthest"]:
+                seen["setbacks"] = 0
+        seen["at"], seen["furthest"] = at, max(seen["furthest"], at)
+        if at >= num_steps:
+            return False
+        if seen["setbacks"] >= retries:
+            ended["failure"] = (
+                f"{seen['setbacks']} setbacks without getting past step {seen['furthest']}; "
+                f"the last: {seen['why']}"
+            )
+            return False
+        if between_steps is not None and not between_steps(loop_step):
+            ended["stopped"] = True
+            return False
+        controller.last_step = loop_step + (num_steps - at) - 1
+        return True
+
+    def after(report) -> None:
+        seen["ok"] = report.ok
+        if not report.ok:
+            seen["why"] = f"step {seen['at']} failed: {report.failure}"
+        (on_step or controller.emit_step)(report)
+
+    # ``before`` ends the loop: at most num_steps loop steps get past the furthest step, and
+    # between two of them come fewer than ``retries`` setbacks, each followed by fewer than
+    # num_steps steps back to it. The bound is a safeguard, never reached.
+    bound = (num_steps + 1) * (retries * (num_steps + 1) + 1) + 1
+    summary = run_job(engine, controller, bound, between_steps=before, on_step=after)
+    done = job.state.next_step
+    failure = ended["failure"]
+    if done < num_steps and not ended["stopped"] and not failure:
+        failure = f"the loop ended after {summary.steps} steps with {done} of {num_steps} done"
+    return PpoRun(summary=summary, steps_done=done, stopped=ended["stopped"], failure=failure)
 
 
 def _export(job: PpoRuntime, engine: RayEngine, sink: EventSink) -> None:

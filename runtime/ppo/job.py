@@ -38,11 +38,11 @@ from runtime.emu.primitives import Unit
 from runtime.emu.reshard import plan_copies
 from runtime.engine.interface import StepReport
 from runtime.engine.slots import Pending, SlotError
-from runtime.planner import cost, default_catalog
+from runtime.planner import default_catalog
+from runtime.planner.calibration import samples_from_stages
 from runtime.planner.catalog import CatalogError, ModelConfig, RopeScaling
 from runtime.planner.plan import Plan
 from runtime.planner.search import on_ready
-from runtime.planner.shapes import LayoutShape
 from runtime.planner.workload import PpoWorkload
 from runtime.ppo import algorithm as ppo
 from runtime.ppo import export, slot_work
@@ -52,7 +52,7 @@ from runtime.ppo.model import build_model
 from runtime.ppo.parallel import check_tensor_parallel
 from runtime.ppo.tasks import BOS, EOS, PAD, TaskSet, reward_function
 from runtime.ppo.trainer_local import supervised_warmup
-from runtime.ppo.weights import CheckpointError, read_state_dict
+from runtime.ppo.weights import CheckpointError, load_weights, read_state_dict, unexpected_keys
 from runtime.transition.dag import build_order, joining_units
 from runtime.transition.units import persists, unit_layout
 
@@ -333,6 +333,9 @@ class PpoRuntime:
                 )
 
     def _check_initial(self, path: str) -> None:
+        """Refuse an ``init_from`` that ``load_weights`` would not load into the actor: a
+        parameter missing or of another shape, or a tensor the model has no place for (derived
+        buffers such as RoPE frequencies are skipped), before any slot is touched."""
         try:
             weights = read_state_dict(path)
         except (OSError, CheckpointError) as exc:
@@ -346,6 +349,12 @@ class PpoRuntime:
                     f"init_from: {key} has shape {tuple(weights[key].shape)}, the model "
                     f"{self.model.name} needs {tuple(tensor.shape)}"
                 )
+        unexpected = unexpected_keys(weights, expected)
+        if unexpected:
+            raise PpoConfigError(
+                f"init_from: {path} has a tensor {unexpected[0]!r} that the model "
+                f"{self.model.name} does not have"
+            )
 
     def initial_weights(self) -> dict[str, Path]:
         """Full weights of the four models at step 0, written once to the job's directory: the
@@ -356,7 +365,7 @@ class PpoRuntime:
         c = self.config
         actor = build_model(self.model, scalar_head=False, seed=c.seed)
         if c.init_from:
-            actor.load_state_dict(read_state_dict(c.init_from))
+            load_weights(actor, c.init_from)  # derived buffers (RoPE frequencies) skipped
         supervised_warmup(
             actor,
             self.tasks,
@@ -729,28 +738,16 @@ class PpoRuntime:
         )
 
     def _op_times(self, plan: Plan, workload: PpoWorkload, training_s: float):
-        """(operation class, ideal seconds, measured seconds) for calibration. Slots time model-
-        stages, not operations: a model-stage's measured time is shared among its operation
-        classes in proportion to their ideal times (the two training models, which update in
-        the same calls, share the training stage's time the same way)."""
-        acc = default_catalog().accelerator(plan.accelerator)
-        ideal: dict[str, dict[str, float]] = {}
-        for ms in workload.with_gen_len(self._gen_len_for(workload)).model_stages():
-            shape = LayoutShape.of_plan(ms, workload, acc, plan)
-            seconds, _ = cost.ideal_breakdown(shape, num_slots=plan.num_slots)
-            ideal[ms.name] = {op: float(v[0]) for op, v in seconds.items() if float(v[0]) > 0}
-        training = sum(sum(ideal[n].values()) for n in ("actor@training", "critic@training"))
+        """Calibration samples of this step (see ``calibration.samples_from_stages``): at the
+        length it generated."""
         measured = dict(self._measured)
-        for name in ("actor@training", "critic@training"):
-            share = sum(ideal[name].values()) / training if training > 0 else 0.5
-            measured[name] = training_s * share
-        out = []
-        for name, ops in ideal.items():
-            total = sum(ops.values())
-            if total <= 0 or name not in measured:
-                continue
-            out += [(op, s, measured[name] * s / total) for op, s in ops.items()]
-        return tuple(out)
+        return samples_from_stages(
+            plan,
+            workload.with_gen_len(self._gen_len_for(workload)),
+            default_catalog().accelerator(plan.accelerator),
+            measured=measured,
+            training_s=training_s,
+        )
 
     def _gen_len_for(self, workload: PpoWorkload) -> int:
         last = self.stats[-1].mean_response_length if self.stats else workload.gen_len
@@ -844,7 +841,10 @@ class PpoRuntime:
         return {role: timed(role, run) for role, run in jobs}
 
     def _train(self, engine, units, micro_batches: dict[str, int], **batch) -> dict[str, float]:
-        """One PPO update of actor and critic; each model-stage in the plan's micro-batches."""
+        """One PPO update of actor and critic; each model-stage in the plan's micro-batches.
+        A minibatch smaller than the data parallelism (the last, ``batch_size %
+        minibatch_size`` rows) leaves some units no rows: they take part in the gradients' sum
+        with zeros (``slot_work._train_one``), so the update is the same on any layout."""
         c = self.config
         totals: dict[str, float] = {}
         count = 0

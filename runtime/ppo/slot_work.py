@@ -572,7 +572,13 @@ def _train_one(ctx: SlotContext, task: TrainTask) -> dict | None:
     state = _stored(ctx, task.unit)
     _refresh(ws, state)
     ws.model.zero_grad(set_to_none=True)
-    if task.unit.layout.pp > 1:
+    if task.sequences.shape[0] == 0:
+        # No rows of this minibatch (its last, smaller than the data parallelism): every slot
+        # of the unit skips the forward, the backward and the pipeline schedule, which are the
+        # unit's own, and joins the sum of gradients and their norm with zeros (``_gradients``);
+        # its weight in the loss is 0, so the update is that of the units with rows.
+        stats = {}
+    elif task.unit.layout.pp > 1:
         stats = _train_pipelined(ctx, ws, task)
     else:  # gradients accumulated over the micro-batches, each weighted by its tokens
         targets, chunks, tokens, total = _micro_batches(task)

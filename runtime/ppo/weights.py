@@ -7,8 +7,9 @@ as the shards of one checkpoint. Anything else is read with ``torch.load(weights
 which accepts only tensors and plain containers.
 
 Loading is strict: every parameter of the model must be present with its exact shape, and the file
-must hold nothing else, so a checkpoint of another architecture fails with the tensor's name
-instead of loading half-way. Load before applying tensor parallelism: whole tensors are copied.
+must hold nothing else but derived buffers (skipped), so a checkpoint of another architecture
+fails with the tensor's name instead of loading half-way. Load before applying tensor
+parallelism: whole tensors are copied.
 """
 
 from __future__ import annotations
@@ -103,13 +104,19 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     return dict(state)
 
 
+def unexpected_keys(state: Mapping[str, torch.Tensor], expected: Mapping) -> list[str]:
+    """The keys of ``state`` that are not in ``expected``, sorted, but for derived buffers (RoPE
+    frequencies), which a checkpoint may hold and a load skips."""
+    return sorted(
+        key for key in state if key not in expected and not key.endswith(_DERIVED_SUFFIXES)
+    )
+
+
 def load_weights(model: nn.Module, source: Mapping[str, torch.Tensor] | str | Path) -> None:
     """Copy every parameter of ``model`` from ``source`` by name, converting to the model's dtype."""
     state = source if isinstance(source, Mapping) else read_state_dict(source)
     expected = model.state_dict()
-    unexpected = sorted(
-        key for key in state if key not in expected and not key.endswith(_DERIVED_SUFFIXES)
-    )
+    unexpected = unexpected_keys(state, expected)
     if unexpected:
         raise CheckpointError(f"{unexpected[0]}: not a parameter of this model")
     for key, target in expected.items():

@@ -254,6 +254,43 @@ def test_smaller_micro_batches_and_generation_waves_make_the_same_update(runtime
         torch.testing.assert_close(rows_params[key], tensor, rtol=1e-4, atol=1e-5)
 
 
+def test_a_training_unit_with_no_rows_of_a_minibatch_joins_the_update_with_zero_gradients(
+    runtime,
+):
+    """Batch 9 in minibatches of 4 leaves a last minibatch of one row: of two data-parallel
+    training units, one gets none. It runs no forward, backward or pipeline schedule, but takes
+    part in the gradients' sum and norm with zeros, so the update is the one-unit update (the
+    actor on one slot per unit, the critic pipelined over two)."""
+    config = dataclasses.replace(
+        CONFIG,
+        batch_size=9,
+        max_new_tokens=4,
+        warmup_steps=2,
+        ppo=PPOConfig(kl_coef=0.01, epochs=1, minibatch_size=4),
+    )
+
+    def run(layouts: dict):
+        engine, job = runtime(config)
+        plan = _plan(job, layouts, 4)
+        engine.start(plan, job.workload())
+        report = engine.step(plan, job.workload(), 0)
+        assert report.ok, report.failure
+        return report.extra["stats"], {
+            role: job.parameters(engine.engine, role) for role in ("actor", "critic")
+        }
+
+    one, one_params = run({"actor@training": (1, 1, 1), "critic@training": (1, 1, 1)})
+    two, two_params = run({"actor@training": (2, 1, 1), "critic@training": (2, 1, 2)})
+    assert two["mean_response_length"] == one["mean_response_length"]
+    for key in ("policy_loss", "value_loss", "entropy", "clip_fraction"):
+        assert two[key] == pytest.approx(one[key], rel=1e-3, abs=1e-5), key
+    for role, params in one_params.items():
+        for key, tensor in params.items():
+            torch.testing.assert_close(
+                two_params[role][key], tensor, rtol=1e-4, atol=1e-5, msg=f"{role}:{key}"
+            )
+
+
 def test_responses_grow_under_the_length_reward(runtime):
     config = dataclasses.replace(
         CONFIG, max_new_tokens=12, ppo=PPOConfig(kl_coef=0.01, epochs=2, minibatch_size=8)
@@ -304,4 +341,46 @@ def test_a_checkpoint_whose_shapes_do_not_match_is_refused(tmp_path):
     path = tmp_path / "model.safetensors"
     _write_safetensors(path, dict(other.state_dict()))
     with pytest.raises(PpoConfigError, match=r"^init_from: model\.embed_tokens\.weight has shape"):
+        PpoRuntime(dataclasses.replace(CONFIG, init_from=str(path)), workdir=tmp_path / "job")
+
+
+def test_a_checkpoint_with_rope_frequency_buffers_starts_the_actor_from_its_weights(tmp_path):
+    """Older Hugging Face Llama exports store each layer's ``rotary_emb.inv_freq``: derived
+    buffers, not weights. The job accepts the file and starts the actor (and the reference) from
+    its weights, skipping them, as ``load_weights`` does."""
+    from runtime.ppo.model import build_model
+    from tests.runtime.ppo.test_weights import _write_safetensors
+
+    model = default_catalog().model(CONFIG.model)
+    state = dict(build_model(model, scalar_head=False, seed=3).state_dict())
+    frequencies = {
+        f"model.layers.{i}.self_attn.rotary_emb.inv_freq": torch.ones(8)
+        for i in range(model.num_layers)
+    }
+    path = tmp_path / "model.safetensors"
+    _write_safetensors(path, {**state, **frequencies})
+    config = dataclasses.replace(CONFIG, init_from=str(path), warmup_steps=0)
+    weights = PpoRuntime(config, workdir=tmp_path / "job").initial_weights()
+    for role in ("actor", "ref"):
+        started = torch.load(weights[role], weights_only=True)
+        assert started.keys() == state.keys()
+        for key, tensor in state.items():
+            assert torch.equal(started[key], tensor), (role, key)
+
+
+def test_a_checkpoint_with_a_tensor_the_model_lacks_is_refused(tmp_path):
+    """A tensor the model has no place for (not a derived buffer) is refused by name when the job
+    is made, before any slot is created (not when the slots load the actor)."""
+    from runtime.ppo.model import build_model
+    from tests.runtime.ppo.test_weights import _write_safetensors
+
+    state = dict(
+        build_model(default_catalog().model(CONFIG.model), scalar_head=False, seed=0).state_dict()
+    )
+    state["model.layers.0.mlp.gate_proj.bias"] = torch.zeros(8)
+    path = tmp_path / "model.safetensors"
+    _write_safetensors(path, state)
+    with pytest.raises(
+        PpoConfigError, match=r"^init_from: .* 'model\.layers\.0\.mlp\.gate_proj\.bias'"
+    ):
         PpoRuntime(dataclasses.replace(CONFIG, init_from=str(path)), workdir=tmp_path / "job")

@@ -10,7 +10,8 @@ import pytest
 from runtime.control import Controller, JobPolicy, run_job
 from runtime.engine.ray_cluster import ray_connection
 from runtime.engine.ray_engine import RayEngine
-from runtime.engine.slots import SlotPool
+from runtime.engine.slots import SlotError, SlotPool
+from runtime.jobs.ppo_job import RETRIES, run_ppo_steps
 from runtime.planner import default_catalog
 from runtime.ppo.algorithm import PPOConfig
 from runtime.ppo.job import PpoJobConfig, PpoRuntime, plan_by_hand
@@ -26,6 +27,16 @@ CONFIG = PpoJobConfig(
     ppo=PPOConfig(kl_coef=0.01, epochs=1, minibatch_size=8),
 )
 CPU = default_catalog().accelerator("cpu-slot")
+# Training is one unit over all four slots (tensor parallel): slot 1 has no replica.
+WITHOUT_A_REPLICA = {
+    "actor@training": (4, 1),
+    "critic@training": (4, 1),
+    "actor@generation": (1, 1),
+    "actor@inference": (1, 1),
+    "ref@inference": (1, 1),
+    "critic@inference": (1, 1),
+    "reward@inference": (1, 1),
+}
 
 
 @pytest.fixture(scope="module")
@@ -86,18 +97,8 @@ def test_a_killed_slot_with_a_live_replica_loses_no_step(pool, tmp_path):
 
 def test_a_killed_slot_without_a_replica_resumes_from_the_last_checkpoint(pool, tmp_path):
     engine, job = _engine(pool, tmp_path)
-    # Training is one unit over all four slots (tensor parallel): slot 1 has no replica.
-    layouts = {
-        "actor@training": (4, 1),
-        "critic@training": (4, 1),
-        "actor@generation": (1, 1),
-        "actor@inference": (1, 1),
-        "ref@inference": (1, 1),
-        "critic@inference": (1, 1),
-        "reward@inference": (1, 1),
-    }
     summary, events, ppo_steps = _run_with_a_kill(
-        engine, job, layouts=layouts, kill_before=3, steps=5
+        engine, job, layouts=WITHOUT_A_REPLICA, kill_before=3, steps=5
     )
     restart = next(e for e in events if e["event"] == "control.restart")
     assert restart["from_checkpoint"]
@@ -105,6 +106,69 @@ def test_a_killed_slot_without_a_replica_resumes_from_the_last_checkpoint(pool, 
     assert summary.restarts >= 1
     assert any(e["event"] == "engine.resumed" and e["step"] == 2 for e in engine.events)
     assert ppo_steps[:3] == [0, 1, 2] and ppo_steps[3:] == [2, 3]
+
+
+def _run_ppo_steps(engine, job, num_steps: int, *, between_steps):
+    """``run_ppo_job``'s step loop on the test's engine, with the layouts above."""
+    events = []
+    controller = Controller(
+        job.workload(),
+        CPU,
+        JobPolicy(fixed_layouts=True),
+        emit=events.append,
+        fixed=WITHOUT_A_REPLICA,
+    )
+    ppo_steps = []
+
+    def on_step(report):
+        ppo_steps.append(report.extra.get("ppo_step") if report.ok else None)
+        controller.emit_step(report)
+
+    try:
+        run = run_ppo_steps(
+            engine, controller, job, num_steps, between_steps=between_steps, on_step=on_step
+        )
+    finally:
+        engine.stop()
+    return run, ppo_steps
+
+
+def test_a_job_sent_back_to_its_checkpoint_runs_until_it_has_made_every_step(pool, tmp_path):
+    """The scenario above through the job's own loop: the resume sends the job back from step 3
+    to step 2, and the loop runs on until the job has made its five updates (one loop step more),
+    reporting the job's count, not the loop's."""
+    engine, job = _engine(pool, tmp_path)
+
+    def between_steps(step: int) -> bool:
+        if step == 3:
+            engine.engine.pool.kill(1)
+        return True
+
+    run, ppo_steps = _run_ppo_steps(engine, job, 5, between_steps=between_steps)
+    assert ppo_steps == [0, 1, 2, 2, 3, 4]
+    assert run.failure == "" and not run.stopped
+    assert run.steps_done == job.state.next_step == 5 and run.summary.steps == 6
+    assert any(e["event"] == "engine.resumed" and e["step"] == 2 for e in engine.events)
+
+
+def test_a_step_that_fails_every_time_ends_the_job_with_a_failure(pool, tmp_path):
+    """From step 2 on every step fails (as a slot's error does); each time the controller
+    resumes from the checkpoint of step 2 and the step fails again. The loop gives up after
+    ``RETRIES`` setbacks, saying why, with the two steps the job made."""
+    engine, job = _engine(pool, tmp_path)
+    real_step = job.step
+
+    def step(unit_engine, plan, workload, loop_step):
+        if job.state.next_step >= 2:
+            raise SlotError("slot 2 failed: a deterministic error in the step")
+        return real_step(unit_engine, plan, workload, loop_step)
+
+    job.step = step
+    run, ppo_steps = _run_ppo_steps(engine, job, 5, between_steps=lambda step: True)
+    assert ppo_steps == [0, 1] + [None] * RETRIES
+    assert run.steps_done == job.state.next_step == 2 and not run.stopped
+    assert run.failure.startswith(f"{RETRIES} setbacks without getting past step 2; ")
+    assert "step 2 failed: a slot failed during the step: slot 2 failed" in run.failure
 
 
 def test_a_checkpoint_resumes_the_same_trajectory_in_another_layout(pool, tmp_path):
