@@ -4,9 +4,9 @@ Every class is priced at hardware peak ("ideal" seconds) and divided by an effic
 (and link type) that calibration learns from the running job. Classes inside the pipeline (GEMMs,
 attention, decode, tensor-parallel all-reduces, pipeline point-to-point) are per-slot times under
 perfect pipelining; the 1F1B bubble adds ``(pp - 1) / m`` of them for ``m`` micro-batches per flush.
-Data-parallel gradient all-reduce, the optimizer step and the weight sync to generation run outside
-the pipeline. Collectives follow the alpha-beta model of a ring: ``2(n-1)/n · bytes / bandwidth +
-2(n-1) · latency``.
+Data-parallel gradient all-reduce, the optimizer step and the weight sync (to generation, and to
+the actor's and critic's inference units) run outside the pipeline. Collectives follow the
+alpha-beta model of a ring: ``2(n-1)/n · bytes / bandwidth + 2(n-1) · latency``.
 """
 
 from __future__ import annotations
@@ -128,12 +128,29 @@ def ideal_breakdown(
             steps * 2 * num_layers / pp, seqs_per_micro * h * b
         ) + tp_allreduce(2 * num_layers / pp * m * waves, seqs_per_micro * prompt * h * b)
         out[f"pp_p2p:{pp_link}"] = p2p(steps, seqs_per_micro * h * b)
-        sync_link = acc.link(num_slots)
-        sync_bytes = shape.params_per_slot * b
-        out[f"weight_sync:{sync_link}"] = (
-            sync_bytes / acc.bandwidth(sync_link) + acc.latency(sync_link) + zeros
-        )
+        out.update(_weight_sync(shape, num_slots))
+    if ms.stage == "inference" and ms.role in TRAINED:
+        # The actor's and the critic's inference units take the weights just trained, every
+        # step, as generation does.
+        out.update(_weight_sync(shape, num_slots))
     return out, m
+
+
+TRAINED = ("actor", "critic")
+"""The roles with a training model-stage, whose other model-stages take its weights each step."""
+
+
+def _weight_sync(shape: LayoutShape, num_slots: int) -> dict[str, np.ndarray]:
+    """Ideal seconds of refreshing a unit's weights from the training units: the pool's slots
+    are placed from the first slot of a node, so a pool no larger than a node syncs inside it."""
+    acc = shape.accelerator
+    link = "intra" if num_slots <= acc.gpus_per_node else "inter"
+    nbytes = shape.params_per_slot * shape.workload.bytes_per_value
+    return {
+        f"weight_sync:{link}": nbytes / acc.bandwidth(link)
+        + acc.latency(link)
+        + np.zeros_like(shape.dp)
+    }
 
 
 def in_pipeline(op_class: str) -> bool:

@@ -10,7 +10,7 @@ from runtime.control import controller as controller_module
 from runtime.control.admission import decide
 from runtime.engine.sim import REBUILD_TRUTH, SimulatedEngine, TrueModel
 from runtime.engine.traces import Trace
-from runtime.planner import PlanningError, PpoWorkload, default_catalog
+from runtime.planner import Layout, PlanningError, PpoWorkload, default_catalog
 from runtime.transition.compiler import DEFAULT_REBUILD_S
 
 CATALOG = default_catalog()
@@ -662,14 +662,19 @@ def test_memory_a_layout_outgrows_is_first_freed_by_smaller_micro_batches():
     """The length grows from 512 to 5,000 tokens with micro-batches of up to 16 sequences. When
     the inference micro-batches will not fit what the trend reaches within the lookahead, the
     controller halves them (at whichever replan of that step comes first), which moves no
-    state, instead of moving any layout; pinned to 16, the job has to move state instead."""
+    state, and the training units, whose state persists, never move; pinned to 16, the job has
+    to move state instead."""
     grown = dataclasses.replace(WORKLOAD, gen_len=512, micro_batch=16)
     controller, summary = _growing_length(JobPolicy(), gpus=32, to=5000.0, workload=grown)
-    assert summary.failed_steps == 0 and summary.transitions == 0 and summary.rebatches > 0
+    assert summary.failed_steps == 0 and summary.restarts == 0 and summary.rebatches > 0
     changes = [e for e in controller.events if e["event"] == "control.micro_batches"]
     assert len(changes) == summary.rebatches
     for change in changes:
         assert change["changed"] and all(new < old for old, new in change["changed"].values())
+    plans = [e["plan"] for e in controller.events if e["event"] == "control.plan"]
+    first = {ms["name"]: ms["layout"] for ms in plans[0]["model_stages"]}
+    for name in ("actor@training", "critic@training"):
+        assert controller.plan.model_stage(name).layout == Layout(**first[name])
     pinned = dataclasses.replace(grown, adaptive_micro_batch=False)
     _, moved = _growing_length(JobPolicy(), gpus=32, to=5000.0, workload=pinned)
     assert moved.transitions + moved.restarts > 0 and moved.rebatches == 0
@@ -694,10 +699,10 @@ def test_generation_whose_kv_cache_outgrows_decodes_in_waves_instead_of_failing(
     assert moved.rebatches == 0 and moved.failed_steps > 0 and moved.restarts > 0
 
 
-def _runway(memory_runway: str):
-    """200 steps on 64 slots while the length grows from 1024 to 8000 tokens."""
+def _runway(memory_runway: str, gpus: int = 128):
+    """200 steps on ``gpus`` slots while the length grows from 1024 to 8000 tokens."""
     policy = JobPolicy(memory_runway=memory_runway)
-    return _growing_length(policy, steps=200, gpus=64, to=8000.0)
+    return _growing_length(policy, steps=200, gpus=gpus, to=8000.0)
 
 
 def test_a_new_plan_is_made_to_last_as_long_as_its_move_pays_for():
@@ -717,8 +722,9 @@ def test_a_forced_move_changes_only_what_it_must_when_that_is_cheaper():
     length would sometimes change the generation layout too, rebuilding every generation engine
     (tens of seconds) for a small gain that the next memory move, a few steps on, would not let
     it repay: the controller moves to the best plan that changes only the model-stages that no
-    longer fit, whenever that is cheaper per step with the move's cost spread over its life."""
-    controller, summary = _runway("shortest")
+    longer fit (and the inference units, rebuilt every step anyway), whenever that is cheaper per
+    step with the move's cost spread over its life."""
+    controller, summary = _runway("shortest", gpus=64)
     moves = [e for e in controller.events if e["event"] == "control.decision" and e["admit"]]
     assert len(moves) == summary.transitions > 5
     for move in moves:
@@ -726,9 +732,13 @@ def test_a_forced_move_changes_only_what_it_must_when_that_is_cheaper():
         before = {m["name"]: m["layout"] for m in move["current"]["model_stages"]}
         after = {m["name"]: m["layout"] for m in move["candidate"]["model_stages"]}
         changed = {name for name in after if after[name] != before[name]}
-        assert changed and changed <= {"actor@training", "critic@training"}
+        # The training state moves; the inference units, rebuilt every step anyway, may be
+        # rebalanced with it; the generation engines are not rebuilt.
+        assert changed & {"actor@training", "critic@training"}
+        assert "actor@generation" not in changed
     transitions = [e for e in controller.events if e["event"] == "control.transition"]
-    assert all(t["ok"] and t["rebuild_s"] == 0 for t in transitions)
+    engine_start = dict(DEFAULT_REBUILD_S)["generation"]
+    assert all(t["ok"] and t["rebuild_s"] < engine_start for t in transitions)
 
 
 class _FailsFirstTransition(SimulatedEngine):

@@ -168,3 +168,39 @@ def test_a_pipeline_s_fullest_slot_is_its_first_or_its_last_stage_not_both(micro
     else:
         in_flight = min(pp, float(shape.micro_batches(shape.mb)[0]))
         assert fullest["activations"] == pytest.approx(in_flight * one_micro_batch)
+
+
+def test_every_model_stage_that_takes_trained_weights_pays_for_the_sync():
+    """Generation and the actor's and critic's inference units take the weights just trained,
+    every step; the frozen reference and reward models do not (found by review: the two
+    inference syncs went unpriced)."""
+    workload = PpoWorkload.for_model(CATALOG.model("llama-3.1-8b"))
+    acc = CATALOG.accelerator("h100-sxm")
+    priced = {}
+    for ms in workload.model_stages():
+        if ms.stage == "training":
+            continue
+        shape = LayoutShape(
+            ms=ms, workload=workload, accelerator=acc, tp=2, pp=1, dp=np.array([4.0])
+        )
+        ideal, _ = cost.ideal_breakdown(shape, num_slots=16)
+        priced[ms.name] = sum(float(v[0]) for k, v in ideal.items() if k.startswith("weight_sync"))
+    assert priced["actor@generation"] > 0
+    assert priced["actor@inference"] == pytest.approx(priced["actor@generation"])
+    assert 0 < priced["critic@inference"] < priced["actor@inference"]  # a scalar head, no vocab
+    assert priced["ref@inference"] == priced["reward@inference"] == 0
+
+
+@pytest.mark.parametrize(
+    ("num_slots", "link"), [(5, "intra"), (6, "intra"), (8, "intra"), (9, "inter"), (16, "inter")]
+)
+def test_a_pool_inside_one_node_syncs_weights_inside_it(num_slots, link):
+    """A pool is placed from a node's first slot: up to a node's size it lies inside one, power
+    of two or not (found by review: pools of 5 to 7 slots were priced as crossing nodes, and a
+    fifth GPU made the predicted step slower)."""
+    workload = PpoWorkload.for_model(CATALOG.model("llama-3.1-8b"))
+    acc = CATALOG.accelerator("h100-sxm")
+    ms = workload.model_stages("generation")[0]
+    shape = LayoutShape(ms=ms, workload=workload, accelerator=acc, tp=1, pp=1, dp=np.array([1.0]))
+    ideal, _ = cost.ideal_breakdown(shape, num_slots=num_slots)
+    assert [k for k in ideal if k.startswith("weight_sync")] == [f"weight_sync:{link}"]
