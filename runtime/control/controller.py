@@ -130,16 +130,43 @@ def staged_cost(dag, current_s: float, candidate_s: float, joining_s: float = 0.
     )
 
 
-def place(candidate: Plan, alive: list[int], num_slots: int) -> Plan:
-    """A plan made for ``len(alive)`` slots, moved onto the live slots of a pool of ``num_slots``."""
+def place(
+    candidate: Plan, alive: list[int], num_slots: int, gpus_per_node: int | None = None
+) -> Plan:
+    """A plan made for ``len(alive)`` slots, moved onto the live slots of a pool of ``num_slots``.
+
+    The planner lays a plan out on contiguous nodes of ``gpus_per_node`` slots (TP groups, and
+    the units and blocks it prices inside a node, never straddle one). With ``gpus_per_node``,
+    each of those planned nodes goes whole onto one real node with enough live slots, the
+    fullest first, so a node that lost a slot takes the planned node with fewer; where the live
+    slots cannot hold the planned nodes so, or without ``gpus_per_node``, the plan's slot ``i``
+    goes to the ``i``-th live slot."""
+    where = (_by_node(alive, gpus_per_node) if gpus_per_node else None) or alive
     return dataclasses.replace(
         candidate,
         num_slots=num_slots,
         model_stages=tuple(
-            dataclasses.replace(ms, units=tuple(tuple(alive[s] for s in unit) for unit in ms.units))
+            dataclasses.replace(ms, units=tuple(tuple(where[s] for s in unit) for unit in ms.units))
             for ms in candidate.model_stages
         ),
     )
+
+
+def _by_node(alive: list[int], gpus_per_node: int) -> list[int] | None:
+    """The live slot each planned slot goes to, planned node by planned node onto real nodes;
+    None when some planned node fits on no real node left."""
+    real: dict[int, list[int]] = {}
+    for slot in sorted(alive):
+        real.setdefault(slot // gpus_per_node, []).append(slot)
+    nodes = sorted(real.values(), key=lambda slots: (-len(slots), slots[0]))
+    full, rest = divmod(len(alive), gpus_per_node)
+    sizes = [gpus_per_node] * full + ([rest] if rest else [])
+    where: list[int] = []
+    for size, slots in zip(sizes, nodes, strict=False):
+        if len(slots) < size:
+            return None
+        where += slots[:size]
+    return where if len(where) == len(alive) else None
 
 
 class Controller:
@@ -278,7 +305,12 @@ class Controller:
                 fits_at=fit,
             )
         return [
-            place(dataclasses.replace(p, accelerator=self.acc.name), alive, engine.pool_size())
+            place(
+                dataclasses.replace(p, accelerator=self.acc.name),
+                alive,
+                engine.pool_size(),
+                self.acc.gpus_per_node,
+            )
             for p in (result.best, *result.alternatives)
         ]
 
@@ -1257,7 +1289,7 @@ class Controller:
             if set(used) <= set(alive):
                 candidate = dataclasses.replace(wanted, num_slots=pool)
             elif used[-1] < len(alive):
-                candidate = place(wanted, alive, pool)
+                candidate = place(wanted, alive, pool, self.acc.gpus_per_node)
             else:
                 gone = next(s for s in used if s not in alive)
                 return refuse(f"it uses slot {gone}, which is not alive")

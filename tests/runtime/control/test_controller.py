@@ -834,3 +834,20 @@ def test_a_plan_the_planner_picks_under_a_measured_memory_factor_is_one_the_cont
         except PlanningError:
             continue
         assert controller._fits(chosen, gen_len), (gen_len, factor)
+
+
+@pytest.mark.parametrize("lost", [(3,), (0, 1, 2, 3, 4), (12,), (3, 8, 9, 10, 11, 12, 13, 14, 15)])
+def test_a_plan_for_the_live_slots_keeps_its_nodes_whole_after_a_loss(lost):
+    """After a slot is lost, the live slots are not node-aligned any more: mapping the plan's
+    slot i to the i-th live slot put TP groups across two nodes (found by review). Each node the
+    plan was laid out on now goes whole onto a real node with enough live slots."""
+    from runtime.control.controller import place
+    from runtime.planner import plan
+    from tests.runtime.planner.test_search import _assert_valid_placement
+
+    alive = [s for s in range(16) if s not in lost]
+    made = plan(WORKLOAD, ACC, len(alive), num_alternatives=0).best
+    placed = place(made, alive, 16, ACC.gpus_per_node)
+    assert {s for ms in placed.model_stages for s in ms.slots} <= set(alive)
+    _assert_valid_placement(placed, ACC)
+    assert place(made, list(range(len(alive))), len(alive), ACC.gpus_per_node) == made
