@@ -264,6 +264,10 @@
     $("dag-summary").textContent = `Transition ${t.index} (${t.simulated ? "simulated" : "real"}): ` +
       `${t.ok ? "complete" : "failed"} — ${t.nodes} nodes, predicted ${num(t.predicted_s)} s, actual ` +
       `${num(t.actual_s)} s; critical path (thick) ${num(t.dag.critical_path_s)} s.` +
+      (t.nodes === 0
+        ? ` No state moved: only units rebuilt every step anyway (inference, generation) took ` +
+          `their new layouts, in ${num(t.rebuild_s)} s.`
+        : "") +
       ((t.dag.joining || []).length
         ? ` ${t.dag.joining.length} new units were built while the first step generated on the ` +
           `built ones (predicted to cost that step ${num(t.dag.joining_s)} s).`
@@ -378,6 +382,10 @@
       }
       case "command.applied":
         log("command", "", `${d.command} ${d.proposal}: ${d.outcome}`, "", "");
+        break;
+      case "control.override_refused":
+        log("override refused", d.step != null ? `at step ${d.step}` : "", "kept the running plan",
+          d.reason || "", "");
         break;
       case "control.transition": {
         const reported = S.live ? S.live.nodes : {};
