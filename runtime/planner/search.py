@@ -494,9 +494,12 @@ def _search(workload, accelerator, num_slots, eff, excluded, fits_at):
     # at the same) can be what the best plan keeps; nearly equal ones (the critic's head is
     # smaller than the actor's) are one allowance.
     kept = sorted(
-        (_kept_per_slot(ms, workload, tp, pp), ms, tp, pp)
-        for ms in workload.model_stages("training")
-        for tp, pp in valid_layouts(ms.model, accelerator, num_slots)[0]
+        (
+            (_kept_per_slot(ms, workload, tp, pp), ms, tp, pp)
+            for ms in workload.model_stages("training")
+            for tp, pp in valid_layouts(ms.model, accelerator, num_slots)[0]
+        ),
+        key=lambda entry: entry[0],  # equal bytes happen (tied embeddings): never compare the rest
     )
     clusters: list[list] = []
     for entry in kept:

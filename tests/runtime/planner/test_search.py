@@ -476,3 +476,13 @@ def test_a_layout_the_model_cannot_take_is_refused_with_the_field():
     with pytest.raises(ValueError, match=r"tp: intermediate_size=350 is not divisible by tp=4"):
         check_layout(narrow, acc, num_slots=16, dp=1, tp=4, pp=1)
     assert all(tp in (1, 2) for tp, _ in valid_layouts(odd, acc, 16)[0])
+
+
+def test_a_model_with_tied_embeddings_is_planned():
+    """With tied embeddings the actor and the critic keep the same bytes per slot at some
+    layouts; the search's allowances were sorted with the model-stages as tie-breakers, which
+    cannot be ordered (a TypeError for any such model)."""
+    model = dataclasses.replace(CATALOG.model("tiny-llama"), tie_embeddings=True)
+    workload = PpoWorkload.for_model(model)
+    best = plan(workload, CATALOG.accelerator("cpu-slot"), 8, num_alternatives=0).best
+    assert best.training_state and all(nbytes > 0 for _, nbytes in best.training_state)
