@@ -31,41 +31,45 @@ def memory_budget(capacity_bytes: float) -> float:
 def co_resident_bytes(shape: LayoutShape, num_slots: int) -> float:
     """State of the other models that stays on a slot while this model-stage runs: the frozen
     models' weights (reference, reward), which rest sharded evenly over the pool between uses,
-    and the training units' state (actor, critic: weights, gradients, Adam), which stays where
-    those units are through the whole step (a training model-stage counts its own in its
-    components). A training unit is placed over the pool like any unit, so the fullest slot of
-    one model-stage may hold a shard of each: its bytes per slot are counted as they are on the
-    fullest slot of the training units (``shape.resident``), or, not knowing their layout, at
-    their least (the whole state spread evenly over the pool)."""
+    and the training units' state (``training_state_beside``)."""
     workload, ms = shape.workload, shape.ms
-    training = {t.role: t for t in workload.model_stages("training")}
+    trained = {t.role for t in workload.model_stages("training")}
+    frozen = sum(
+        model.num_params(scalar_head=role in ("critic", "reward"))
+        for role, model in workload.models.items()
+        if role not in trained and role != ms.role
+    )
+    return frozen * workload.bytes_per_value / max(1, num_slots) + training_state_beside(
+        shape, num_slots
+    )
+
+
+def training_state_beside(shape: LayoutShape, num_slots: int) -> float:
+    """The training units' state (actor, critic: weights, gradients, Adam) on a slot of this
+    model-stage, which stays where those units are through the whole step (a training
+    model-stage counts its own in its components). A training unit is placed over the pool like
+    any unit, so the fullest slot of one model-stage may hold a shard of each: its bytes per
+    slot are counted as they are on the fullest slot of the training units
+    (``shape.resident``), or, not knowing their layout, at their least (the whole state spread
+    evenly over the pool)."""
+    ms = shape.ms
     resident = dict(shape.resident) if shape.resident is not None else {}
     total = 0.0
-    for role, model in workload.models.items():
-        if role not in training:  # frozen: its weights rest evenly over the pool
-            if role != ms.role:
-                total += model.num_params(scalar_head=role in ("critic", "reward")) * (
-                    workload.bytes_per_value / max(1, num_slots)
-                )
+    for training in shape.workload.model_stages("training"):
+        if ms.stage == "training" and training.role == ms.role:
+            continue  # its own: weights, gradients and optimizer in its components
+        if training.role in resident:
+            total += resident[training.role]
             continue
-        if ms.stage == "training" and role == ms.role:
-            continue  # its own: weights, gradients and optimizer above
-        if role in resident:
-            total += resident[role]
-        else:
-            least = LayoutShape(
-                ms=training[role],
-                workload=workload,
-                accelerator=shape.accelerator,
-                tp=1,
-                pp=1,
-                dp=np.array([1.0]),
-            )
-            total += (
-                training[role].num_params
-                * float(least.training_bytes_per_param[0])
-                / max(1, num_slots)
-            )
+        least = LayoutShape(
+            ms=training,
+            workload=shape.workload,
+            accelerator=shape.accelerator,
+            tp=1,
+            pp=1,
+            dp=np.array([1.0]),
+        )
+        total += training.num_params * float(least.training_bytes_per_param[0]) / max(1, num_slots)
     return total
 
 

@@ -155,36 +155,18 @@ class _Prices:
                 )
             dp, table = self._tables[key]
             # The tables hold no training state beside the layout; the allowance adds its own.
-            offset = 0.0
-            if self.resident is not None:
-                offset = sum(
-                    v
-                    for role, v in self.resident
-                    if not (ms.stage == "training" and role == ms.role)
-                )
-            else:
-                offset = memory.co_resident_bytes(
-                    LayoutShape(
-                        ms=ms,
-                        workload=self.workload,
-                        accelerator=self.acc,
-                        tp=tp,
-                        pp=pp,
-                        dp=dp[:1],
-                    ),
-                    self.num_slots,
-                ) - memory.co_resident_bytes(
-                    LayoutShape(
-                        ms=ms,
-                        workload=self.workload,
-                        accelerator=self.acc,
-                        tp=tp,
-                        pp=pp,
-                        dp=dp[:1],
-                        resident=_none_kept(self.workload),
-                    ),
-                    self.num_slots,
-                )
+            offset = memory.training_state_beside(
+                LayoutShape(
+                    ms=ms,
+                    workload=self.workload,
+                    accelerator=self.acc,
+                    tp=tp,
+                    pp=pp,
+                    dp=dp[:1],
+                    resident=self.resident,
+                ),
+                self.num_slots,
+            )
             budget = memory.memory_budget(self.acc.memory_bytes)
             self._rows[key] = _Priced(dp, *_select(table, budget, offset))
         return self._rows[key]
@@ -556,8 +538,9 @@ def _solve(prices: _Prices, excluded):
 def _kept_per_slot(ms: ModelStage, workload: PpoWorkload, tp: int, pp: int) -> float:
     """Bytes of state a training layout keeps on the fullest slot of its units (at dp 1: with a
     distributed optimizer more replicas keep less)."""
-    shape = LayoutShape.of_layout(ms, workload, None, Layout(dp=1, tp=tp, pp=pp))
-    return float(shape.params_per_slot * shape.training_bytes_per_param[0])
+    return float(
+        LayoutShape.of_layout(ms, workload, None, Layout(dp=1, tp=tp, pp=pp)).kept_per_slot[0]
+    )
 
 
 def _assemble(columns, workload, accelerator, num_slots, eff, resident) -> Plan:

@@ -136,6 +136,11 @@ class LayoutShape:
         return 2 * b + ADAM_BYTES_PER_PARAM / shards + np.zeros_like(self.dp)
 
     @property
+    def kept_per_slot(self) -> np.ndarray:
+        """Training: the bytes its units keep on their fullest slot through the whole step."""
+        return self.params_per_slot * self.training_bytes_per_param
+
+    @property
     def dense_params(self) -> float:
         """Parameters that do matrix multiplies for every token (all but the embedding table)."""
         return self.ms.num_params - self.ms.model.embedding_params
@@ -150,12 +155,17 @@ def training_state(plan_, workload: PpoWorkload) -> tuple[tuple[str, float], ...
     slot of its units through the whole step, as the plan lays it out."""
     if plan_.training_state:
         return tuple(plan_.training_state)
-    out = []
-    for ms in workload.model_stages("training"):
-        layout = plan_.model_stage(ms.name).layout
-        shape = LayoutShape.of_layout(ms, workload, None, layout)
-        out.append((ms.role, float(shape.params_per_slot * shape.training_bytes_per_param[0])))
-    return tuple(out)
+    return tuple(
+        (
+            ms.role,
+            float(
+                LayoutShape.of_layout(
+                    ms, workload, None, plan_.model_stage(ms.name).layout
+                ).kept_per_slot[0]
+            ),
+        )
+        for ms in workload.model_stages("training")
+    )
 
 
 GENERATION_WAVES = (1, 2, 4, 8, 16)

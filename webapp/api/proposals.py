@@ -106,14 +106,18 @@ class ProposalDetailApi(APIView):
         return Response(ProposalOutput(proposal).data)
 
 
-class DecisionInput(serializers.Serializer):
-    comment = serializers.CharField(max_length=4000, help_text="Why; required, not blank.")
+class _StrictInput(serializers.Serializer):
+    """A body whose every field is declared: any other is refused by name."""
 
     def validate(self, attrs):
         unknown = sorted(set(self.initial_data) - set(self.fields))
         if unknown:
             raise serializers.ValidationError({name: [UNKNOWN_FIELD] for name in unknown})
         return attrs
+
+
+class DecisionInput(_StrictInput):
+    comment = serializers.CharField(max_length=4000, help_text="Why; required, not blank.")
 
 
 class _DecisionApi(APIView):
@@ -165,18 +169,12 @@ class ProposalRejectApi(_DecisionApi):
         return super().post(request, proposal_id)
 
 
-class OverrideInput(serializers.Serializer):
+class OverrideInput(_StrictInput):
     plan = serializers.JSONField(
         help_text="The plan to move the job to, as the runtime's Plan.to_json() (a plan of "
         "GET /api/v1/jobs/<id>/plans/, changed)."
     )
     reason = serializers.CharField(max_length=4000, help_text="Why; required, not blank.")
-
-    def validate(self, attrs):
-        unknown = sorted(set(self.initial_data) - set(self.fields))
-        if unknown:
-            raise serializers.ValidationError({name: [UNKNOWN_FIELD] for name in unknown})
-        return attrs
 
 
 class JobOverrideApi(APIView):
