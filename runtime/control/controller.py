@@ -418,8 +418,14 @@ class Controller:
         the lookahead (never beyond the run's end; a lookahead of 0 turns it off); once fired,
         it waits a lookahead before firing again for the same plan."""
         horizon = self._memory_horizon(step)
-        if self.plan is None or horizon < 1 or self._memory_quiet_until > step:
+        if self.plan is None or horizon < 1:
             return []
+        if self._memory_quiet_until > step:
+            # Quiet, but not deaf: a step the devices themselves cannot hold fails and loses
+            # the state since the last checkpoint, which the move refused before (only the
+            # budget was outgrown then) did not weigh; the replan restarts on feasibility alone.
+            found = self._violation(step, horizon, headroom=False)
+            return [] if found is None else [found]
         found = self._violation(step, 1) or self._violation(step, horizon)
         if found is None:
             return []
@@ -428,14 +434,14 @@ class Controller:
         self._memory_quiet_until = step + max(1, self.policy.lookahead_steps)
         return [found]
 
-    def _violation(self, step: int, steps_ahead: int) -> Trigger | None:
-        """A memory trigger if the running plan does not fit the length the trend reaches
-        ``steps_ahead`` steps on."""
+    def _violation(self, step: int, steps_ahead: int, *, headroom: bool = True) -> Trigger | None:
+        """A memory trigger if the running plan does not fit (its budget, or with ``headroom``
+        False the devices) the length the trend reaches ``steps_ahead`` steps on."""
         ahead = self._forecast(steps_ahead)
         if ahead is None or ahead <= self._gen_len:
             return None
         for ms, need in self._needs(self.plan, ahead):
-            if not self._within(need):
+            if not self._within(need, headroom):
                 return Trigger(
                     kind="memory",
                     signal="gen_len",

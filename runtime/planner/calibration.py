@@ -175,8 +175,8 @@ def samples_from_stages(
     stretched: dict[str, float] = {}  # the model-stage's ideal seconds, bubble included
     for ms in workload.model_stages():
         shape = LayoutShape.of_plan(ms, workload, accelerator, plan)
-        seconds, micro_batches = cost.ideal_breakdown(shape, num_slots=plan.num_slots)
-        stretch = float(cost.bubble_factor(shape.pp, micro_batches)[0])
+        seconds, stretches = cost.ideal_breakdown(shape, num_slots=plan.num_slots)
+        stretch = float(stretches[0])
         ideal[ms.name] = {op: float(v[0]) for op, v in seconds.items() if float(v[0]) > 0}
         stretched[ms.name] = sum(
             s * (stretch if cost.in_pipeline(op) else 1.0) for op, s in ideal[ms.name].items()

@@ -3,7 +3,10 @@
 Every class is priced at hardware peak ("ideal" seconds) and divided by an efficiency for that class
 (and link type) that calibration learns from the running job. Classes inside the pipeline (GEMMs,
 attention, decode, tensor-parallel all-reduces, pipeline point-to-point) are per-slot times under
-perfect pipelining; the 1F1B bubble adds ``(pp - 1) / m`` of them for ``m`` micro-batches per flush.
+perfect pipelining, stretched by the pipeline's idle time: in training and inference the 1F1B
+bubble adds ``(pp - 1) / m`` of them for ``m`` micro-batches per flush; in generation a pipeline
+fills and drains once per wave, but a micro-batch's next token waits for its last one to leave the
+last stage, so with fewer micro-batches than stages every token idles ``pp - m`` stage-times.
 Data-parallel gradient all-reduce, the optimizer step and the weight sync (to generation, and to
 the actor's and critic's inference units) run outside the pipeline. Collectives follow the
 alpha-beta model of a ring: ``2(n-1)/n · bytes / bandwidth + 2(n-1) · latency``.
@@ -51,8 +54,9 @@ def _ring(n: int | np.ndarray, nbytes, bandwidth: float, latency: float):
 def ideal_breakdown(
     shape: LayoutShape, *, num_slots: int
 ) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    """Ideal seconds per operation class (keys as in DEFAULT_EFFICIENCY), and the micro-batches
-    per pipeline flush, for every dp in ``shape.dp``."""
+    """Ideal seconds per operation class (keys as in DEFAULT_EFFICIENCY), and how much the
+    pipeline's idle time stretches the classes inside it, for every dp in
+    ``shape.dp``."""
     w, ms, acc, model = shape.workload, shape.ms, shape.accelerator, shape.ms.model
     tp, pp, b = shape.tp, shape.pp, w.bytes_per_value
     slots = tp * pp
@@ -103,6 +107,7 @@ def ideal_breakdown(
             out["optimizer"] = flushes * optimizer_bytes / acc.memory_bandwidth + zeros
         else:
             m = shape.micro_batches(shape.mb)
+        stretch = 1.0 + (pp - 1) / m
     else:  # generation: prefill the prompts, then decode gen_len tokens, in waves of
         # ``concurrent`` sequences when the KV cache cannot hold them all (each wave reads the
         # weights for every token again); a pipeline runs each wave in micro-batches
@@ -129,11 +134,24 @@ def ideal_breakdown(
         ) + tp_allreduce(2 * num_layers / pp * m * waves, seqs_per_micro * prompt * h * b)
         out[f"pp_p2p:{pp_link}"] = p2p(steps, seqs_per_micro * h * b)
         out.update(_weight_sync(shape, num_slots))
+        stretch = decode_stretch(pp, m, gen)
     if ms.stage == "inference" and ms.role in TRAINED:
         # The actor's and the critic's inference units take the weights just trained, every
         # step, as generation does.
         out.update(_weight_sync(shape, num_slots))
-    return out, m
+    return out, stretch
+
+
+def decode_stretch(pp: int, micro_batches, tokens: int) -> np.ndarray:
+    """How much a generation pipeline's idle time stretches its per-slot time: ``m`` micro-
+    batches each decode ``tokens`` tokens through ``pp`` stages of one stage-time each. A token of
+    a micro-batch enters the first stage once its previous token has left the last, so a round of
+    tokens takes ``max(m, pp)`` stage-times, and the pipeline fills and drains once:
+    ``(tokens * max(m, pp) + min(m, pp) - 1) / (m * tokens)``. With ``m >= pp`` this is the fill
+    and drain alone, paid once per wave rather than once per token."""
+    m = np.asarray(micro_batches, dtype=float)
+    n = max(1, tokens)
+    return (n * np.maximum(m, pp) + np.minimum(m, pp) - 1) / (m * n)
 
 
 TRAINED = ("actor", "critic")
@@ -159,20 +177,15 @@ def in_pipeline(op_class: str) -> bool:
     return op_class.split(":")[0] in PIPELINED
 
 
-def bubble_factor(pp: int, micro_batches) -> np.ndarray:
-    """How much the 1F1B bubble stretches the classes inside the pipeline: ``1 + (pp - 1)/m``."""
-    return 1.0 + (pp - 1) / np.asarray(micro_batches, dtype=float)
-
-
 def predict(
     shape: LayoutShape, *, num_slots: int, efficiency: Mapping[str, float]
 ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """Calibrated seconds per step, and the breakdown by class plus ``pipeline_bubble``."""
-    ideal, micro_batches = ideal_breakdown(shape, num_slots=num_slots)
+    ideal, stretch = ideal_breakdown(shape, num_slots=num_slots)
     breakdown = {cls: seconds / efficiency[cls] for cls, seconds in ideal.items()}
     pipelined = sum(
         (t for cls, t in breakdown.items() if in_pipeline(cls)), start=np.zeros_like(shape.dp)
     )
-    breakdown["pipeline_bubble"] = pipelined * (bubble_factor(shape.pp, micro_batches) - 1)
+    breakdown["pipeline_bubble"] = pipelined * (stretch - 1)
     total = sum(breakdown.values(), start=np.zeros_like(shape.dp))
     return total, breakdown

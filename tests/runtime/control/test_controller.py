@@ -12,6 +12,7 @@ from runtime.engine.sim import REBUILD_TRUTH, SimulatedEngine, TrueModel
 from runtime.engine.traces import Trace
 from runtime.planner import Layout, PlanningError, PpoWorkload, default_catalog
 from runtime.transition.compiler import DEFAULT_REBUILD_S
+from runtime.transition.dag import in_build_order
 
 CATALOG = default_catalog()
 ACC = CATALOG.accelerator("h100-sxm")
@@ -19,6 +20,10 @@ WORKLOAD = PpoWorkload.for_model(CATALOG.model("llama-3.1-8b"), gen_len=1024)
 PINNED = dataclasses.replace(WORKLOAD, adaptive_micro_batch=False)
 """Micro-batches pinned to the workload's: a plan that memory outgrows cannot keep its layouts
 with smaller micro-batches, so the growing-length tests below must move state."""
+GEN_AS_ONE = dataclasses.replace(WORKLOAD, gen_micro_batch=WORKLOAD.global_batch)
+"""Generation units decode all their sequences as one micro-batch, so that a generation pipeline
+idles (as the torch backend's does): the plans for 16 and 32 slots then share generation's layout
+(tp 4, pp 1), and a move from 16 to 32 keeps the running generation units in place."""
 
 
 def _engine(pool=((1.0, 32),), gpus=16) -> SimulatedEngine:
@@ -28,10 +33,10 @@ def _engine(pool=((1.0, 32),), gpus=16) -> SimulatedEngine:
     return SimulatedEngine(trace, ACC, truth=TrueModel.draw(3, noise=0.0), seed=1)
 
 
-def _steps(controller, engine, steps):
+def _steps(controller, engine, steps, workload=WORKLOAD):
     for step in steps:
         controller.before_step(engine, step)
-        report = engine.step(controller.plan, WORKLOAD, step)
+        report = engine.step(controller.plan, workload, step)
         controller.after_step(report, engine)
 
 
@@ -85,9 +90,20 @@ def test_a_waiting_proposal_builds_its_new_units_ahead_so_the_approved_move_wait
     assert controller.command("approve", proposal.proposal_id, engine) == "applied"
     transition = next(e for e in controller.events if e["event"] == "control.transition")
     assert transition["ok"] and transition["dag"]["built_ahead"] == building["units"]
-    # Simulated seconds: the builds ended during the steps it waited, so the transition's
-    # rebuilding is only that of units on slots the old plan used.
-    assert transition["rebuild_s"] < building["predicted_s"]
+    # Simulated seconds (no noise): the builds ended during the steps it waited, so the
+    # transition's rebuilding is only that of units on slots the old plan used, in the
+    # engines' order, at their true build times.
+    dag = transition["dag"]
+    ahead = {(a["model_stage"], tuple(a["slots"])) for a in dag["ahead"]}
+    charged = [(name, tuple(u)) for name, us in dag["rebuild_units"].items() for u in us]
+    charged = [key for key in charged if key not in ahead]
+    assert charged and all(max(slots) < 16 for _, slots in charged)
+    true_s = {name: s * REBUILD_TRUTH for name, s in DEFAULT_REBUILD_S}
+    free: dict[int, float] = {}
+    for name, slots in in_build_order(charged):
+        done = max(free.get(s, 0.0) for s in slots) + true_s[name.partition("@")[2]]
+        free.update(dict.fromkeys(slots, done))
+    assert transition["rebuild_s"] == pytest.approx(max(free.values()))
 
 
 def test_the_same_change_asked_again_keeps_the_waiting_proposal():
@@ -217,7 +233,7 @@ def test_an_unreachable_best_plan_gives_way_to_the_fastest_reachable_one(monkeyp
     from runtime.transition import TransitionRefusedError
 
     engine = _engine()
-    controller = Controller(WORKLOAD, ACC, JobPolicy(admission="always_faster"))
+    controller = Controller(GEN_AS_ONE, ACC, JobPolicy(admission="always_faster"))
     controller.initial_plan(engine)
     compile_ = control.Controller._compile
     refused, tried = [], []
@@ -231,17 +247,17 @@ def test_an_unreachable_best_plan_gives_way_to_the_fastest_reachable_one(monkeyp
         return dag
 
     monkeypatch.setattr(control.Controller, "_compile", compile_unless_first)
-    _steps(controller, engine, range(1))  # the pool grows to 32 during step 0
+    _steps(controller, engine, range(1), GEN_AS_ONE)  # the pool grows to 32 during step 0
     reasons = [e["reason"] for e in controller.events if e["event"] == "control.decision"]
     assert reasons[0] == "unreachable, trying the next best: target: refused by the test"
     assert reasons[1] == "faster by " + reasons[1].removeprefix("faster by ")
     assert controller.staged is not None  # its units on the new slots build during step 1
-    _steps(controller, engine, range(1, 2))
+    _steps(controller, engine, range(1, 2), GEN_AS_ONE)
     assert controller.transitions == 1 and controller.plan.num_slots == 32
     assert len(tried) >= 2 and controller.plan not in refused and controller.plan in tried
     # the fastest of the reachable options, priced at the step's workload
-    assert controller._price(controller.plan, WORKLOAD) == min(
-        controller._price(p, WORKLOAD) for p in tried
+    assert controller._price(controller.plan, GEN_AS_ONE) == min(
+        controller._price(p, GEN_AS_ONE) for p in tried
     )
 
 
@@ -525,12 +541,14 @@ def test_a_proposal_rejected_expired_or_superseded_frees_the_units_it_built_ahea
 # --- building ahead ---------------------------------------------------------------------------------
 
 
-def _growing(pool, engine_class=SimulatedEngine) -> tuple[SimulatedEngine, Controller]:
+def _growing(
+    pool, engine_class=SimulatedEngine, workload=WORKLOAD
+) -> tuple[SimulatedEngine, Controller]:
     trace = Trace(
         name="g", steps=20, accelerator=ACC.name, gpus=16, gen_len=((0, 1024.0),), pool=pool
     )
     engine = engine_class(trace, ACC, truth=TrueModel.draw(3, noise=0.0), seed=1)
-    return engine, Controller(WORKLOAD, ACC, JobPolicy())
+    return engine, Controller(workload, ACC, JobPolicy())
 
 
 def test_new_units_on_granted_slots_are_built_ahead_during_one_more_step():
@@ -567,22 +585,24 @@ def test_a_move_whose_generation_joins_is_priced_by_what_its_first_step_loses():
     generates on the kept ones while they build. Admission charges that step's loss
     (``joining_s``), and the loss the cluster then shows is the one charged, but for the
     builds taking longer than the engine has yet measured (it learns that from this one)."""
-    engine, controller = _growing(((60.0, 32),))
+    engine, controller = _growing(((60.0, 32),), workload=GEN_AS_ONE)
     controller.policy = JobPolicy(admission="never")  # the test makes the move itself
     controller.initial_plan(engine)
-    _steps(controller, engine, range(8))  # calibrated on 16 slots; the pool is 32 by now
+    _steps(
+        controller, engine, range(8), GEN_AS_ONE
+    )  # calibrated on 16 slots; the pool is 32 by now
     assert engine.pool_size() == 32
-    candidate = controller._candidate(engine, WORKLOAD)
-    dag = controller._compile(engine, candidate, WORKLOAD)
+    candidate = controller._candidate(engine, GEN_AS_ONE)
+    dag = controller._compile(engine, candidate, GEN_AS_ONE)
     generation = {n for n, _ in dag.joining if n.endswith("@generation")}
     assert generation == {"actor@generation"} and dag.generating
     assert dag.joining_s > 0 and dag.cost_s == dag.predicted_s + dag.joining_s
-    controller._apply(candidate, WORKLOAD, dag, engine)
+    controller._apply(candidate, GEN_AS_ONE, dag, engine)
     transition = next(e for e in controller.events if e["event"] == "control.transition")
     assert transition["ok"] and transition["rebuild_s"] == 0.0
     reports = []
     for step in (8, 9):
-        reports.append(engine.step(candidate, WORKLOAD, step))
+        reports.append(engine.step(candidate, GEN_AS_ONE, step))
         factor, seen = controller.memory_factor, len(controller.events)
         controller.after_step(reports[-1], engine)
         fired = [e for e in controller.events[seen:] if e["event"] == "control.trigger"]
