@@ -146,15 +146,27 @@ def value_loss(
     return loss, masked_mean((clipped > unclipped).float(), mask)
 
 
-def entropy(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def tempered(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """``logits`` as fp32, divided by the sampling temperature: the distribution the responses
+    were drawn from, which the ratio, the KL and the entropy must all be taken under (greedy
+    decoding, temperature 0, has no such distribution: its logits are taken as they are)."""
+    logits = logits.float()
+    return logits if temperature in (0, 1) else logits / temperature
+
+
+def entropy(logits: torch.Tensor, mask: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """Mean entropy of the ``(batch, seq, vocab)`` distributions over the masked positions."""
-    logp = logits.float().log_softmax(dim=-1)
+    logp = tempered(logits, temperature).log_softmax(dim=-1)
     return masked_mean(-(logp.exp() * logp).sum(dim=-1), mask)
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """Log-probability of each of ``tokens`` (``(batch, seq)``) under ``(batch, seq, vocab)`` logits."""
-    return logits.float().log_softmax(dim=-1).gather(-1, tokens[..., None]).squeeze(-1)
+def token_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    """Log-probability of each of ``tokens`` (``(batch, seq)``) under ``(batch, seq, vocab)``
+    logits at the sampling ``temperature``."""
+    logp = tempered(logits, temperature).log_softmax(dim=-1)
+    return logp.gather(-1, tokens[..., None]).squeeze(-1)
 
 
 class FixedKLController:

@@ -819,6 +819,7 @@ class PpoRuntime:
                     prompt_length=rollout["prompt_length"],
                     output=output,
                     micro_batch=micro_batches[f"{role}@inference"],
+                    temperature=self.config.temperature,
                 )
                 return torch.cat([r for r in results if r is not None])
 
@@ -881,6 +882,7 @@ class PpoRuntime:
                         max_grad_norm=c.max_grad_norm,
                         optimizer_step=self.state.optimizer_steps[role],
                         micro_batch=micro_batches[f"{role}@training"],
+                        temperature=c.temperature,
                     )
                     for position, slot in enumerate(unit.slots):
                         dp = tuple(u.slots[position] for u in group)

@@ -384,14 +384,20 @@ def score(
     prompt_length: int,
     output: str,
     micro_batch: int = 0,
+    temperature: float = 1.0,
 ) -> torch.Tensor | None:
-    """Per-token log-probabilities (``logprobs``), values (``values``) or the last token's scalar
-    (``reward``) of the sequences' responses, ``micro_batch`` rows at a time (0: all at once);
-    the reporting slot returns them."""
+    """Per-token log-probabilities (``logprobs``, at the sampling ``temperature``), values
+    (``values``) or the last token's scalar (``reward``) of the sequences' responses,
+    ``micro_batch`` rows at a time (0: all at once); the reporting slot returns them."""
     ws = workspace(ctx, unit)
     parts = [
         _score_rows(
-            ws, sequences[r.start : r.stop], attention_mask[r.start : r.stop], prompt_length, output
+            ws,
+            sequences[r.start : r.stop],
+            attention_mask[r.start : r.stop],
+            prompt_length,
+            output,
+            temperature,
         )
         for r in _row_chunks(sequences.shape[0], micro_batch or sequences.shape[0])
     ]
@@ -404,13 +410,14 @@ def _score_rows(
     attention_mask: torch.Tensor,
     prompt_length: int,
     output: str,
+    temperature: float,
 ) -> torch.Tensor | None:
     head = _stage_forward(ws, sequences, attention_mask)
     if not ws.reports:
         return None
     start = prompt_length - 1
     if output == "logprobs":
-        return ppo.token_logprobs(head[:, start:-1], sequences[:, prompt_length:])
+        return ppo.token_logprobs(head[:, start:-1], sequences[:, prompt_length:], temperature)
     if output == "values":
         return head[:, start:-1].contiguous()
     last = attention_mask.shape[1] - 1 - attention_mask.long().flip(-1).argmax(-1)
@@ -558,6 +565,8 @@ class TrainTask:
     max_grad_norm: float
     optimizer_step: int
     """Adam's step count after this update (its bias correction)."""
+    temperature: float = 1.0
+    """The sampling temperature: the actor's ratio and entropy are taken under it."""
     micro_batch: int = 4
     """Rows per micro-batch: a pipeline's, or those whose gradients accumulate (the plan's)."""
 
@@ -620,11 +629,11 @@ def _loss(task: TrainTask, head: torch.Tensor, targets: torch.Tensor, weight: fl
     out = head[:, task.prompt_length - 1 : -1]
     mask = t["mask"]
     if task.role == "actor":
-        logprobs = ppo.token_logprobs(out, t["tokens"].long())
+        logprobs = ppo.token_logprobs(out, t["tokens"].long(), task.temperature)
         policy_loss, clip_fraction = ppo.policy_loss(
             logprobs, t["old_logprobs"], t["advantages"], mask, clip_ratio=task.clip_ratio
         )
-        entropy = ppo.entropy(out, mask)
+        entropy = ppo.entropy(out, mask, task.temperature)
         loss = (policy_loss - task.entropy_coef * entropy) * weight
         stats = {"policy_loss": policy_loss, "clip_fraction": clip_fraction, "entropy": entropy}
     else:

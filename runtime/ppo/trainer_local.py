@@ -92,11 +92,12 @@ def supervised_warmup(
     return float(loss.detach())
 
 
-def response_logprobs(model: nn.Module, rollout: Rollout) -> torch.Tensor:
-    """Log-probabilities ``(batch, response_length)`` of the rollout's response tokens."""
+def response_logprobs(model: nn.Module, rollout: Rollout, temperature: float = 1.0) -> torch.Tensor:
+    """Log-probabilities ``(batch, response_length)`` of the rollout's response tokens at the
+    sampling ``temperature``."""
     logits = model(rollout.sequences, attention_mask=rollout.attention_mask)
     start = rollout.prompt_length - 1
-    return ppo.token_logprobs(logits[:, start:-1], rollout.response_tokens)
+    return ppo.token_logprobs(logits[:, start:-1], rollout.response_tokens, temperature)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -172,8 +173,9 @@ class LocalPPOTrainer:
     ) -> tuple[Experience, torch.Tensor]:
         """The inference stage and GAE: what the update needs, and the per-token KL."""
         mask = rollout.response_mask.float()
-        old_logprobs = response_logprobs(self.actor, rollout)
-        ref_logprobs = response_logprobs(self.reference, rollout)
+        temperature = self.config.sampling.temperature
+        old_logprobs = response_logprobs(self.actor, rollout, temperature)
+        ref_logprobs = response_logprobs(self.reference, rollout, temperature)
         old_values = self._values(rollout)
         rewards, kl = ppo.kl_penalized_rewards(
             scores, old_logprobs, ref_logprobs, mask, kl_coef=kl_coef
@@ -221,7 +223,8 @@ class LocalPPOTrainer:
         mask = experience.mask[rows]
         logits = self.actor(rollout.sequences[rows], attention_mask=rollout.attention_mask[rows])
         logits = logits[:, rollout.prompt_length - 1 : -1]
-        logprobs = ppo.token_logprobs(logits, rollout.response_tokens[rows])
+        temperature = self.config.sampling.temperature
+        logprobs = ppo.token_logprobs(logits, rollout.response_tokens[rows], temperature)
         policy_loss, clip_fraction = ppo.policy_loss(
             logprobs,
             experience.old_logprobs[rows],
@@ -229,7 +232,7 @@ class LocalPPOTrainer:
             mask,
             clip_ratio=config.clip_ratio,
         )
-        entropy = ppo.entropy(logits, mask)
+        entropy = ppo.entropy(logits, mask, temperature)
         self._optimize(
             self.actor, self.actor_optimizer, policy_loss - config.entropy_coef * entropy
         )

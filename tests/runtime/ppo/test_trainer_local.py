@@ -93,3 +93,24 @@ def test_the_critic_starts_from_the_actor_backbone_and_the_reference_is_frozen()
 def test_bad_trainer_config_names_the_field(overrides, message):
     with pytest.raises(ValueError, match=message):
         dataclasses.replace(_config("length", max_new_tokens=4), **overrides)
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
+def test_old_logprobs_are_those_of_the_distribution_the_responses_were_sampled_from(temperature):
+    """At a temperature other than 1 the responses come from the tempered policy, so the ratio's
+    denominator, the KL and the entropy must be taken under it too (found by review: they were
+    untempered, and the first update's ratio was not 1)."""
+    sampling = SamplingParams(max_new_tokens=6, eos_token_id=EOS, temperature=temperature)
+    trainer = LocalPPOTrainer(
+        _config("length", max_new_tokens=6, warmup_steps=3, sampling=sampling)
+    )
+    prompts = trainer.config.tasks.sample(8, seed=5)
+    rollout = trainer.backend.generate(
+        [p.tokens for p in prompts], dataclasses.replace(sampling, seed=2)
+    )
+    experience, kl = trainer._experience(rollout, torch.zeros(8), kl_coef=0.1)
+    mask = experience.mask.bool()
+    torch.testing.assert_close(
+        experience.old_logprobs[mask], rollout.logprobs[mask], atol=1e-5, rtol=1e-4
+    )
+    assert float(kl.abs().max()) == 0.0  # the actor is still the reference
