@@ -174,7 +174,9 @@ class TorchGenerationBackend:
         batch = prompt_tokens.shape[0]
         cache = self.model.new_cache(prompt_tokens.shape[1] + params.max_new_tokens)
         generator = torch.Generator(device=device).manual_seed(params.seed)
-        logits = self.model(prompt_tokens, attention_mask=prompt_mask, cache=cache)[:, -1]
+        logits = self.model(prompt_tokens, attention_mask=prompt_mask, cache=cache, last_only=True)[
+            :, -1
+        ]
         key_mask = prompt_mask
         finished = torch.zeros(batch, dtype=torch.bool, device=device)
         tokens, logprobs, alive_masks = [], [], []
@@ -190,7 +192,9 @@ class TorchGenerationBackend:
                 break
             # Finished rows keep decoding pads; their outputs are masked out above.
             key_mask = torch.cat((key_mask, torch.ones_like(key_mask[:, :1])), dim=1)
-            logits = self.model(tokens[-1][:, None], attention_mask=key_mask, cache=cache)[:, -1]
+            logits = self.model(
+                tokens[-1][:, None], attention_mask=key_mask, cache=cache, last_only=True
+            )[:, -1]
         response_mask = torch.stack(alive_masks, dim=1)
         return Rollout(
             prompt_tokens=prompt_tokens,

@@ -302,9 +302,13 @@ class LlamaForCausalLM(_Decoder):
         *,
         attention_mask: torch.Tensor | None = None,
         cache: KVCache | None = None,
+        last_only: bool = False,
     ) -> torch.Tensor:
-        """Logits ``(batch, seq, vocab)``; position ``i`` predicts token ``i + 1``."""
+        """Logits ``(batch, seq, vocab)``; position ``i`` predicts token ``i + 1``. With
+        ``last_only``, ``(batch, 1, vocab)`` at the last position alone (what sampling needs)."""
         hidden = self.model(tokens, attention_mask=attention_mask, cache=cache)
+        if last_only:
+            hidden = hidden[:, -1:]
         if self.config.tie_embeddings:
             return F.linear(hidden, self.model.embed_tokens.weight)
         return self.lm_head(hidden)

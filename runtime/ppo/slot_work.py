@@ -183,8 +183,9 @@ def _refresh(ws: Workspace, state: dict[str, torch.Tensor]) -> None:
 # --- the pipeline ---------------------------------------------------------------------------------
 
 
-def _recv(shape, dtype, src: int) -> torch.Tensor:
-    buffer = torch.empty(shape, dtype=dtype)
+def _recv(shape, dtype, src: int, device: torch.device) -> torch.Tensor:
+    """Receive into a buffer on this slot's device (NCCL sends and receives device memory)."""
+    buffer = torch.empty(shape, dtype=dtype, device=device)
     dist.recv(buffer, src=src)
     return buffer
 
@@ -216,21 +217,30 @@ def _head(ws: Workspace, x: torch.Tensor) -> torch.Tensor:
 
 
 def _stage_forward(
-    ws: Workspace, tokens: torch.Tensor, mask: torch.Tensor, *, cache: KVCache | None = None
+    ws: Workspace,
+    tokens: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    cache: KVCache | None = None,
+    last_only: bool = False,
 ) -> torch.Tensor | None:
     """Run this slot's pipeline stage on ``tokens`` (every slot knows them; the first stage embeds
     them, the others receive the previous stage's hidden states). Returns the head's output on
-    the last stage; the others send their output on and return None."""
+    the last stage (``last_only``: at the last position only, as sampling needs: a prompt's
+    logits at every position would take batch × prompt × vocab floats); the others send their
+    output on and return None."""
     batch, length = tokens.shape
     if ws.first:
         x = ws.model.model.embed_tokens(tokens)
     else:
-        x = _recv((batch, length, ws.model.config.hidden_size), torch.float32, ws.prev_slot)
+        x = _recv(
+            (batch, length, ws.model.config.hidden_size), torch.float32, ws.prev_slot, tokens.device
+        )
     x = _layers(ws, x, mask, cache)
     if not ws.last:
         dist.send(x.detach().contiguous(), dst=ws.next_slot)
         return None
-    return _head(ws, x)
+    return _head(ws, x[:, -1:] if last_only else x)
 
 
 # --- generation -----------------------------------------------------------------------------------
@@ -241,15 +251,23 @@ def row_seed(seed: int, row: int) -> int:
     return zlib.crc32(f"{seed}:{row}".encode()) & 0x7FFFFFFF
 
 
-def _gumbel(rows: list[int], seed: int, steps: int, vocab: int) -> torch.Tensor:
-    # Gumbel-max sampling with noise drawn per prompt: a response depends on its prompt's row,
-    # not on which unit generated it or how the batch was cut.
-    noise = [
-        torch.rand((steps, vocab), generator=torch.Generator().manual_seed(row_seed(seed, r)))
-        for r in rows
-    ]
-    u = torch.stack(noise).clamp_(min=1e-10, max=1 - 1e-7)
-    return -torch.log(-torch.log(u))
+class _GumbelNoise:
+    """Gumbel-max sampling noise, one generator per prompt: a response depends on its prompt's
+    row, not on which unit generated it or how the batch was cut. Drawn a step at a time on the
+    logits' device (all of a wave's steps at once would be rows × max_new_tokens × vocab
+    floats)."""
+
+    def __init__(self, rows: list[int], seed: int, vocab: int, device: torch.device):
+        self.vocab, self.device = vocab, device
+        self.generators = [
+            torch.Generator(device=device).manual_seed(row_seed(seed, r)) for r in rows
+        ]
+
+    def next(self) -> torch.Tensor:
+        u = torch.stack(
+            [torch.rand(self.vocab, generator=g, device=self.device) for g in self.generators]
+        ).clamp_(min=1e-10, max=1 - 1e-7)
+        return -torch.log(-torch.log(u))
 
 
 def _sample(logits: torch.Tensor, params: SamplingParams, noise: torch.Tensor):
@@ -311,21 +329,21 @@ def _generate_torch(ctx, ws: Workspace, prompts, rows, params, pad_token_id) -> 
     unit = ws.unit
     tokens, mask = left_pad(prompts, pad_token_id=pad_token_id, device=ctx.device)
     config = unit.layout.model
-    noise = _gumbel(rows, params.seed, params.max_new_tokens, config.vocab_size)
+    noise = _GumbelNoise(rows, params.seed, config.vocab_size, ctx.device) if ws.last else None
     cache = KVCache(num_layers=config.num_layers, max_len=tokens.shape[1] + params.max_new_tokens)
     batch = tokens.shape[0]
-    head = _stage_forward(ws, tokens, mask, cache=cache)
-    finished = torch.zeros(batch, dtype=torch.bool)
+    head = _stage_forward(ws, tokens, mask, cache=cache, last_only=True)
+    finished = torch.zeros(batch, dtype=torch.bool, device=tokens.device)
     out_tokens, out_logprobs, alive_masks = [], [], []
     key_mask = mask
     for step in range(params.max_new_tokens):
         if ws.last:
-            token, logprob = _sample(head[:, -1], params, noise[:, step])
+            token, logprob = _sample(head[:, -1], params, noise.next())
             for slot in ws.earlier_slots:
                 dist.send(token, dst=slot)
         else:
-            token = _recv((batch,), torch.int64, ws.last_stage_slot)
-            logprob = torch.zeros(batch)
+            token = _recv((batch,), torch.int64, ws.last_stage_slot, tokens.device)
+            logprob = torch.zeros(batch, device=tokens.device)
         alive = ~finished
         out_tokens.append(torch.where(alive, token, pad_token_id))
         out_logprobs.append(torch.where(alive, logprob, 0.0))
@@ -335,15 +353,14 @@ def _generate_torch(ctx, ws: Workspace, prompts, rows, params, pad_token_id) -> 
         if bool(finished.all()) or step == params.max_new_tokens - 1:
             break
         key_mask = torch.cat((key_mask, torch.ones_like(key_mask[:, :1])), dim=1)
-        head = _stage_forward(ws, token[:, None], key_mask, cache=cache)
+        head = _stage_forward(ws, token[:, None], key_mask, cache=cache, last_only=True)
     if not ws.reports:
         return None
-    response_mask = torch.stack(alive_masks, dim=1)
-    return {
+    return {  # to the driver, from the host
         "rows": rows,
-        "response_tokens": torch.stack(out_tokens, dim=1),
-        "response_mask": response_mask,
-        "logprobs": torch.stack(out_logprobs, dim=1),
+        "response_tokens": torch.stack(out_tokens, dim=1).cpu(),
+        "response_mask": torch.stack(alive_masks, dim=1).cpu(),
+        "logprobs": torch.stack(out_logprobs, dim=1).cpu(),
     }
 
 
@@ -390,6 +407,7 @@ def score(
     (``values``) or the last token's scalar (``reward``) of the sequences' responses,
     ``micro_batch`` rows at a time (0: all at once); the reporting slot returns them."""
     ws = workspace(ctx, unit)
+    sequences, attention_mask = sequences.to(ctx.device), attention_mask.to(ctx.device)
     parts = [
         _score_rows(
             ws,
@@ -401,7 +419,7 @@ def score(
         )
         for r in _row_chunks(sequences.shape[0], micro_batch or sequences.shape[0])
     ]
-    return torch.cat(parts) if ws.reports else None
+    return torch.cat(parts).cpu() if ws.reports else None  # to the driver, from the host
 
 
 def _score_rows(
@@ -576,7 +594,18 @@ def train(ctx: SlotContext, *, tasks: list[TrainTask]) -> list[dict | None]:
     return [_train_one(ctx, task) for task in tasks if ctx.rank in task.unit.slots]
 
 
+def _on_device(task: TrainTask, device: torch.device) -> TrainTask:
+    """The task with its tensors on this slot's device (the driver sends them from the host)."""
+    moved = {
+        f.name: getattr(task, f.name).to(device)
+        for f in dataclasses.fields(task)
+        if isinstance(getattr(task, f.name), torch.Tensor)
+    }
+    return dataclasses.replace(task, **moved)
+
+
 def _train_one(ctx: SlotContext, task: TrainTask) -> dict | None:
+    task = _on_device(task, ctx.device)
     ws = workspace(ctx, task.unit)
     state = _stored(ctx, task.unit)
     _refresh(ws, state)

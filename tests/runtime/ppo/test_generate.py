@@ -156,3 +156,61 @@ def test_empty_prompts_are_refused():
         _backend().generate([], params)
     with pytest.raises(ValueError, match="prompts: every prompt"):
         _backend().generate([[1], []], params)
+
+
+def _head_positions(model) -> list[int]:
+    """Record the positions each call of the LM head computes logits for."""
+    seen: list[int] = []
+    model.lm_head.register_forward_hook(lambda _m, args, _out: seen.append(args[0].shape[1]))
+    return seen
+
+
+def test_generation_computes_logits_at_the_last_position_only():
+    """Sampling needs the last position's logits: a prompt's logits at every position would be
+    batch × prompt × vocab floats (16 GiB for 64 prompts of 512 tokens at a 128K vocabulary)."""
+    backend = _backend()
+    seen = _head_positions(backend.model)
+    params = SamplingParams(max_new_tokens=5, eos_token_id=None, seed=2)
+    rollout = backend.generate(PROMPTS, params)
+    assert seen == [1] * 5
+    logits = backend.model(rollout.sequences, attention_mask=rollout.attention_mask)
+    start = rollout.prompt_length - 1
+    expected = token_logprobs(logits[:, start:-1], rollout.response_tokens)
+    torch.testing.assert_close(rollout.logprobs, expected, atol=1e-5, rtol=1e-4)
+
+
+def test_a_slot_generates_from_the_last_position_and_a_response_depends_on_its_row_only():
+    """The slots' own generation (``slot_work.generate``, here on one in-process slot, no group
+    needed at tp = pp = 1): one logits position per call, and each row's response the same
+    whether its wave held every prompt or one (noise is drawn a step at a time per row)."""
+    from runtime.emu.primitives import Unit
+    from runtime.engine.slots import SlotContext
+    from runtime.planner import Layout
+    from runtime.planner.workload import ModelStage
+    from runtime.ppo import slot_work
+    from runtime.transition.units import unit_layout
+
+    ms = ModelStage(role="actor", stage="generation", model=CONFIG)
+    layout = unit_layout(ms, Layout(dp=1, tp=1, pp=1), "fp32")
+    unit = Unit(unit_id="g", model_stage=ms.name, layout=layout, slots=(0,))
+    params = SamplingParams(max_new_tokens=6, eos_token_id=None, seed=4)
+
+    def run(micro_batch: int):
+        ctx = SlotContext(slot_index=0, rank=0, world_size=1)
+        seen = _head_positions(slot_work.workspace(ctx, unit).model)
+        out = slot_work.generate(
+            ctx,
+            unit=unit,
+            prompts=PROMPTS,
+            rows=[7, 8, 9],
+            params=params,
+            pad_token_id=0,
+            micro_batch=micro_batch,
+        )
+        return out, seen
+
+    whole, seen = run(0)
+    assert seen == [1] * params.max_new_tokens
+    one_by_one, _ = run(1)
+    assert torch.equal(whole["response_tokens"], one_by_one["response_tokens"])
+    torch.testing.assert_close(whole["logprobs"], one_by_one["logprobs"])
