@@ -181,7 +181,7 @@ def _column(ms: ModelStage, prices: _Prices, excluded: frozenset[tuple[str, int,
     exact = np.full(num_slots + 1, np.inf)
     exact_choice = np.full(num_slots + 1, -1, dtype=np.int64)
     options: list[tuple[int, int, int, int]] = []
-    allowed, _ = valid_layouts(ms.model, prices.acc, num_slots)
+    allowed, _ = valid_layouts(ms.model, prices.acc, num_slots, lm_head=not ms.scalar_head)
     for tp, pp in allowed:
         if (ms.name, tp, pp) in excluded or prices.too_heavy(ms, tp, pp) is not None:
             continue
@@ -269,7 +269,9 @@ def _infeasible(
     """Explain why a model-stage fits nowhere: too little memory and by how much, or exclusions
     (beside ``resident`` training state, as ``_Prices``)."""
     ms = column.model_stage
-    allowed, _ = valid_layouts(ms.model, acc, num_slots)  # never empty: (1, 1) always fits
+    allowed, _ = valid_layouts(
+        ms.model, acc, num_slots, lm_head=not ms.scalar_head
+    )  # never empty: (1, 1) always fits
     budget = memory.memory_budget(acc.memory_bytes)
     least, where = np.inf, None
     for tp, pp in allowed:
@@ -479,7 +481,9 @@ def _search(workload, accelerator, num_slots, eff, excluded, fits_at):
         (
             (_kept_per_slot(ms, workload, tp, pp), ms, tp, pp)
             for ms in workload.model_stages("training")
-            for tp, pp in valid_layouts(ms.model, accelerator, num_slots)[0]
+            for tp, pp in valid_layouts(
+                ms.model, accelerator, num_slots, lm_head=not ms.scalar_head
+            )[0]
         ),
         key=lambda entry: entry[0],  # equal bytes happen (tied embeddings): never compare the rest
     )
@@ -603,7 +607,9 @@ def _rejections(best, columns, prices: _Prices, excluded) -> tuple[Rejection, ..
         # Under a disjoint split a model-stage competes with the others for slots: compare layouts
         # on the slots it was given; otherwise on the whole pool.
         limit = ms_plan.layout.num_slots if shared else num_slots
-        allowed, refused = valid_layouts(ms.model, accelerator, num_slots)
+        allowed, refused = valid_layouts(
+            ms.model, accelerator, num_slots, lm_head=not ms.scalar_head
+        )
         out += [Rejection(model_stage=ms.name, tp=tp, pp=pp, reason=r) for tp, pp, r in refused]
         chosen = (ms_plan.layout.tp, ms_plan.layout.pp)
         for tp, pp in allowed:

@@ -26,16 +26,24 @@ class Rejection:
         return f"{self.model_stage} tp={self.tp} pp={self.pp}: {self.reason}"
 
 
-def layout_rule(model: ModelConfig, accelerator: Accelerator, tp: int, pp: int) -> str | None:
+def layout_rule(
+    model: ModelConfig, accelerator: Accelerator, tp: int, pp: int, *, lm_head: bool = True
+) -> str | None:
     """Why a model cannot take tensor degree ``tp`` and pipeline degree ``pp``; None if it can."""
     if tp > accelerator.gpus_per_node:
         return f"tp={tp} exceeds the {accelerator.gpus_per_node} GPUs of a node (TP stays inside a node)"
-    return shard_rule(model, tp, pp)
+    return shard_rule(model, tp, pp, lm_head=lm_head)
 
 
-def shard_rule(model: ModelConfig, tp: int, pp: int) -> str | None:
+def shard_rule(model: ModelConfig, tp: int, pp: int, *, lm_head: bool = True) -> str | None:
     """Why a model's state cannot be cut ``tp`` by ``pp`` ways (the model layer and the EMU
-    primitives cut only evenly); None if it can. The transition compiler checks a plan by it."""
+    primitives cut only evenly); None if it can. The transition compiler checks a plan by it.
+    ``lm_head``: the model-stage ends in the vocabulary head (not a scalar one), which tied
+    embeddings share with the first stage's embedding table."""
+    if lm_head and model.tie_embeddings and (tp > 1 or pp > 1):
+        # The head is the embedding table: under TP it would need a vocabulary-parallel
+        # embedding, and with pp > 1 it lives on the first stage, not the last that needs it.
+        return f"tie_embeddings: a tied LM head runs only at tp=1 and pp=1, got tp={tp} pp={pp}"
     if model.num_heads % tp:
         return f"{model.num_heads} attention heads are not divisible by tp={tp}"
     if model.num_kv_heads % tp:
@@ -70,11 +78,13 @@ def candidate_degrees(model: ModelConfig, accelerator: Accelerator, num_slots: i
     return [(t, p) for t in tps for p in sorted(pps) if t * p <= num_slots]
 
 
-def valid_layouts(model: ModelConfig, accelerator: Accelerator, num_slots: int):
+def valid_layouts(
+    model: ModelConfig, accelerator: Accelerator, num_slots: int, *, lm_head: bool = True
+):
     """The (tp, pp) pairs allowed, and the rule-based rejections of the rest of the grid."""
     allowed, refused = [], []
     for tp, pp in candidate_degrees(model, accelerator, num_slots):
-        reason = layout_rule(model, accelerator, tp, pp)
+        reason = layout_rule(model, accelerator, tp, pp, lm_head=lm_head)
         if reason is None:
             allowed.append((tp, pp))
         else:

@@ -297,7 +297,7 @@ def _check_plan(
         except ShardError as exc:
             raise TransitionRefusedError(f"{name}.{ms.name}.layout: {exc}") from None
         # Sizes a Split cannot cut evenly would fail at that node, after others have moved.
-        reason = shard_rule(ms.model, msp.layout.tp, msp.layout.pp)
+        reason = shard_rule(ms.model, msp.layout.tp, msp.layout.pp, lm_head=not ms.scalar_head)
         if reason:
             raise TransitionRefusedError(f"{name}.{ms.name}.layout: {reason}")
         for unit in msp.units:

@@ -486,3 +486,30 @@ def test_a_model_with_tied_embeddings_is_planned():
     workload = PpoWorkload.for_model(model)
     best = plan(workload, CATALOG.accelerator("cpu-slot"), 8, num_alternatives=0).best
     assert best.training_state and all(nbytes > 0 for _, nbytes in best.training_state)
+
+
+def test_a_tied_lm_head_is_planned_only_at_tp_1_and_pp_1_while_scalar_heads_are_free():
+    """A tied head is the embedding table: with pp > 1 the last stage would use an embedding
+    it never receives (the first stage holds it), and under TP the model layer refuses it. The
+    planner keeps the actor's and reference's model-stages whole; the critic's and reward's
+    scalar heads take any layout."""
+    model = dataclasses.replace(CATALOG.model("tiny-llama"), tie_embeddings=True)
+    workload = PpoWorkload.for_model(model, gen_len=1024)
+    acc = CATALOG.accelerator("cpu-slot")
+    result = plan(workload, acc, 16, num_alternatives=3)
+    for found in (result.best, *result.alternatives):
+        for ms in workload.model_stages():
+            layout = found.model_stage(ms.name).layout
+            if not ms.scalar_head:
+                assert (layout.tp, layout.pp) == (1, 1), ms.name
+    assert any(
+        (found.model_stage(ms.name).layout.tp, found.model_stage(ms.name).layout.pp) != (1, 1)
+        for found in (result.best, *result.alternatives)
+        for ms in workload.model_stages()
+        if ms.scalar_head
+    )
+    _, refused = valid_layouts(model, acc, 64)
+    assert any("tie_embeddings" in reason for *_, reason in refused)
+    assert not any(
+        "tie_embeddings" in r for *_, r in valid_layouts(model, acc, 64, lm_head=False)[1]
+    )
