@@ -814,10 +814,16 @@ def release(ctx: SlotContext, *, unit_ids: list[str], cache: bool = True) -> dic
 
 
 def empty_cache(ctx: SlotContext) -> dict:
-    """Free every buffer the slot's arena keeps, and restart its high-water mark from the units'
-    bytes now; returns ``{"freed_bytes", "state_bytes"}``."""
+    """Free every buffer the slot's arena keeps (and, on a GPU, the blocks PyTorch's caching
+    allocator keeps, which work allocating outside the units cannot otherwise use), and restart
+    the arena's high-water mark from the units' bytes now; returns ``{"freed_bytes",
+    "state_bytes"}``."""
     arena = _arena(ctx)
     freed = arena.trim(0)
+    if ctx.device.type == "cuda":
+        before = torch.cuda.memory_reserved(ctx.device)
+        torch.cuda.empty_cache()
+        freed += before - torch.cuda.memory_reserved(ctx.device)
     state = _state_bytes(ctx)
     arena.high_water = state
     return {"freed_bytes": freed, "state_bytes": state}

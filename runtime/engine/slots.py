@@ -78,12 +78,20 @@ class SlotWorker:
         started = time.perf_counter()
         if is_loopback_address(f"{master_addr}:0"):
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        device = {}
+        if backend == "nccl":
+            # Pin the slot's GPU first and name it to the group: NCCL's communicator is made
+            # now, on that device (a set-up error surfaces here, not at the first collective),
+            # and nothing guesses a device from the rank.
+            torch.cuda.set_device(self.ctx.device)
+            device = {"device_id": self.ctx.device}
         dist.init_process_group(
             backend=backend,
             init_method=f"tcp://{master_addr}:{master_port}",
             rank=rank,
             world_size=world_size,
             timeout=timedelta(seconds=timeout_s),
+            **device,
         )
         self.ctx.rank, self.ctx.world_size = rank, world_size
         return time.perf_counter() - started

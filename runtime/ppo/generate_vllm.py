@@ -58,20 +58,36 @@ class VllmGenerationBackend:
         weights = {k: v.detach().to(torch.bfloat16).cpu() for k, v in state_dict.items()}
         self.llm.collective_rpc("nereus_load_weights", args=(weights,))
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> Rollout:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        *,
+        seeds: Sequence[int] | None = None,
+    ) -> Rollout:
+        """Sample a response to each prompt; ``seeds``: one per prompt (a response then depends
+        on its own seed, not on the batch it ran in), else ``params.seed`` for all."""
         from vllm import SamplingParams as VllmSampling
         from vllm.inputs import TokensPrompt
 
-        sampling = VllmSampling(
-            n=1,
-            temperature=params.temperature,
-            top_k=params.top_k or -1,
-            top_p=params.top_p,
-            max_tokens=params.max_new_tokens,
-            seed=params.seed,
-            logprobs=0,  # the sampled token's log-probability
-            stop_token_ids=[] if params.eos_token_id is None else [params.eos_token_id],
-            detokenize=False,
+        if seeds is not None and len(seeds) != len(prompts):
+            raise ValueError(f"seeds: {len(seeds)} for {len(prompts)} prompts")
+
+        def sampling_for(seed: int):
+            return VllmSampling(
+                n=1,
+                temperature=params.temperature,
+                top_k=params.top_k or -1,
+                top_p=params.top_p,
+                max_tokens=params.max_new_tokens,
+                seed=seed,
+                logprobs=0,  # the sampled token's log-probability
+                stop_token_ids=[] if params.eos_token_id is None else [params.eos_token_id],
+                detokenize=False,
+            )
+
+        sampling = (
+            sampling_for(params.seed) if seeds is None else [sampling_for(seed) for seed in seeds]
         )
         outputs = self.llm.generate(
             [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sampling, use_tqdm=False

@@ -462,10 +462,12 @@ class TargetSync:
 @torch.no_grad()
 def sync_weights(ctx: SlotContext, *, syncs: list[TargetSync]) -> int:
     """Fill this slot's part of every target's workspace: local copies in place, the rest packed
-    per peer and exchanged point to point, all targets' messages posted before any is waited on
-    (each target's under its own tag, so that two between the same pair never cross). Returns the
-    bytes this slot received."""
-    requests, received, keep = [], [], []
+    per peer and exchanged point to point, all targets' messages posted as one batch before any
+    is waited on (NCCL runs a pair's sends and receives in posting order on one stream, so two
+    slots that each receive from the other first would wait forever unless they are grouped;
+    each target's messages carry its own tag, and every slot posts them in the same order, so
+    two between the same pair never cross). Returns the bytes this slot received."""
+    ops, received = [], []
     for tag, sync in enumerate(syncs):
         mine_src = sync.sources.get(ctx.rank)
         src_state = _stored(ctx, mine_src) if mine_src is not None else {}
@@ -487,9 +489,9 @@ def sync_weights(ctx: SlotContext, *, syncs: list[TargetSync]) -> int:
                 incoming[c.src_slot].append(c)
         for src, group in sorted(incoming.items()):
             sizes = [_slice_of(ws.locals[c.key], ws.shards[c.key], c).numel() for c in group]
-            buffer = torch.empty(sum(sizes))
+            buffer = torch.empty(sum(sizes), dtype=torch.float32, device=ctx.device)
             received.append((ws, group, buffer, sizes))
-            requests.append(dist.irecv(buffer, src=src, tag=tag))
+            ops.append(dist.P2POp(dist.irecv, buffer, src, tag=tag))
         for dst, group in sorted(outgoing.items()):
             packed = torch.cat(
                 [
@@ -497,9 +499,8 @@ def sync_weights(ctx: SlotContext, *, syncs: list[TargetSync]) -> int:
                     for c in group
                 ]
             )
-            keep.append(packed)  # alive until its send completes
-            requests.append(dist.isend(packed, dst=dst, tag=tag))
-    for request in requests:
+            ops.append(dist.P2POp(dist.isend, packed, dst, tag=tag))  # alive until it is sent
+    for request in dist.batch_isend_irecv(ops) if ops else ():
         request.wait()
     nbytes = 0
     for ws, group, buffer, sizes in received:
@@ -548,7 +549,7 @@ def read_parameters(ctx: SlotContext, *, unit: Unit) -> dict[str, tuple[ShardSpe
         return {}
     state = _stored(ctx, unit)
     return {
-        s.key: (s, state[s.key].clone())
+        s.key: (s, state[s.key].detach().to("cpu", copy=True))  # the driver has no GPU
         for s in unit.layout.shards(unit.position_of(ctx.rank))
         if "::" not in s.key and s.replica_id == 0
     }
@@ -774,11 +775,16 @@ def _gradients(ctx: SlotContext, ws: Workspace, task: TrainTask) -> dict[str, to
         dist.all_reduce(flat, group=ctx.state["groups"][tuple(sorted(task.dp_group))])
         for k, piece in zip(keys, flat.split([grads[k].numel() for k in keys]), strict=True):
             grads[k] = piece.view_as(grads[k])
-    # The global norm: each slice once (a replicated tensor on tensor rank 0 only).
-    squares = sum(
-        float(g.pow(2).sum()) for k, g in grads.items() if k not in ws.replicated or ws.tp_rank == 0
-    )
-    total = torch.tensor([squares], dtype=torch.float64)
+    # The global norm: each slice once (a replicated tensor on tensor rank 0 only), summed on
+    # the slot's device (NCCL reduces device memory) and read once.
+    squares = [
+        g.pow(2).sum().double()
+        for k, g in grads.items()
+        if k not in ws.replicated or ws.tp_rank == 0
+    ]
+    total = torch.zeros(1, dtype=torch.float64, device=ctx.device)
+    if squares:
+        total += torch.stack(squares).sum()
     if len(ws.unit.slots) > 1:
         dist.all_reduce(total, group=checkpoint._group(ctx, tuple(ws.unit.slots)))
     norm = math.sqrt(float(total))
