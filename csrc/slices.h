@@ -117,22 +117,43 @@ inline void check_disjoint(const std::vector<Slice>& plan, const char* op) {
   }
 }
 
-// Every check of pack_into and unpack, shared by the backends, before any byte is written.
+// Every tensor must be on `device` (the buffer's, or out's): a kernel reads and writes one device.
+inline void check_devices(const std::vector<at::Tensor>& tensors, const at::Device& device, const char* op) {
+  for (const at::Tensor& t : tensors) {
+    TORCH_CHECK(t.device() == device, op, ": every tensor must be on the buffer's device (", device, "), not ",
+                t.device());
+  }
+}
+
+// `one` (written, or read while `tensors` are written) shares no byte with any of `tensors`:
+// "<what> <index> in memory" names the first that does.
+inline void check_apart(const at::Tensor& one, const std::vector<at::Tensor>& tensors, const char* what) {
+  for (const Span& span : spans_of({one})) {
+    for (const Span& other : spans_of(tensors)) {
+      const bool same_device = other.device_type == span.device_type && other.device_index == span.device_index;
+      TORCH_CHECK(!(same_device && other.begin < span.end && span.begin < other.end), what, " ", other.index,
+                  " in memory");
+    }
+  }
+}
+
+// Every check of pack, pack_into and unpack, shared by the backends, before any byte is written.
+inline std::vector<Slice> plan_pack(const std::vector<at::Tensor>& tensors, const at::Tensor& slices) {
+  std::vector<Slice> plan = plan_slices(tensors, slices, "pack");
+  if (!tensors.empty()) check_devices(tensors, tensors[0].device(), "pack");
+  return plan;
+}
+
 inline std::vector<Slice> plan_pack_into(const std::vector<at::Tensor>& tensors, const at::Tensor& slices,
                                          const at::Tensor& out) {
   TORCH_CHECK(out.scalar_type() == at::kByte && out.dim() == 1 && out.is_contiguous(),
               "pack_into: out must be a contiguous 1-d uint8 tensor");
   std::vector<Slice> plan = plan_slices(tensors, slices, "pack_into");
+  check_devices(tensors, out.device(), "pack_into");
   TORCH_CHECK(total_bytes(plan) <= out.numel(), "pack_into: slices need ", total_bytes(plan), " bytes, out holds ",
               out.numel());
   // Sources may share bytes with each other (they are only read), not with out.
-  for (const Span& out_span : spans_of({out})) {
-    for (const Span& source : spans_of(tensors)) {
-      const bool same_device = source.device_type == out_span.device_type && source.device_index == out_span.device_index;
-      TORCH_CHECK(!(same_device && source.begin < out_span.end && out_span.begin < source.end),
-                  "pack_into: out overlaps source ", source.index, " in memory");
-    }
-  }
+  check_apart(out, tensors, "pack_into: out overlaps source");
   return plan;
 }
 
@@ -141,8 +162,11 @@ inline std::vector<Slice> plan_unpack(const at::Tensor& buffer, const std::vecto
   TORCH_CHECK(buffer.scalar_type() == at::kByte && buffer.dim() == 1 && buffer.is_contiguous(),
               "unpack: buffer must be a contiguous 1-d uint8 tensor");
   std::vector<Slice> plan = plan_slices(tensors, slices, "unpack");
+  check_devices(tensors, buffer.device(), "unpack");
   TORCH_CHECK(total_bytes(plan) == buffer.numel(), "unpack: slices cover ", total_bytes(plan),
               " bytes, the buffer holds ", buffer.numel());
+  // A destination sharing bytes with the buffer would be read after it was (partly) written.
+  check_apart(buffer, tensors, "unpack: buffer overlaps destination");
   check_distinct(tensors, "unpack");
   check_disjoint(plan, "unpack");
   return plan;
@@ -155,19 +179,25 @@ inline void check_global(const at::Tensor& data, at::IntArrayRef shape, at::IntA
     TORCH_CHECK(offset[d] >= 0 && offset[d] <= shape[d] && data.size(d) <= shape[d] - offset[d], "checksum: dim ", d, " slice [",
                 offset[d], ", ", offset[d] + data.size(d), ") outside [0, ", shape[d], ")");
   }
-  int64_t elements = 1;  // global indices are int64: the global tensor's count must be one
+  // Global indices are int64: the global tensor's count must be one (none if any extent is 0,
+  // however large the others).
+  if (std::find(shape.begin(), shape.end(), 0) != shape.end()) return;
+  int64_t elements = 1;
   for (int64_t d = 0; d < data.dim(); ++d) {
     TORCH_CHECK(!__builtin_mul_overflow(elements, shape[d], &elements),
                 "checksum: global_shape has more than 2**63 elements");
   }
 }
 
-// The checked geometry of a checksum's piece (contiguous: callers pass data.contiguous()).
+// The checked geometry of a checksum's piece (contiguous: callers pass data.contiguous()). Every
+// check comes first, an empty piece's too: the backends return 0 for one only after this.
 inline Geometry geometry_of(const at::Tensor& data, at::IntArrayRef shape, at::IntArrayRef offset) {
   check_global(data, shape, offset);
   Geometry g;
   TORCH_CHECK(make_geometry(data.dim(), data.sizes().data(), shape.data(), offset.data(), &g),
               "checksum: more than ", kMaxDims, " dimensions that cannot be merged");
+  const int64_t width = data.element_size();
+  TORCH_CHECK(width == 1 || width == 2 || width == 4 || width == 8, "checksum: unsupported element size ", width);
   return g;
 }
 

@@ -129,15 +129,45 @@ def check_redis() -> Finding:
 
 
 def check_kernels() -> Finding:
+    import torch
+
     from runtime import kernels
     from runtime.kernels.paths import library_path
 
-    if kernels.backend() == "compiled":
-        return Finding(name="kernels", status=OK, detail=f"compiled (csrc/) from {library_path()}")
+    status = kernels.library_status()
+    fallback = "pack/unpack and checksums use the pure-PyTorch implementation"
+    if status.state == "compiled":
+        if torch.cuda.is_available() and not kernels.has_kernels_for("cuda"):
+            return Finding(
+                name="kernels",
+                status=WARN,
+                detail=f"compiled (csrc/) from {library_path()} without CUDA kernels: on the "
+                "GPU, " + fallback,
+                hint="rebuild where PyTorch is a CUDA build and nvcc is found (CUDA_HOME): "
+                "make kernels",
+            )
+        devices = "CPU and CUDA" if kernels.has_kernels_for("cuda") else "CPU"
+        return Finding(
+            name="kernels", status=OK, detail=f"compiled (csrc/, {devices}) from {library_path()}"
+        )
+    if status.state == "stale":
+        return Finding(
+            name="kernels",
+            status=WARN,
+            detail=f"stale ({status.detail}): {library_path()} is not used; {fallback}",
+            hint="make kernels (python -m runtime.kernels.build)",
+        )
+    if status.state == "failed":
+        return Finding(
+            name="kernels",
+            status=WARN,
+            detail=f"failed to load: {status.detail}; {fallback}",
+            hint="rebuild with this PyTorch: make kernels (python -m runtime.kernels.build)",
+        )
     return Finding(
         name="kernels",
         status=WARN,
-        detail="not built: pack/unpack and checksums use the pure-PyTorch implementation",
+        detail=f"not built: {fallback}",
         hint="python -m runtime.kernels.build (make install runs it)",
     )
 

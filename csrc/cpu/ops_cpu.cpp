@@ -78,7 +78,7 @@ void copy_planned(const std::vector<at::Tensor>& tensors, const std::vector<Slic
 
 at::Tensor pack_cpu(at::TensorList sources, const at::Tensor& slices) {
   std::vector<at::Tensor> tensors(sources.begin(), sources.end());
-  const std::vector<Slice> plan = plan_slices(tensors, slices, "pack");
+  const std::vector<Slice> plan = plan_pack(tensors, slices);
   at::Tensor buffer = at::empty({total_bytes(plan)}, at::TensorOptions().dtype(at::kByte));
   copy_planned<true>(tensors, plan, buffer.data_ptr<uint8_t>());
   return buffer;

@@ -35,14 +35,10 @@ int64_t checksum_cuda(const at::Tensor& data, at::IntArrayRef global_shape, at::
   return out.item<int64_t>();
 }
 
-// Validation is done (plan_*); this only checks devices, before any byte is written, then
-// launches one kernel for every chunk of every slice, stream-ordered like any torch op.
+// Validation is done (plan_*, devices included, before any byte is written); this launches one
+// kernel for every chunk of every slice, stream-ordered like any torch op.
 template <bool kPack>
 void launch(const std::vector<at::Tensor>& tensors, const std::vector<Slice>& plan, at::Tensor& buffer) {
-  for (const at::Tensor& t : tensors) {
-    TORCH_CHECK(t.device() == buffer.device(), kPack ? "pack" : "unpack", ": every tensor must be on the buffer's device (",
-                buffer.device(), "), not ", t.device());
-  }
   const std::vector<Chunk> chunks = chunk_plan(plan, kChunkBytes);
   if (chunks.empty()) return;
   std::vector<uint8_t*> bases;
@@ -66,24 +62,26 @@ void launch(const std::vector<at::Tensor>& tensors, const std::vector<Slice>& pl
 at::Tensor pack_cuda(at::TensorList sources, const at::Tensor& slices) {
   std::vector<at::Tensor> tensors(sources.begin(), sources.end());
   TORCH_CHECK(!tensors.empty(), "pack: no source tensors");
+  // Planning runs on the host, before the device guard (which needs a CUDA device): a tensor on
+  // another device gets the planning's message, here as in every op below.
+  const std::vector<Slice> plan = plan_pack(tensors, slices);
   const c10::cuda::CUDAGuard guard(tensors[0].device());
-  const std::vector<Slice> plan = plan_slices(tensors, slices, "pack");
   at::Tensor buffer = at::empty({total_bytes(plan)}, tensors[0].options().dtype(at::kByte));
   launch<true>(tensors, plan, buffer);
   return buffer;
 }
 
 void pack_into_cuda(at::TensorList sources, const at::Tensor& slices, at::Tensor out) {
-  const c10::cuda::CUDAGuard guard(out.device());
   std::vector<at::Tensor> tensors(sources.begin(), sources.end());
   const std::vector<Slice> plan = plan_pack_into(tensors, slices, out);
+  const c10::cuda::CUDAGuard guard(out.device());
   launch<true>(tensors, plan, out);
 }
 
 void unpack_cuda(const at::Tensor& buffer, at::TensorList destinations, const at::Tensor& slices) {
-  const c10::cuda::CUDAGuard guard(buffer.device());
   std::vector<at::Tensor> tensors(destinations.begin(), destinations.end());
   const std::vector<Slice> plan = plan_unpack(buffer, tensors, slices);
+  const c10::cuda::CUDAGuard guard(buffer.device());
   at::Tensor source = buffer;
   launch<false>(tensors, plan, source);
 }

@@ -3,6 +3,8 @@
 C++ for CPU always; CUDA sources join only where PyTorch is a CUDA (or ROCm, which hipifies them)
 build and a compiler for them exists, so a CPU-only install always builds. ``make install`` runs
 this; if it fails, the runtime uses the pure-PyTorch implementation and ``nereus doctor`` says so.
+Beside the library it records what the library was built from (``paths.stamp_path()``: a digest of
+csrc/'s sources and the torch version); a library whose record does not match is stale, not loaded.
 
     python -m runtime.kernels.build [--verbose]
 """
@@ -10,21 +12,22 @@ this; if it fails, the runtime uses the pure-PyTorch implementation and ``nereus
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
 
-from runtime.kernels.paths import BUILD_DIR, CSRC, NAME, library_path
+from runtime.kernels import paths
 
 
 def sources() -> list[str]:
     import torch
     from torch.utils import cpp_extension
 
-    files = [CSRC / "ops.cpp", *sorted((CSRC / "cpu").glob("*.cpp"))]
+    files = [paths.CSRC / "ops.cpp", *sorted((paths.CSRC / "cpu").glob("*.cpp"))]
     gpu_build = bool(torch.version.cuda or torch.version.hip)
     if gpu_build and cpp_extension.CUDA_HOME is not None:
-        files += sorted((CSRC / "cuda").glob("*.cu"))
+        files += sorted((paths.CSRC / "cuda").glob("*.cu"))
     return [str(f) for f in files]
 
 
@@ -32,19 +35,29 @@ def build(*, verbose: bool = False) -> Path:
     """Compile (or reuse an up-to-date build of) the kernels; returns the shared library's path."""
     from torch.utils import cpp_extension
 
-    BUILD_DIR.mkdir(parents=True, exist_ok=True)
+    paths.BUILD_DIR.mkdir(parents=True, exist_ok=True)
+    # Taken before compiling: sources edited meanwhile make the new library stale, never current.
+    record = stamp()
     files = sources()
     cpp_extension.load(
-        name=NAME,
+        name=paths.NAME,
         sources=files,
-        build_directory=str(BUILD_DIR),
+        build_directory=str(paths.BUILD_DIR),
         extra_cflags=["-O3"],
         extra_cuda_cflags=["-O3"],
         is_python_module=False,
         with_cuda=any(f.endswith(".cu") for f in files),
         verbose=verbose,
     )
-    return library_path()
+    paths.stamp_path().write_text(json.dumps(record, sort_keys=True) + "\n")
+    return paths.library_path()
+
+
+def stamp() -> dict[str, str]:
+    """What a library built now is built from (compared with the record when it is loaded)."""
+    import torch
+
+    return {"sources": paths.source_digest(), "torch": torch.__version__}
 
 
 def main() -> int:

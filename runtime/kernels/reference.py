@@ -136,8 +136,60 @@ def _view(tensor: torch.Tensor, dim: int, start: int, length: int) -> torch.Tens
     )
 
 
+def check_devices(tensors: Sequence[torch.Tensor], device: torch.device, op: str) -> None:
+    """Every tensor on ``device`` (the buffer's, or out's), as the compiled ops require."""
+    for tensor in tensors:
+        if tensor.device != device:
+            raise RuntimeError(
+                f"{op}: every tensor must be on the buffer's device ({device}), not {tensor.device}"
+            )
+
+
+def _check_apart(one: torch.Tensor, tensors: Sequence[torch.Tensor], what: str) -> None:
+    """``one`` shares no byte with any of ``tensors``: '<what> <index> in memory' names the first
+    that does."""
+    for index, tensor in enumerate(tensors):
+        if _first_overlap([one, tensor]) is not None:
+            raise RuntimeError(f"{what} {index} in memory")
+
+
+def _check_no_grad(tensor: torch.Tensor, op: str, name: str) -> None:
+    """The ops are not differentiable: while grad mode is on, a tensor they would write that
+    requires grad is refused (as the compiled ops' autograd kernel does)."""
+    if torch.is_grad_enabled() and tensor.requires_grad:
+        raise RuntimeError(
+            f"{op}: {name} requires grad and the op is not differentiable: write into it under "
+            "torch.no_grad(), or into a tensor that does not require grad"
+        )
+
+
+def _check_disjoint(rows: Sequence[tuple[int, ...]], op: str) -> None:
+    """No two slices of one destination share an element, in O(n log n) as csrc/slices.h does
+    (and naming the same pair): per destination by start, slices along different dimensions
+    always meet; along one, a slice meets an earlier one if it starts before the furthest end so
+    far (``reach``'s)."""
+    order = sorted(
+        (i for i, row in enumerate(rows) if row[3]), key=lambda i: (rows[i][0], rows[i][2], i)
+    )
+    reach = 0
+    for k, i in enumerate(order):
+        tensor, dim, start, length = rows[i]
+        if k == 0 or rows[order[k - 1]][0] != tensor:
+            reach = i
+            continue
+        _, reach_dim, reach_start, reach_length = rows[reach]
+        if reach_dim != dim or reach_start + reach_length > start:
+            raise RuntimeError(
+                f"{op}: slices {min(reach, i)} and {max(reach, i)} overlap in destination {tensor}"
+            )
+        if start + length > reach_start + reach_length:
+            reach = i
+
+
 def pack(sources: Sequence[torch.Tensor], slices: torch.Tensor) -> torch.Tensor:
     rows = _validate(sources, slices, "pack")
+    if sources:
+        check_devices(sources, sources[0].device, "pack")
     parts = [
         _view(sources[t], d, s, n).contiguous().view(-1).view(torch.uint8) for t, d, s, n in rows
     ]
@@ -145,27 +197,31 @@ def pack(sources: Sequence[torch.Tensor], slices: torch.Tensor) -> torch.Tensor:
 
 
 def pack_into(sources: Sequence[torch.Tensor], slices: torch.Tensor, out: torch.Tensor) -> None:
+    _check_no_grad(out, "pack_into", "out")
     if out.dtype != torch.uint8 or out.dim() != 1 or not out.is_contiguous():
         raise RuntimeError("pack_into: out must be a contiguous 1-d uint8 tensor")
     rows = _validate(sources, slices, "pack_into")
+    check_devices(sources, out.device, "pack_into")
     need = sum(
         _view(sources[t], d, s, n).numel() * sources[t].element_size() for t, d, s, n in rows
     )
     if need > out.numel():
         raise RuntimeError(f"pack_into: slices need {need} bytes, out holds {out.numel()}")
     # Sources may share bytes with each other (they are only read), not with out.
-    for index, source in enumerate(sources):
-        if _first_overlap([out, source]) is not None:
-            raise RuntimeError(f"pack_into: out overlaps source {index} in memory")
-    out[:need].copy_(pack(sources, slices))
+    _check_apart(out, sources, "pack_into: out overlaps source")
+    out[:need].copy_(pack(sources, slices))  # bumps out's version, as the compiled op does
 
 
 def unpack(
     buffer: torch.Tensor, destinations: Sequence[torch.Tensor], slices: torch.Tensor
 ) -> None:
+    # Every check first, in the compiled op's order: a refused unpack writes no byte.
+    for index, destination in enumerate(destinations):
+        _check_no_grad(destination, "unpack", f"destination {index}")
     if buffer.dtype != torch.uint8 or buffer.dim() != 1 or not buffer.is_contiguous():
         raise RuntimeError("unpack: buffer must be a contiguous 1-d uint8 tensor")
     rows = _validate(destinations, slices, "unpack")
+    check_devices(destinations, buffer.device, "unpack")
     sizes = [
         _view(destinations[t], d, s, n).numel() * destinations[t].element_size()
         for t, d, s, n in rows
@@ -174,18 +230,20 @@ def unpack(
         raise RuntimeError(
             f"unpack: slices cover {sum(sizes)} bytes, the buffer holds {buffer.numel()}"
         )
+    # A destination sharing bytes with the buffer would be read after it was (partly) written.
+    _check_apart(buffer, destinations, "unpack: buffer overlaps destination")
     pair = _first_overlap(destinations)
     if pair is not None:
         raise RuntimeError(f"unpack: destinations {pair[0]} and {pair[1]} overlap in memory")
-    for a in range(len(rows)):
-        for b in range(a + 1, len(rows)):
-            (ta, da, sa, na), (tb, db, sb, nb) = rows[a], rows[b]
-            if ta != tb or na == 0 or nb == 0:
-                continue
-            if da != db or not (sa + na <= sb or sb + nb <= sa):
-                raise RuntimeError(f"unpack: slices {a} and {b} overlap in destination {ta}")
+    _check_disjoint(rows, "unpack")
     offset = 0
     for (t, d, s, n), size in zip(rows, sizes, strict=True):
         view = _view(destinations[t], d, s, n)
-        view.copy_(buffer[offset : offset + size].view(destinations[t].dtype).view(view.shape))
+        part = buffer[offset : offset + size]
+        # Bytes of any dtype follow each other in the buffer (a uint8 slice, then a float32 one),
+        # and the buffer may start anywhere: viewed as the destination's dtype only from an
+        # offset that is a multiple of its element size, else from an aligned copy.
+        if part.storage_offset() % view.element_size():
+            part = part.clone()
+        view.copy_(part.view(view.dtype).view(view.shape))  # bumps the destination's version
         offset += size

@@ -16,6 +16,7 @@ from runtime import kernels
 from runtime.kernels import reference
 from runtime.kernels.paths import library_path
 from tests.runtime.kernels.cases import (
+    DTYPES,
     LARGE_PIECES,
     large_slice_set,
     pieces,
@@ -43,8 +44,12 @@ def test_compiled_kernels_are_in_use_in_ci():
     """make install builds them; CI must exercise the compiled ops, not only the fallback."""
     if os.environ.get("CI", "").lower() in {"1", "true", "yes"}:
         assert kernels.backend() == "compiled"
-    # Elsewhere: a built library is always the one in use, never silently passed over.
-    assert (kernels.backend() == "compiled") == library_path().exists()
+    # Elsewhere: a built library is the one in use unless it is stale or will not load, and then
+    # it is never silently passed over: the status says why (and nereus doctor with it).
+    status = kernels.library_status()
+    assert (kernels.backend() == "compiled") == (status.state == "compiled")
+    assert (status.state == "not built") == (not library_path().exists())
+    assert status.state in {"compiled", "not built"} or status.detail
 
 
 @on_every_device
@@ -82,17 +87,21 @@ def test_pack_equals_oracle_and_unpack_round_trips(device, case):
 
 
 def _round_trip(tensors, slices) -> list[torch.Tensor]:
-    """Pack equals the oracle's; unpacked into zeros, every slice comes back byte for byte."""
+    """Pack equals the oracle's; unpacked into zeros by either implementation, from the buffer
+    and from a copy of it at an odd address, every slice comes back byte for byte."""
     packed = kernels.pack(tensors, slices)
     assert torch.equal(packed, reference.pack(tensors, slices))
-    restored = [torch.zeros_like(t) for t in tensors]
-    kernels.unpack(packed, restored, slices)
-    for index, dim, start, length in slices.tolist():
-        original = tensors[index].narrow(dim, start, length)
-        assert torch.equal(
-            restored[index].narrow(dim, start, length).view(torch.uint8),
-            original.contiguous().view(torch.uint8),
-        )
+    odd = torch.zeros(packed.numel() + 1, dtype=torch.uint8, device=packed.device)[1:]
+    odd.copy_(packed)
+    for impl, buffer in itertools.product((kernels, reference), (packed, odd)):
+        restored = [torch.zeros_like(t) for t in tensors]
+        impl.unpack(buffer, restored, slices)
+        for index, dim, start, length in slices.tolist():
+            original = tensors[index].narrow(dim, start, length)
+            assert torch.equal(
+                restored[index].narrow(dim, start, length).view(torch.uint8),
+                original.contiguous().view(torch.uint8),
+            )
     return restored
 
 
@@ -199,9 +208,7 @@ def test_views_of_one_buffer_are_destinations_while_their_bytes_are_apart(impl, 
     source = torch.arange(16, dtype=torch.uint8, device=device)
 
     def pack_into(sources, slices, out):
-        if impl is reference:
-            return reference.pack_into(sources, slices, out)
-        return kernels.pack(sources, slices, out=out)
+        return _pack_into(impl, sources, slices, out)
 
     with pytest.raises(RuntimeError, match="pack_into: out overlaps source 1 in memory"):
         pack_into(
@@ -248,11 +255,14 @@ def test_pack_of_slices_larger_than_a_chunk_matches_the_oracle_and_round_trips(d
 
 @st.composite
 def crowded_slices(draw):
-    """Several slices per destination, along any dimension: some sets overlap, most do not."""
+    """Several slices per destination, along any dimension: some sets overlap, most do not. Each
+    destination has its own dtype, so that slices of different element sizes follow each other
+    in the buffer (a float32 slice at a byte offset that is not a multiple of 4)."""
     shapes = [
         tuple(draw(st.lists(st.integers(1, 6), min_size=1, max_size=3)))
         for _ in range(draw(st.integers(1, 3)))
     ]
+    dtypes = [draw(st.sampled_from(DTYPES)) for _ in shapes]
     rows = []
     for index, shape in enumerate(shapes):
         dim = draw(st.integers(0, len(shape) - 1))
@@ -264,29 +274,203 @@ def crowded_slices(draw):
             start = draw(st.integers(0, shape[other]))
             rows.append([index, other, start, draw(st.integers(0, shape[other] - start))])
     rows = draw(st.permutations(rows))
-    return shapes, torch.tensor(rows, dtype=torch.int64).view(-1, 4)
+    return shapes, dtypes, torch.tensor(rows, dtype=torch.int64).view(-1, 4)
 
 
 @on_every_device
 @settings(max_examples=80, deadline=None)
 @given(crowded_slices())
 def test_unpack_refuses_overlaps_exactly_where_the_oracle_does(device, case):
-    shapes, slices = case
-    sources = [random_tensor(shape, torch.float32, i, device) for i, shape in enumerate(shapes)]
-    buffer = reference.pack(sources, slices)
-    refused = {}
-    results = {}
-    for name, impl in (("kernels", kernels), ("reference", reference)):
-        dest = [torch.zeros(shape, device=device) for shape in shapes]
-        try:
-            impl.unpack(buffer, dest, slices)
-        except RuntimeError as exc:
-            assert "overlap in destination" in str(exc)
-            assert all(not t.any() for t in dest), "a refused unpack wrote bytes"
-            refused[name] = True
-        else:
-            refused[name] = False
-        results[name] = dest
-    assert refused["kernels"] == refused["reference"]
-    for ours, theirs in zip(results["kernels"], results["reference"], strict=True):
-        assert torch.equal(ours, theirs)
+    """Both implementations refuse the same sets, naming the same pair of slices, and write the
+    same bytes otherwise: with mixed dtypes, and from a buffer at an odd address too."""
+    shapes, dtypes, slices = case
+    sources = [
+        random_tensor(shape, dtype, i, device)
+        for i, (shape, dtype) in enumerate(zip(shapes, dtypes, strict=True))
+    ]
+    packed = reference.pack(sources, slices)
+    odd = torch.zeros(packed.numel() + 1, dtype=torch.uint8, device=device)[1:]
+    odd.copy_(packed)
+    for buffer in (packed, odd):
+        refused = {}
+        results = {}
+        for name, impl in (("kernels", kernels), ("reference", reference)):
+            dest = [
+                torch.zeros(shape, dtype=dtype, device=device)
+                for shape, dtype in zip(shapes, dtypes, strict=True)
+            ]
+            try:
+                impl.unpack(buffer, dest, slices)
+            except RuntimeError as exc:
+                assert "overlap in destination" in str(exc)
+                assert all(not t.any() for t in dest), "a refused unpack wrote bytes"
+                refused[name] = str(exc).splitlines()[0]
+            else:
+                refused[name] = None
+            results[name] = dest
+        assert refused["kernels"] == refused["reference"]
+        for ours, theirs in zip(results["kernels"], results["reference"], strict=True):
+            assert torch.equal(ours.view(torch.uint8), theirs.view(torch.uint8))
+        if refused["kernels"] is None:
+            for index, dim, start, length in slices.tolist():
+                assert torch.equal(
+                    results["reference"][index].narrow(dim, start, length),
+                    sources[index].narrow(dim, start, length),
+                )
+
+
+@pytest.mark.parametrize("impl", [kernels, reference], ids=["dispatch", "reference"])
+def test_overlapping_slices_are_named_alike(impl):
+    """Found by review: the reference compared every pair of slices (O(n^2): 8,192 slices took
+    seconds) and named the first pair by index; it now sorts as csrc/slices.h does, and names the
+    pair the compiled op names."""
+    dest = [torch.zeros(8)]
+    rows = torch.tensor([[0, 0, 5, 1], [0, 0, 5, 1], [0, 0, 0, 1], [0, 0, 0, 1]])
+    with pytest.raises(RuntimeError, match="unpack: slices 2 and 3 overlap in destination 0"):
+        impl.unpack(torch.zeros(16, dtype=torch.uint8), dest, rows)
+    assert not dest[0].any()
+    # Thousands of slices, the overlapping pair last by start: found, and only that pair.
+    n = 8192
+    rows = torch.tensor([[0, 0, i, 1] for i in range(n)] + [[0, 0, n - 1, 1]])
+    with pytest.raises(RuntimeError, match=f"unpack: slices {n - 1} and {n} overlap"):
+        impl.unpack(torch.zeros(4 * (n + 1), dtype=torch.uint8), [torch.zeros(n)], rows)
+    many = torch.zeros(n, 2)
+    impl.unpack(
+        torch.ones(8 * n, dtype=torch.uint8), [many], torch.tensor([[0, 0, i, 1] for i in range(n)])
+    )
+    assert torch.equal(many.view(torch.uint8), torch.ones(n, 8, dtype=torch.uint8))
+
+
+def _pack_into(impl, sources, slices, out):
+    if impl is reference:
+        return reference.pack_into(sources, slices, out)
+    return kernels.pack(sources, slices, out=out)
+
+
+@on_every_device
+@pytest.mark.parametrize("impl", [kernels, reference], ids=["dispatch", "reference"])
+def test_a_buffer_sharing_bytes_with_a_destination_is_refused_before_any_byte_is_written(
+    impl, device
+):
+    """Found by review: unpack checked destinations against each other, not against the buffer
+    (the compiled op copied overlapping ranges chunk by chunk, silently wrong; the reference
+    raised after writing the slices before)."""
+    arena = torch.arange(16, dtype=torch.uint8, device=device)
+    first = torch.zeros(4, dtype=torch.uint8, device=device)
+    rows = torch.tensor([[0, 0, 0, 4], [1, 0, 0, 8]])
+    with pytest.raises(RuntimeError, match="unpack: buffer overlaps destination 1 in memory"):
+        impl.unpack(arena[:12], [first, arena[2:10]], rows)
+    assert not first.any()
+    assert torch.equal(arena, torch.arange(16, dtype=torch.uint8, device=device))
+    # A destination viewing the buffer's own bytes as another dtype.
+    floats = torch.zeros(4, device=device)
+    with pytest.raises(RuntimeError, match="unpack: buffer overlaps destination 0 in memory"):
+        impl.unpack(floats.view(torch.uint8), [floats], torch.tensor([[0, 0, 0, 4]]))
+    # More than a CPU chunk (1 MiB): the compiled op would have read bytes it had overwritten.
+    mib = 1 << 20
+    big = (torch.arange(3 * mib, device=device) % 251).to(torch.uint8)
+    with pytest.raises(RuntimeError, match="unpack: buffer overlaps destination 0 in memory"):
+        impl.unpack(big[: 2 * mib], [big[mib:]], torch.tensor([[0, 0, 0, 2 * mib]]))
+    assert torch.equal(big, (torch.arange(3 * mib, device=device) % 251).to(torch.uint8))
+    # Views of one arena beside the buffer's bytes, not over them, are written.
+    impl.unpack(arena[:8], [arena[8:12], arena[12:]], torch.tensor([[0, 0, 0, 4], [1, 0, 0, 4]]))
+    assert torch.equal(arena[8:], torch.arange(8, dtype=torch.uint8, device=device))
+
+
+@on_every_device
+@pytest.mark.parametrize("impl", [kernels, reference], ids=["dispatch", "reference"])
+def test_unpack_of_mixed_dtypes_from_any_byte_offset(impl, device):
+    """Found by review: the reference viewed buffer bytes as the destination's dtype, which fails
+    for a float32 slice at byte 3 (after a uint8 one) or a buffer at an odd address: it raised
+    after writing the slices before."""
+    sources = [
+        torch.arange(3, dtype=torch.uint8, device=device),
+        torch.tensor([1.5, 2.5], device=device),
+        torch.tensor([[7, -9]], dtype=torch.int64, device=device),
+    ]
+    rows = torch.tensor([[0, 0, 0, 3], [1, 0, 0, 2], [2, 1, 0, 2]])
+    packed = reference.pack(sources, rows)
+    odd = torch.zeros(packed.numel() + 1, dtype=torch.uint8, device=device)[1:]
+    odd.copy_(packed)
+    for buffer in (packed, odd):
+        dest = [torch.zeros_like(t) for t in sources]
+        impl.unpack(buffer, dest, rows)
+        assert all(torch.equal(d, t) for d, t in zip(dest, sources, strict=True))
+
+
+@on_every_device
+@pytest.mark.parametrize("impl", [kernels, reference], ids=["dispatch", "reference"])
+def test_unpack_and_pack_into_are_in_place_writes_for_autograd(impl, device):
+    """Found by review: the compiled ops bumped no version counter (a backward that had saved a
+    destination's old values ran on the new ones) and wrote into leaves that require grad."""
+    rows = torch.tensor([[0, 0, 0, 4]])
+    new = torch.full((16,), 0x40, dtype=torch.uint8, device=device)  # four floats of 3.0039
+    weight = torch.ones(4, device=device, requires_grad=True)
+    saved = torch.zeros(4, device=device)
+    loss = (weight * saved).sum()  # saves `saved` for backward
+    version = saved._version
+    impl.unpack(new, [saved], rows)
+    assert saved._version > version
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    out = torch.zeros(16, dtype=torch.uint8, device=device)
+    version = out._version
+    _pack_into(impl, [torch.ones(4, device=device)], rows, out)
+    assert out._version > version
+    # A destination that requires grad: refused, named, before any byte is written...
+    plain = torch.zeros(4, device=device)
+    leaf = torch.zeros(4, device=device, requires_grad=True)
+    both = torch.tensor([[0, 0, 0, 4], [1, 0, 0, 4]])
+    with pytest.raises(RuntimeError, match="unpack: destination 1 requires grad"):
+        impl.unpack(torch.cat([new, new]), [plain, leaf], both)
+    assert not plain.any() and not leaf.detach().any()
+    with pytest.raises(RuntimeError, match="unpack: destination 0 requires grad"):
+        impl.unpack(new, [leaf * 2], rows)
+    # ... and written under torch.no_grad(), as loading weights into parameters does.
+    with torch.no_grad():
+        impl.unpack(torch.cat([new, new]), [plain, leaf], both)
+    assert torch.equal(leaf.detach().view(torch.uint8), new)
+    assert torch.equal(plain.view(torch.uint8), new)
+
+
+@pytest.mark.parametrize("impl", [kernels, reference], ids=["dispatch", "reference"])
+def test_tensors_on_another_device_than_the_buffer_are_refused(impl):
+    """Found by review: the reference (the fallback for a device the build has no kernels for,
+    and for mixed devices) checked none, and copied across devices. 'meta' stands in for a second
+    device here."""
+    slices = torch.tensor([[0, 0, 0, 2], [1, 0, 0, 2]])
+    here, there = torch.zeros(4, 2), torch.empty(4, 2, device="meta")
+    message = r"{}: every tensor must be on the buffer's device \({}\), not {}"
+    with pytest.raises(RuntimeError, match=message.format("unpack", "cpu", "meta")):
+        impl.unpack(torch.full((32,), 7, dtype=torch.uint8), [here, there], slices)
+    assert not here.any()
+    with pytest.raises(RuntimeError, match=message.format("unpack", "meta", "cpu")):
+        impl.unpack(torch.empty(32, dtype=torch.uint8, device="meta"), [there, here], slices)
+    out = torch.zeros(32, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match=message.format("pack_into", "cpu", "meta")):
+        _pack_into(impl, [torch.ones(4, 2), there], slices, out)
+    assert not out.any()
+    with pytest.raises(RuntimeError, match=message.format("pack", "cpu", "meta")):
+        impl.pack([torch.ones(4, 2), there], slices)
+    if impl is kernels and kernels.backend() == "compiled":  # the ops themselves, not only ours
+        with pytest.raises(RuntimeError, match=message.format("unpack", "cpu", "meta")):
+            torch.ops.nereus.unpack(torch.full((32,), 7, dtype=torch.uint8), [here, there], slices)
+        with pytest.raises(RuntimeError, match=message.format("pack_into", "cpu", "meta")):
+            torch.ops.nereus.pack_into([torch.ones(4, 2), there], slices, out)
+        assert not here.any() and not out.any()
+
+
+@on_every_device
+@pytest.mark.parametrize("impl", [kernels, reference], ids=["dispatch", "reference"])
+def test_checksum_edge_cases_agree(impl, device):
+    """Found by review: a global shape with a 0 extent after huge ones has no elements (the
+    compiled op refused it as past 2**63), and an empty tensor of an unsupported element size is
+    refused like a full one (the compiled op returned 0)."""
+    assert impl.checksum(torch.zeros(1, 1, 0, device=device), (2**32, 2**32, 0), (0, 0, 0)) == 0
+    with pytest.raises(RuntimeError, match="checksum: global_shape has more than 2"):
+        impl.checksum(torch.zeros(1, 1, 1, device=device), (2**32, 2**32, 1), (0, 0, 0))
+    for rows in (0, 3):
+        with pytest.raises(RuntimeError, match="checksum: unsupported element size 16"):
+            impl.checksum(
+                torch.zeros(rows, 5, dtype=torch.complex128, device=device), (3, 5), (0, 0)
+            )

@@ -50,3 +50,20 @@ def test_tensors_on_another_device_are_refused_before_any_byte_is_written():
     with pytest.raises(RuntimeError, match="every tensor must be on the buffer's device"):
         kernels.pack([torch.ones(4, 4).cuda(), torch.ones(4, 4)], slices, out=out)
     assert not out.any()
+    # The CUDA ops themselves (kernels.* hands mixed devices to the reference, which refuses
+    # them with the same message), the buffer on the CPU as well as on the GPU.
+    for buffer in (
+        torch.full((64,), 7, dtype=torch.uint8),
+        torch.full((64,), 7, dtype=torch.uint8).cuda(),
+    ):
+        with pytest.raises(
+            RuntimeError, match="unpack: every tensor must be on the buffer's device"
+        ):
+            torch.ops.nereus.unpack(buffer, [on_gpu, on_cpu], slices)
+    with pytest.raises(
+        RuntimeError, match="pack_into: every tensor must be on the buffer's device"
+    ):
+        torch.ops.nereus.pack_into([torch.ones(4, 4).cuda(), torch.ones(4, 4)], slices, out)
+    with pytest.raises(RuntimeError, match="pack: every tensor must be on the buffer's device"):
+        torch.ops.nereus.pack([torch.ones(4, 4).cuda(), torch.ones(4, 4)], slices)
+    assert not on_gpu.any() and not on_cpu.any() and not out.any()
