@@ -263,6 +263,77 @@ def watch_command(
     )
 
 
+@app.command("cancel", epilog=_API_EPILOG)
+def cancel_command(
+    job_id: Annotated[int, typer.Argument(min=1)],
+    as_json: _Json = False,
+    url: _Url = None,
+    token: _Token = None,
+) -> None:
+    """Ask a job to stop (POST /api/v1/jobs/<id>/cancel/) and print its state: a pending job is
+    cancelled at once, a running one is cancelling until its next step boundary. A job that has
+    ended already is a conflict (exit code 5)."""
+    from nereus.client import ApiError, Client, ClientConfig
+    from nereus.client_cli import _fail
+
+    try:
+        job = Client(ClientConfig.resolve(url=url, token=token)).job_cancel(job_id)
+    except ApiError as exc:
+        raise typer.Exit(code=_fail("cancel", exc, as_json=as_json)) from None
+    if as_json:
+        typer.echo(json.dumps(job))
+    elif job.get("state") == "cancelling":
+        typer.echo(f"job {job['id']}: cancelling (it stops at its next step boundary)")
+    else:
+        typer.echo(f"job {job['id']}: {job.get('state')}")
+
+
+@app.command("logs", epilog=_API_EPILOG)
+def logs_command(
+    job_id: Annotated[int, typer.Argument(min=1)],
+    since: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="Only events with ids above N (each line's first column: the last one "
+            "shown goes on from there).",
+        ),
+    ] = 0,
+    limit: Annotated[
+        int | None, typer.Option(min=1, help="At most this many events (default: all).")
+    ] = None,
+    as_json: _Json = False,
+    url: _Url = None,
+    token: _Token = None,
+) -> None:
+    """Print a job's events once, oldest first (GET /api/v1/jobs/<id>/events/), and exit; watch
+    follows a job instead. With --limit, a line on stderr says where the next ones start."""
+    import itertools
+
+    from nereus.client import ApiError, Client, ClientConfig
+    from nereus.client_cli import EventPrinter, _fail
+
+    try:
+        client = Client(ClientConfig.resolve(url=url, token=token))
+        job = client.job_get(job_id)
+        events = client.job_events(job_id, after=since)
+        printer = EventPrinter(
+            total_steps=(job.get("spec") or {}).get("num_steps"), as_json=as_json, tty=False
+        )
+        shown, last = 0, since
+        for event in itertools.islice(events, limit):
+            printer.event(event)
+            shown, last = shown + 1, int(event["id"])
+        more = limit is not None and shown == limit and next(events, None) is not None
+    except ApiError as exc:
+        raise typer.Exit(code=_fail("logs", exc, as_json=as_json)) from None
+    if more:
+        typer.echo(
+            f"nereus logs: {shown} events shown; more follow (--since {last} for the next ones)",
+            err=True,
+        )
+
+
 def _decide(
     decision: str,
     proposal_id: int,

@@ -15,9 +15,10 @@ import typer
 from nereus.client import loads_strict
 from runtime.control import Controller, JobPolicy, PolicyError, run_job
 from runtime.engine.sim import SimulatedEngine, TrueModel
-from runtime.engine.traces import SHAPES, TraceError, generate, load, min_steps
+from runtime.engine.traces import MAX_STEPS, SHAPES, TraceError, generate, load, min_steps
 from runtime.planner import PlanningError, PpoWorkload, default_catalog
 from runtime.planner.catalog import CatalogError
+from runtime.planner.search import MAX_SLOTS
 
 POLICIES = {
     "nereus": {"admission": "payback"},
@@ -54,13 +55,13 @@ def load_trace(spec: str, *, steps: int | None, gpus: int | None, seed: int, acc
         )
     if not Path(spec).exists():
         raise SimulateError(f"--trace: no such file {spec!r} (or use gen:<shape>)")
-    trace = load(spec)
-    changes = {}
-    if steps:
-        changes["steps"] = steps
+    trace = load(spec)  # the file as written: its errors name its lines
     if gpus:
-        changes["gpus"] = gpus
-    return dataclasses.replace(trace, **changes) if changes else trace
+        try:  # its failures must still leave a slot on the smaller pool
+            trace = load(spec, gpus=gpus)
+        except TraceError as exc:
+            raise SimulateError(f"--gpus {gpus}: {exc}") from None
+    return dataclasses.replace(trace, steps=steps) if steps else trace
 
 
 def simulate(
@@ -81,10 +82,13 @@ def simulate(
             raise SimulateError(
                 f"--policy: unknown {policy!r}; choose one of {', '.join(POLICIES)}"
             )
-        if gpus is not None and gpus < 1:
-            raise SimulateError(f"--gpus: must be at least 1, got {gpus}")
-        if steps is not None and steps < 1:
-            raise SimulateError(f"--steps: must be at least 1, got {steps}")
+        if gpus is not None and not 1 <= gpus <= MAX_SLOTS:
+            raise SimulateError(
+                f"--gpus: must be from 1 to {MAX_SLOTS} (the most slots the planner plans for), "
+                f"got {gpus}"
+            )
+        if steps is not None and not 1 <= steps <= MAX_STEPS:
+            raise SimulateError(f"--steps: must be from 1 to {MAX_STEPS}, got {steps}")
         if events_file and not Path(events_file).resolve().parent.is_dir():
             raise SimulateError(f"--events: no folder to write {events_file!r} in")
         settings = dict(POLICIES[policy])

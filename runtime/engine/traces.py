@@ -12,6 +12,10 @@ A trace file is JSON Lines. The first line is the header, every other line one r
 size from that simulated time on; ``fail_slot`` kills one slot at that time (its state is lost; the
 pool shrinks by one until a later ``gpus`` record). ``generate`` makes seeded traces of the shapes
 the experiments use; ``load`` reads a file and names the line and field of anything malformed.
+
+Bounds: ``steps`` and ``at_step`` at most ``MAX_STEPS`` (a job's most), ``gen_len`` at most
+``MAX_GEN_LEN`` tokens, ``gpus`` at most ``MAX_SLOTS`` (the planner's most), and the failures
+since the last ``gpus`` record (or the start) must leave the pool at least one slot to run on.
 """
 
 from __future__ import annotations
@@ -21,9 +25,19 @@ import dataclasses
 import json
 import math
 import random
+import reprlib
 from pathlib import Path
 
+from runtime.planner.search import MAX_SLOTS
+
 FORMAT_VERSION = 1
+MAX_STEPS = 1_000_000
+"""The most steps a trace runs (or places a ``gen_len`` point at): a job's most."""
+MAX_GEN_LEN = 10_000_000
+"""The most generated tokens a ``gen_len`` point gives (far above any model's context)."""
+MAX_DIGITS = 100
+"""Integers of more digits than this are not read as numbers (every bound above has far fewer);
+a field holding one is refused by name, not by Python's limit on converting long integers."""
 SHAPES = ("growth", "plateau", "step", "oscillate", "noisy", "shrink")
 
 
@@ -95,32 +109,75 @@ class Trace:
         Path(path).write_text("\n".join(self.to_lines()) + "\n")
 
 
-def _int(value, where: str, *, minimum: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise TraceError(f"{where}: must be an integer of at least {minimum}, got {value!r}")
+class _LongInteger:
+    """A JSON integer of more than ``MAX_DIGITS`` digits: kept unconverted, refused by field."""
+
+    def __init__(self, text: str):
+        self.digits = len(text.lstrip("-"))
+
+    def __repr__(self) -> str:
+        return f"an integer of {self.digits} digits"
+
+    __str__ = __repr__
+
+
+def _read_int(text: str) -> int | _LongInteger:
+    return int(text) if len(text) <= MAX_DIGITS else _LongInteger(text)
+
+
+_SHOWN = reprlib.Repr()
+_SHOWN.maxstring, _SHOWN.maxother, _SHOWN.maxlong = 60, 60, 30
+
+
+def _shown(value) -> str:
+    """A value for a message: short, whatever the file held."""
+    return repr(value) if isinstance(value, _LongInteger) else _SHOWN.repr(value)
+
+
+def _int(value, where: str, *, minimum: int = 0, maximum: int | None = None) -> int:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or value < minimum
+        or (maximum is not None and value > maximum)
+    ):
+        bound = (
+            f"from {minimum} to {maximum:,}" if maximum is not None else f"of at least {minimum}"
+        )
+        raise TraceError(f"{where}: must be an integer {bound}, got {_shown(value)}")
     return value
 
 
-def _number(value, where: str, *, minimum: float = 0.0) -> float:
+def _number(value, where: str, *, minimum: float = 0.0, maximum: float | None = None) -> float:
     if (
         isinstance(value, bool)
         or not isinstance(value, int | float)
         or not math.isfinite(value)
         or value < minimum
+        or (maximum is not None and value > maximum)
     ):
-        raise TraceError(f"{where}: must be a finite number of at least {minimum}, got {value!r}")
+        bound = (
+            f"from {minimum:g} to {maximum:,}" if maximum is not None else f"of at least {minimum}"
+        )
+        raise TraceError(f"{where}: must be a finite number {bound}, got {_shown(value)}")
     return float(value)
 
 
-def parse(lines: list[str], *, source: str = "trace") -> Trace:
+def parse(lines: list[str], *, source: str = "trace", gpus: int | None = None) -> Trace:
+    """The trace the lines give; ``gpus`` replaces the header's slots at time 0 (a run on
+    another pool: its failures must still leave a slot; the file is otherwise read as written)."""
     records = []
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
+            record = json.loads(line, parse_int=_read_int)
         except json.JSONDecodeError as exc:
             raise TraceError(f"{source}:{number}: not JSON ({exc.msg})") from None
+        except RecursionError:
+            raise TraceError(f"{source}:{number}: not JSON (nested too deeply)") from None
+        except ValueError as exc:  # what the decoder raises besides (none known: a safeguard)
+            raise TraceError(f"{source}:{number}: not JSON ({exc})") from None
         if not isinstance(record, dict):
             raise TraceError(f"{source}:{number}: expected an object, got {type(record).__name__}")
         records.append((number, record))
@@ -132,15 +189,20 @@ def parse(lines: list[str], *, source: str = "trace") -> Trace:
         raise TraceError(f"{where}: field 'trace': the first line must be the header")
     if header.get("version") != FORMAT_VERSION:
         raise TraceError(
-            f"{where}: field 'version': expected {FORMAT_VERSION}, got {header.get('version')!r}"
+            f"{where}: field 'version': expected {FORMAT_VERSION}, "
+            f"got {_shown(header.get('version'))}"
         )
     for field in ("steps", "accelerator", "gpus"):
         if field not in header:
             raise TraceError(f"{where}: field '{field}': missing from the header")
     if not isinstance(header["accelerator"], str):
         raise TraceError(f"{where}: field 'accelerator': must be a name")
-    steps = _int(header["steps"], f"{where}: field 'steps'", minimum=1)
-    gpus = _int(header["gpus"], f"{where}: field 'gpus'", minimum=1)
+    steps = _int(header["steps"], f"{where}: field 'steps'", minimum=1, maximum=MAX_STEPS)
+    written = _int(header["gpus"], f"{where}: field 'gpus'", minimum=1, maximum=MAX_SLOTS)
+    if gpus is None:
+        gpus = written
+    else:
+        _int(gpus, "gpus", minimum=1, maximum=MAX_SLOTS)
     gen_len, pool, failures = [], [], []
     for number, record in records[1:]:
         where = f"{source}:{number}"
@@ -157,15 +219,18 @@ def parse(lines: list[str], *, source: str = "trace") -> Trace:
         if kind == "gen_len":
             if "at_step" not in record:
                 raise TraceError(f"{where}: field 'at_step': a gen_len point needs it")
-            at = _int(record["at_step"], f"{where}: field 'at_step'")
-            value = _number(record["gen_len"], f"{where}: field 'gen_len'", minimum=1)
+            at = _int(record["at_step"], f"{where}: field 'at_step'", maximum=MAX_STEPS)
+            value = _number(
+                record["gen_len"], f"{where}: field 'gen_len'", minimum=1, maximum=MAX_GEN_LEN
+            )
             gen_len.append((at, value, number))
             continue
         if "at_s" not in record:
             raise TraceError(f"{where}: field 'at_s': a {kind} record needs it")
         at_s = _number(record["at_s"], f"{where}: field 'at_s'")
         if kind == "gpus":
-            pool.append((at_s, _int(record["gpus"], f"{where}: field 'gpus'", minimum=1), number))
+            size = _int(record["gpus"], f"{where}: field 'gpus'", minimum=1, maximum=MAX_SLOTS)
+            pool.append((at_s, size, number))
             continue
         if not at_s > 0:
             # The job starts at 0 s on the header's pool: a slot lost by then is a smaller pool.
@@ -175,13 +240,21 @@ def parse(lines: list[str], *, source: str = "trace") -> Trace:
         raise TraceError(f"{source}: field 'gen_len': at least one point is needed")
     _refuse_repeats(gen_len, source, "at_step", "gen_len points")
     _refuse_repeats(pool, source, "at_s", "pool sizes")
-    most = max([gpus, *(g for _, g, _ in pool)])
+    most = max([written, *(g for _, g, _ in pool)])
     for _, slot, number in failures:
         if slot >= most:
             raise TraceError(
                 f"{source}:{number}: field 'fail_slot': slot {slot} never exists "
                 f"(the pool holds at most {most} slots, numbered from 0)"
             )
+    _, emptying = _failures_leaving_a_slot(gpus, [(at, g) for at, g, _ in pool], failures)
+    if emptying:
+        (at, slot, number), size, failed = emptying[0]
+        raise TraceError(
+            f"{source}:{number}: field 'fail_slot': slot {slot} failing at {at:g} s leaves no slot "
+            f"to run on (the pool holds {size} then, and failures since its last size took "
+            f"slots {sorted(failed)})"
+        )
     return Trace(
         name=str(header["trace"]),
         steps=steps,
@@ -191,6 +264,34 @@ def parse(lines: list[str], *, source: str = "trace") -> Trace:
         pool=tuple((at, value) for at, value, _ in sorted(pool)),
         failures=tuple((at, value) for at, value, _ in sorted(failures)),
     )
+
+
+def _failures_leaving_a_slot(
+    gpus: int, pool: list[tuple[float, int]], failures: list[tuple]
+) -> tuple[list[tuple], list[tuple[tuple, int, set[int]]]]:
+    """``failures`` (``(seconds, slot, ...)``) split into those that leave the pool a slot to run
+    on and those that would not (each with the pool's size then and the slots failed since its
+    last size, itself included), in time order. A failure takes its slot out until the next pool
+    size; one of a slot beyond the pool then takes nothing; at one time, the size comes first."""
+    timeline = sorted(
+        [(at, 0, i) for i, (at, _) in enumerate(pool)]
+        + [(failure[0], 1, i) for i, failure in enumerate(failures)]
+    )
+    size, failed = gpus, set()
+    kept, emptying = [], []
+    for _, kind, i in timeline:
+        if kind == 0:
+            size, failed = pool[i][1], set()
+            continue
+        slot = failures[i][1]
+        if slot >= size:
+            kept.append(failures[i])
+        elif len(failed | {slot}) >= size:
+            emptying.append((failures[i], size, failed | {slot}))
+        else:
+            failed.add(slot)
+            kept.append(failures[i])
+    return kept, emptying
 
 
 def _refuse_repeats(records: list[tuple], source: str, field: str, what: str) -> None:
@@ -205,7 +306,8 @@ def _refuse_repeats(records: list[tuple], source: str, field: str, what: str) ->
         first[at] = number
 
 
-def load(path: str | Path) -> Trace:
+def load(path: str | Path, *, gpus: int | None = None) -> Trace:
+    """The trace in file ``path``; ``gpus`` as for ``parse``."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -214,7 +316,7 @@ def load(path: str | Path) -> Trace:
     except UnicodeDecodeError as exc:
         line = path.read_bytes()[: exc.start].count(b"\n") + 1
         raise TraceError(f"{path}:{line}: not UTF-8 text (byte {exc.start})") from None
-    return parse(text.splitlines(), source=str(path))
+    return parse(text.splitlines(), source=str(path), gpus=gpus)
 
 
 def generate(
@@ -232,11 +334,14 @@ def generate(
     failures: int = 0,
 ) -> Trace:
     """A seeded trace of one of ``SHAPES``; ``spot`` adds a spot-like pool (over a dozen changes in
-    ``hours``), ``grow_to`` a pool that doubles towards that size, ``failures`` slot failures."""
+    ``hours``, never above ``MAX_SLOTS``), ``grow_to`` a pool that doubles towards that size,
+    ``failures`` slot failures (less any that would leave the pool no slot to run on)."""
     if shape not in SHAPES:
         raise TraceError(f"shape: expected one of {', '.join(SHAPES)}, got {shape!r}")
-    _int(gpus, "gpus", minimum=1)
-    _int(steps, "steps", minimum=min_steps(shape))
+    _int(gpus, "gpus", minimum=1, maximum=MAX_SLOTS)
+    _int(steps, "steps", minimum=min_steps(shape), maximum=MAX_STEPS)
+    if grow_to is not None:
+        _int(grow_to, "grow_to", minimum=0, maximum=MAX_SLOTS)
     rng = random.Random(seed)
     points: list[tuple[int, float]]
     if shape == "growth":  # the seed's: 500 -> 8,000 tokens over 1,000 steps, roughly exponential
@@ -277,7 +382,7 @@ def generate(
         count, unit = gpus, max(1, gpus // 8)
         for t in sorted(rng.uniform(0, hours * 3600) for _ in range(14)):
             delta = unit * rng.choice((1, 2)) * (1 if rng.random() < 0.5 else -1)
-            count = min(2 * gpus, max(1, gpus // 2, count + delta))
+            count = min(2 * gpus, MAX_SLOTS, max(1, gpus // 2, count + delta))
             pool.append((round(t, 1), count))
     if grow_to:
         t, count = 0.0, gpus
@@ -288,6 +393,7 @@ def generate(
     fails = []
     for _ in range(failures):
         fails.append((round(rng.uniform(0.1, 0.9) * hours * 3600, 1), rng.randrange(gpus)))
+    fails, _ = _failures_leaving_a_slot(gpus, sorted(pool), sorted(fails))
     return Trace(
         name=f"{shape}-{gpus}-s{seed}",
         steps=steps,

@@ -83,20 +83,25 @@ def run_ppo_job(
             )
         )
 
-        # A job that ran before (its driver was lost) goes on from its last checkpoint: the
-        # loop counts the steps still to run, events and the scenario count the job's steps.
+        # A job that ran before (its driver was lost) goes on from its last checkpoint. The loop
+        # counts loop steps (a failed step and a resume from a checkpoint are loop steps too);
+        # events and the scenario count the job's own steps (``JobState.next_step``).
         resumed = job.last_checkpoint()
         first = resumed.step if resumed is not None else 0
+        played: set[str] = set()  # the scenario's moves made: each once, though the job
+        # may come to its step again (after a failed step, or a resume from a checkpoint)
 
         def between_steps(loop_step: int) -> bool:
-            step = first + loop_step
+            step = job.state.next_step  # the step the job runs next, whatever the loop's count
             if loop_step and spec.pace_s:
                 time.sleep(spec.pace_s)
             if should_stop():
                 return False
-            if step == spec.revoke_at_step:
+            if step == spec.revoke_at_step and "revoke" not in played:
+                played.add("revoke")
                 engine.revoke()
-            if step == spec.grant_at_step:
+            if step == spec.grant_at_step and "grant" not in played:
+                played.add("grant")
                 engine.grant()
             apply_commands(controller, engine, commands(), sink)
             forward_engine_events()
@@ -104,11 +109,14 @@ def run_ppo_job(
 
         def on_step(report) -> None:
             forward_engine_events()
+            # The job's step this loop step ran: the update's own (a resume between steps can
+            # have sent the job back), or for a failed step, which made none, the one it tried.
+            step = report.extra.get("ppo_step", job.state.next_step)
             sink.emit(
                 RuntimeEvent(
                     kind="step.finished",
                     data={
-                        "step": first + report.step,
+                        "step": step,
                         "ok": report.ok,
                         "step_s": round(report.seconds, 4),
                         "gen_len": round(report.gen_len, 2),

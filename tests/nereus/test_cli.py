@@ -214,3 +214,60 @@ def test_simulate_prints_simulated_figures_and_names_bad_input(tmp_path):
         ["simulate", "--trace", "gen:step", "--steps", "6", "--gpu", "H100-SXM", "--json"], env
     )
     assert done.returncode == 0, done.stderr
+
+
+_TRACE_HEADER = '{"trace": "t", "version": 1, "steps": 5, "accelerator": "h100-sxm", "gpus": %d}'
+_POINT = '{"at_step": 0, "gen_len": 500}'
+
+
+@pytest.mark.parametrize(
+    ("lines", "args", "message"),
+    [
+        # Each once ended in a traceback and exit code 1.
+        (
+            [_TRACE_HEADER % 16, _POINT, "[" * 200_000],
+            [],
+            "{trace}:3: not JSON (nested too deeply)",
+        ),
+        (
+            [_TRACE_HEADER % 16, '{"at_step": 1' + "0" * 5000 + ', "gen_len": 500}'],
+            [],
+            "{trace}:2: field 'at_step': must be an integer from 0 to 1,000,000, got an integer "
+            "of 5001 digits",
+        ),
+        (
+            [_TRACE_HEADER % 16, '{"at_step": 0, "gen_len": 1e300}'],
+            [],
+            "{trace}:2: field 'gen_len': must be a finite number from 1 to 10,000,000",
+        ),
+        (
+            [_TRACE_HEADER % 16, _POINT, '{"at_s": 1, "gpus": 100000000}'],
+            [],
+            "{trace}:3: field 'gpus': must be an integer from 1 to 65,536, got 100000000",
+        ),
+        (
+            [_TRACE_HEADER % 1, _POINT, '{"at_s": 1, "fail_slot": 0}'],
+            ["--model", "tiny-llama"],
+            "{trace}:3: field 'fail_slot': slot 0 failing at 1 s leaves no slot to run on",
+        ),
+        (  # the file leaves a slot; --gpus 1 in place of its 16 would not
+            [_TRACE_HEADER % 16, _POINT, '{"at_s": 1, "fail_slot": 0}'],
+            ["--model", "tiny-llama", "--gpus", "1"],
+            "--gpus 1: {trace}:3: field 'fail_slot': slot 0 failing at 1 s leaves no slot",
+        ),
+        (None, ["--steps", "5", "--gpus", "70000"], "--gpus: must be from 1 to 65536"),
+        (None, ["--steps", "2000000"], "--steps: must be from 1 to 1000000, got 2000000"),
+    ],
+)
+def test_simulate_refuses_what_crashed_it_in_one_line_with_exit_code_2(
+    tmp_path, lines, args, message
+):
+    trace = tmp_path / "trace.jsonl"
+    if lines is not None:
+        trace.write_text("\n".join(lines) + "\n")
+    spec = str(trace) if lines is not None else "gen:growth"
+    done = _run(["simulate", "--trace", spec, *args], live.service_env(tmp_path), timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr and "Error" not in done.stderr, done.stderr[-2000:]
+    assert done.stderr.count("\n") == 1 and done.stdout == ""
+    assert done.stderr.startswith("nereus simulate: " + message.format(trace=trace)), done.stderr

@@ -1,6 +1,6 @@
-"""``nereus submit|status|watch|approve|reject|download`` against a real web server (a Daphne process on
-loopback with its own SQLite database), each command run as a subprocess with a project token,
-checking what it prints and the exit code a pipeline branches on."""
+"""``nereus submit|status|watch|logs|cancel|approve|reject|download`` against a real web server (a
+Daphne process on loopback with its own SQLite database), each command run as a subprocess with a
+project token, checking what it prints and the exit code a pipeline branches on."""
 
 from __future__ import annotations
 
@@ -221,6 +221,62 @@ def test_watch_follows_until_the_job_is_cancelled_and_exits_1(service, spec_file
     assert lines[-1] == f"job {job_id} cancelled"
 
 
+def test_cancel_prints_the_new_state_and_a_job_that_ended_is_a_conflict(service, spec_file):
+    env = service.cli_env()
+    job_id = int(_run(["submit", "--spec", str(spec_file)], env).stdout)
+    # A viewer may read the job, not stop it.
+    done = _run(["cancel", str(job_id)], service.cli_env("viewer"))
+    assert done.returncode == client.EXIT_AUTH and "nereus cancel: HTTP 403" in done.stderr
+    _no_traceback(done)
+    done = _run(["cancel", str(job_id)], env)
+    assert done.returncode == client.EXIT_OK, done.stderr
+    assert done.stdout == f"job {job_id}: cancelled\n"
+    assert json.loads(_run(["status", str(job_id), "--json"], env).stdout)["state"] == "cancelled"
+    again = _run(["cancel", str(job_id), "--json"], env)
+    assert again.returncode == client.EXIT_CONFLICT
+    assert "nereus cancel: HTTP 409" in again.stderr and "cancelled" in again.stderr
+    assert json.loads(again.stdout)["error"]["status"] == 409
+    _no_traceback(again)
+    pending = int(_run(["submit", "--spec", str(spec_file)], env).stdout)
+    as_json = _run(["cancel", str(pending), "--json"], env)
+    assert as_json.returncode == client.EXIT_OK, as_json.stderr
+    assert json.loads(as_json.stdout)["id"] == pending
+    assert json.loads(as_json.stdout)["state"] == "cancelled"
+
+
+def test_logs_prints_the_events_once_and_pages_with_since_and_limit(service, spec_file):
+    env = service.cli_env()
+    job_id = int(_run(["submit", "--spec", str(spec_file)], env).stdout)
+    service.cancel(job_id)
+    done = _run(["logs", str(job_id)], env, timeout=30)  # prints and exits: the job's log so far
+    assert done.returncode == client.EXIT_OK and done.stderr == "", done.stderr
+    lines = done.stdout.splitlines()
+    assert len(lines) >= 2 and "job.submitted" in lines[0]
+    assert "job.state" in lines[-1] and lines[-1].endswith(" state=cancelled")
+    ids = [int(line.split()[0]) for line in lines]
+    assert ids == sorted(ids)
+
+    first = _run(["logs", str(job_id), "--limit", "1"], env)
+    assert first.returncode == client.EXIT_OK and first.stdout.splitlines() == lines[:1]
+    assert f"more follow (--since {ids[0]} for the next ones)" in first.stderr
+    rest = _run(["logs", str(job_id), "--since", str(ids[0])], env)
+    assert rest.returncode == client.EXIT_OK and rest.stdout.splitlines() == lines[1:]
+    everything = _run(["logs", str(job_id), "--limit", str(len(lines))], env)
+    assert everything.stdout.splitlines() == lines and everything.stderr == ""
+    none = _run(["logs", str(job_id), "--since", str(ids[-1])], env)
+    assert none.returncode == client.EXIT_OK and none.stdout == "" and none.stderr == ""
+
+    records = [
+        json.loads(r) for r in _run(["logs", str(job_id), "--json"], env).stdout.splitlines()
+    ]
+    assert [r["event"]["id"] for r in records] == ids
+    assert records[-1]["event"]["data"]["state"] == "cancelled"
+    # An id past the largest the API reads is its 400, named.
+    bad = _run(["logs", str(job_id), "--since", str(2**63)], env)
+    assert bad.returncode == client.EXIT_USAGE and "after" in bad.stderr, bad.stderr
+    _no_traceback(bad)
+
+
 def test_submit_wait_json_streams_events_and_ends_with_the_final_job(service, spec_file):
     env = service.cli_env()
     proc = _popen(
@@ -289,6 +345,8 @@ def test_an_unknown_job_or_proposal_exits_4(service):
     for args in (
         ["status", "987654"],
         ["watch", "987654"],
+        ["logs", "987654"],
+        ["cancel", "987654"],
         ["approve", "987654", "--comment", "fine"],  # 404 with or without the endpoint
     ):
         done = _run(args, service.cli_env())
@@ -298,7 +356,13 @@ def test_an_unknown_job_or_proposal_exits_4(service):
 
 
 def test_a_missing_token_names_the_variable_and_exits_2(service, spec_file):
-    for args in (["status", "1"], ["submit", "--spec", str(spec_file)], ["watch", "1"]):
+    for args in (
+        ["status", "1"],
+        ["submit", "--spec", str(spec_file)],
+        ["watch", "1"],
+        ["logs", "1"],
+        ["cancel", "1"],
+    ):
         done = _run(args, service.cli_env(token=None))
         assert done.returncode == client.EXIT_USAGE
         assert "NEREUS_TOKEN" in done.stderr
@@ -311,6 +375,8 @@ def test_an_unreachable_service_exits_6_with_the_url(service, spec_file):
     for args in (
         ["status", "1"],
         ["watch", "1"],
+        ["logs", "1"],
+        ["cancel", "1"],
         ["submit", "--spec", str(spec_file)],
         ["approve", "1", "--comment", "looks right"],
         ["reject", "1", "--comment", "too risky"],

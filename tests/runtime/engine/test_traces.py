@@ -115,6 +115,109 @@ def test_generated_traces_are_valid_at_their_smallest(shape, tmp_path):
         assert load(tmp_path / "t.jsonl") == trace
     if min_steps(shape) > 1:
         with pytest.raises(
-            TraceError, match=f"steps: must be an integer of at least {min_steps(shape)}"
+            TraceError, match=f"steps: must be an integer from {min_steps(shape)} to 1,000,000"
         ):
             generate(shape, steps=min_steps(shape) - 1)
+
+
+def _failing(*records: str, gpus: int = 2) -> list[str]:
+    header = HEADER.replace('"gpus": 8', f'"gpus": {gpus}')
+    return [header, '{"at_step": 0, "gen_len": 5}', *records]
+
+
+@pytest.mark.parametrize(
+    ("lines", "message"),
+    [
+        # Each of these once ended `nereus simulate` in a traceback (a decoder error, an
+        # overflow in the planner, the planner's refusal of a pool, or of no slot at all).
+        ([HEADER, "[" * 200_000], r"^trace:2: not JSON \(nested too deeply\)$"),
+        (
+            [HEADER, '{"at_step": 1' + "0" * 5000 + ', "gen_len": 5}'],
+            r"^trace:2: field 'at_step': must be an integer from 0 to 1,000,000, got an integer "
+            r"of 5001 digits$",
+        ),
+        (
+            [HEADER.replace('"steps": 10', '"steps": -' + "9" * 5000)],
+            r"^trace:1: field 'steps': .* got an integer of 5000 digits$",
+        ),
+        (
+            [HEADER, '{"at_step": 0, "gen_len": 1e300}'],
+            r"^trace:2: field 'gen_len': must be a finite number from 1 to 10,000,000, got 1e\+300$",
+        ),
+        ([HEADER, '{"at_step": 0, "gen_len": 10000001}'], r"^trace:2: field 'gen_len'"),
+        ([HEADER, '{"at_step": 1000001, "gen_len": 5}'], r"^trace:2: field 'at_step'"),
+        ([HEADER.replace('"steps": 10', '"steps": 1000001')], r"^trace:1: field 'steps'"),
+        (
+            [HEADER.replace('"gpus": 8', '"gpus": 65537')],
+            r"^trace:1: field 'gpus': must be an integer from 1 to 65,536, got 65537$",
+        ),
+        (
+            _failing('{"at_s": 1, "gpus": 100000000}'),
+            r"^trace:3: field 'gpus': must be an integer from 1 to 65,536, got 100000000$",
+        ),
+        (
+            _failing('{"at_s": 1, "fail_slot": 0}', gpus=1),
+            r"^trace:3: field 'fail_slot': slot 0 failing at 1 s leaves no slot to run on \(the "
+            r"pool holds 1 then, and failures since its last size took slots \[0\]\)$",
+        ),
+        (  # two failures of a two-slot pool, in the file's order or not
+            _failing('{"at_s": 9, "fail_slot": 0}', '{"at_s": 5, "fail_slot": 1}'),
+            r"^trace:3: field 'fail_slot': slot 0 failing at 9 s leaves no slot .* \[0, 1\]",
+        ),
+        (  # the pool shrank to one slot, which then fails
+            _failing(
+                '{"at_s": 5, "gpus": 1}',
+                '{"at_s": 6, "fail_slot": 1}',
+                '{"at_s": 7, "fail_slot": 0}',
+            ),
+            r"^trace:5: field 'fail_slot': slot 0 failing at 7 s leaves no slot",
+        ),
+        (  # the pool's size and a failure at one time: the size comes first
+            _failing('{"at_s": 5, "fail_slot": 0}', '{"at_s": 5, "gpus": 1}'),
+            r"^trace:3: field 'fail_slot': slot 0 failing at 5 s leaves no slot",
+        ),
+    ],
+)
+def test_inputs_that_crashed_the_simulator_are_refused_by_line_and_field(lines, message):
+    with pytest.raises(TraceError, match=message):
+        parse(lines)
+
+
+def test_failures_that_leave_a_slot_are_read_and_a_pool_size_gives_the_slots_back():
+    trace = parse(
+        _failing(
+            '{"at_s": 1, "fail_slot": 1}',  # one of two: one left
+            '{"at_s": 2, "gpus": 2}',  # a new size: both slots again
+            '{"at_s": 3, "fail_slot": 0}',
+            '{"at_s": 4, "gpus": 1}',
+            '{"at_s": 5, "fail_slot": 1}',  # not in the pool then: takes nothing
+        )
+    )
+    assert trace.failures == ((1.0, 1), (3.0, 0), (5.0, 1))
+    limits = parse(
+        [
+            HEADER.replace('"gpus": 8', '"gpus": 65536').replace('"steps": 10', '"steps": 1000000'),
+            '{"at_step": 1000000, "gen_len": 10000000}',
+        ]
+    )
+    assert limits.gpus == 65536 and limits.gen_len_at(10**6) == 10**7
+
+
+def test_a_smaller_pool_in_place_of_the_headers_must_still_leave_a_slot(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join(_failing('{"at_s": 1, "fail_slot": 0}', gpus=16)) + "\n")
+    assert load(path).gpus == 16 and load(path, gpus=2).gpus == 2
+    with pytest.raises(TraceError, match=r"t.jsonl:3: field 'fail_slot': slot 0 failing at 1 s"):
+        load(path, gpus=1)
+    with pytest.raises(TraceError, match=r"^gpus: must be an integer from 1 to 65,536"):
+        load(path, gpus=70_000)
+
+
+def test_generated_failures_leave_a_slot_and_pools_stay_within_the_planners_most():
+    assert generate("growth", gpus=1, failures=3).failures == ()
+    two = generate("growth", gpus=2, failures=5, seed=4)
+    assert len(two.failures) <= 5 and parse(two.to_lines()) == two
+    big = generate("growth", gpus=40_000, spot=True, seed=2)
+    assert max(g for _, g in big.pool) <= 65_536 and parse(big.to_lines()) == big
+    with pytest.raises(TraceError, match="gpus: must be an integer from 1 to 65,536"):
+        generate("growth", gpus=65_537)
