@@ -20,10 +20,19 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m runtime.kernels.build || echo "kernels: using the pure-PyTorch fallback"
 	touch $@
 
+# The compiled kernels follow their sources: a library built from other sources is stale (not
+# loaded), so a change under csrc/ rebuilds it before the tests or the demo run.
+KERNEL_SOURCES := $(shell find csrc -name '*.h' -o -name '*.cuh' -o -name '*.cpp' -o -name '*.cu')
+KERNEL_STAMP := build/kernels/.built
+
+$(KERNEL_STAMP): $(STAMP) $(KERNEL_SOURCES)
+	$(BIN)/python -m runtime.kernels.build || echo "kernels: using the pure-PyTorch fallback"
+	@mkdir -p $(dir $@) && touch $@
+
 kernels: install
 	$(BIN)/python -m runtime.kernels.build --verbose
 
-install: $(STAMP)
+install: $(STAMP) $(KERNEL_STAMP)
 
 # The browser end-to-end test drives Debian's chromium (headless); install it when missing.
 browser:
