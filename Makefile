@@ -17,7 +17,6 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --disable-pip-version-check $(TORCH_PIP_ARGS) '$(TORCH_REQ)'
 	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev]'
-	$(BIN)/python -m runtime.kernels.build || echo "kernels: using the pure-PyTorch fallback"
 	touch $@
 
 # The compiled kernels follow their sources: a library built from other sources is stale (not
