@@ -180,8 +180,15 @@ CELERY_BEAT_SCHEDULE_FILENAME = str(VAR_DIR / "celery-beat-schedule")
 
 # --- Runtime ---------------------------------------------------------------------------------
 NEREUS_RAY_ADDRESS = CONFIG.ray_address
-# A job whose driver task was delivered this many times without finishing is failed, not retried.
+# A job whose driver task was delivered this many times in a row without the job making progress
+# (a step further than any earlier driver of it went) is failed, not retried.
 NEREUS_MAX_DRIVER_DELIVERIES = 3
+# A job still pending this long (its driver task lost before a worker claimed it) is delivered
+# again by the check for lost drivers; the wait doubles with each redelivery, up to 8 times.
+NEREUS_PENDING_REDELIVER_S = 300.0
+# A driver whose database goes away writes again after these pauses; after the last, it stops
+# and the job is taken over by a new driver once its heartbeat is older than NEREUS_DRIVER_LOST_S.
+NEREUS_DB_RETRY_S = (0.5, 1.0, 2.0, 4.0)
 # A driver writes a heartbeat (Job.heartbeat_at) every NEREUS_DRIVER_HEARTBEAT_S; a job whose
 # heartbeat is older than NEREUS_DRIVER_LOST_S is taken over by a new driver (a new epoch, which
 # stops the old one at its next step if it is only slow) that resumes from the job's checkpoint.

@@ -3,7 +3,9 @@
 ILLEGAL_MOVE = "a job in state {current} cannot move to {target}"
 STALE_EPOCH = "epoch {epoch} is older than the job's current epoch {current}; the write is refused"
 JOB_FINISHED = "job {job_id} has already finished ({state})"
-TOO_MANY_DELIVERIES = "the driver task was delivered {count} times without finishing"
+TOO_MANY_DELIVERIES = (
+    "the driver task was delivered {count} times in a row without the job making progress"
+)
 IDEMPOTENCY_MISMATCH = (
     "Idempotency-Key {key!r} was used for a different request; use a new key for a new job"
 )

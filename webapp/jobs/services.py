@@ -6,15 +6,18 @@ import hashlib
 import json
 import logging
 import threading
+import time
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
 from django.conf import settings
 from django.core.exceptions import ValidationError
-from django.db import IntegrityError, connection, transaction
+from django.db import IntegrityError, InterfaceError, OperationalError, connection, transaction
+from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from webapp.jobs import errors, selectors
@@ -26,6 +29,58 @@ from webapp.projects.selectors import require_role
 from webapp.projects.services import project_personal_for
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+DATABASE_OUTAGE = (OperationalError, InterfaceError)
+"""What the database raises when it is away (a restart, a failover, dropped connections): a
+fault of the infrastructure, never of the job."""
+
+
+def _database_outage(exc: BaseException | None) -> bool:
+    """Whether ``exc``, or an exception it was raised from, is the database being away."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, DATABASE_OUTAGE):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__
+    return False
+
+
+def _drop_connection() -> None:
+    """Close this thread's database connection, so that its next query opens a new one (Django
+    does not reconnect a dead connection by itself outside a request). Never inside a
+    transaction, which must see its own end."""
+    if connection.in_atomic_block:
+        return
+    try:
+        connection.close()
+    except Exception:  # closing a dead connection may complain; it is closed all the same
+        logger.debug("closing a broken database connection failed", exc_info=True)
+
+
+def _retrying_database(what: str, operation: Callable[[], T]) -> T:
+    """Run ``operation`` (one transaction, or reads), and again on a new connection after a
+    pause of each of ``NEREUS_DB_RETRY_S`` while the database is away; then it raises. Inside a
+    caller's transaction it is not run again (that transaction is lost already)."""
+    delays = tuple(settings.NEREUS_DB_RETRY_S)
+    for attempt in range(len(delays) + 1):
+        try:
+            return operation()
+        except DATABASE_OUTAGE as exc:
+            if attempt == len(delays) or connection.in_atomic_block:
+                raise
+            logger.warning(
+                "%s: the database is away (%s: %s); trying again in %s s",
+                what,
+                type(exc).__name__,
+                exc,
+                delays[attempt],
+            )
+            _drop_connection()
+            time.sleep(delays[attempt])
+    raise AssertionError("unreachable")
 
 
 @transaction.atomic
@@ -132,6 +187,8 @@ def _enqueue_driver(job_id: int, *, epoch: int | None = None) -> None:
             job_drive.delay(job_id, epoch)
     except Exception as exc:  # kombu raises many types; the job must not wait forever for nothing
         logger.exception("could not enqueue the driver of job %s", job_id)
+        if epoch is not None:
+            return  # a redelivery (``jobs_reap_lost``): the next check tries again
         with transaction.atomic():
             job = Job.objects.select_for_update().get(pk=job_id)
             if job.state == JobState.PENDING:
@@ -225,9 +282,15 @@ class DatabaseEventSink:
 
     def __init__(self, *, job_id: int, epoch: int):
         self.job_id, self.epoch = job_id, epoch
+        self._furthest_before: int | None = None  # the furthest step of the earlier drivers
+
+    def emit(self, event) -> None:
+        """Write the event; while the database is away for a moment, wait and write it again
+        (``NEREUS_DB_RETRY_S``) rather than lose the job's driver."""
+        _retrying_database(f"job {self.job_id} event {event.kind}", lambda: self._emit(event))
 
     @transaction.atomic
-    def emit(self, event) -> None:
+    def _emit(self, event) -> None:
         job = Job.objects.select_for_update().get(pk=self.job_id)
         job_event_append(
             job=job,
@@ -238,6 +301,31 @@ class DatabaseEventSink:
         )
         if event.kind == "command.applied" and event.data.get("command") == "override":
             _override_outcome(job, event.data.get("proposal"), str(event.data.get("outcome")))
+        if event.kind == "step.finished" and job.driver_deliveries and self._progress(event.data):
+            # This delivery moved the job on: it is not one that keeps killing its worker.
+            job.driver_deliveries = 0
+            job.save(update_fields=["driver_deliveries", "updated_at"])
+
+    def _progress(self, data: dict) -> bool:
+        """Whether a finished step takes the job further than any earlier driver of it went (a
+        driver that resumes from a checkpoint, or starts over, runs some steps again)."""
+        step = data.get("step")
+        if data.get("ok") is False or not _is_int(step):
+            return False
+        if self._furthest_before is None:
+            steps = (
+                JobEvent.objects.filter(
+                    job_id=self.job_id, kind="step.finished", epoch__lt=self.epoch
+                )
+                .values_list("data__step", flat=True)
+                .iterator()
+            )
+            self._furthest_before = max((s for s in steps if _is_int(s)), default=-1)
+        return step > self._furthest_before
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 OVERRIDE_TAKEN = ("applied", "rebatched", "unchanged")
@@ -262,6 +350,13 @@ def _claim_driver(
     job_id: int, *, epoch: int | None = None, unless_alive: bool = False
 ) -> tuple[Job, int] | None:
     """Take over a job for a new driver: count the delivery, bump the epoch, mark it starting.
+    Proposals of older epochs that still wait (for a decision, or for their driver to take an
+    approval) become stale: no driver will act on them (``_stale_older_proposals``).
+
+    ``driver_deliveries`` counts the deliveries in a row that did not move the job on: the event
+    sink resets it once a driver finishes a step further than any earlier driver did, so only a
+    job that keeps killing its worker, not one that lost a few workers over a long life, ends
+    ``too_many_deliveries``.
 
     ``epoch``: the delivery was made for that epoch (by ``jobs_reap_lost``); any other epoch means
     a newer delivery or driver exists, and this one is dropped. ``unless_alive``: drop the delivery
@@ -283,6 +378,7 @@ def _claim_driver(
         job.epoch += 1
         job.heartbeat_at = timezone.now()
         job.save(update_fields=["driver_deliveries", "epoch", "heartbeat_at", "updated_at"])
+        _stale_older_proposals(job, why=f"a new driver (epoch {job.epoch}) took the job over")
         if job.state == JobState.CANCELLING:
             job_move(job=job, target=JobState.CANCELLED)
             return None
@@ -301,6 +397,47 @@ def _claim_driver(
         return job, job.epoch
 
 
+def _stale_older_proposals(job: Job, *, why: str) -> list[int]:
+    """The job has a new epoch: what older drivers' proposals wait for (a decision, or an
+    approval their controller never took) will never happen, as commands are for the epoch they
+    were given in. Marks them stale, with a ``proposals.stale`` event saying why; returns
+    their ids. The caller holds the job's row lock."""
+    older = Proposal.objects.filter(job=job, epoch__lt=job.epoch)
+    stale = list(older.filter(state=ProposalState.WAITING).values_list("pk", flat=True))
+    stale += [
+        p.pk
+        for p in older.filter(state=ProposalState.APPROVED).order_by("pk")
+        if not _proposal_taken(job, p)
+    ]
+    if not stale:
+        return []
+    stale.sort()
+    Proposal.objects.filter(pk__in=stale).update(state=ProposalState.STALE)
+    job_event_append(
+        job=job,
+        epoch=job.epoch,
+        kind="proposals.stale",
+        data={"proposals": stale, "epoch": job.epoch, "reason": why},
+    )
+    return stale
+
+
+def _proposal_taken(job: Job, proposal: Proposal) -> bool:
+    """Whether its driver's controller took an approved proposal: the controller confirms its own
+    with ``control.approved``; a person's override taken is a ``command.applied`` so saying."""
+    events = JobEvent.objects.filter(job=job, epoch=proposal.epoch)
+    if proposal.proposed_by_id is None:
+        return events.filter(
+            kind="control.approved", data__proposal=proposal.controller_id
+        ).exists()
+    return events.filter(
+        kind="command.applied",
+        data__command="override",
+        data__proposal=proposal.pk,
+        data__outcome__in=OVERRIDE_TAKEN,
+    ).exists()
+
+
 def _driver_alive(job: Job, now: datetime | None = None) -> bool:
     if job.heartbeat_at is None:
         return False
@@ -310,6 +447,12 @@ def _driver_alive(job: Job, now: datetime | None = None) -> bool:
 
 def _should_stop(job_id: int, epoch: int) -> bool:
     """Between steps: stop when cancelled or superseded; otherwise this is a heartbeat too."""
+    return _retrying_database(
+        f"job {job_id} between steps", lambda: _should_stop_once(job_id, epoch)
+    )
+
+
+def _should_stop_once(job_id: int, epoch: int) -> bool:
     beat = Job.objects.filter(pk=job_id, epoch=epoch).update(heartbeat_at=timezone.now())
     if not beat:
         return True
@@ -345,6 +488,8 @@ class _Heartbeat:
                     )
                 except Exception:  # the database may be away for a moment; try again later
                     logger.exception("heartbeat of job %s failed", self.job_id)
+                    # A dropped connection stays dead in this thread: the next beat opens anew.
+                    _drop_connection()
                     continue
                 if not beat:
                     return  # superseded: the driver sees it at its next step and stops
@@ -356,7 +501,13 @@ def jobs_reap_lost(*, now: datetime | None = None) -> list[int]:
     """Find jobs whose driver went silent (a worker killed, a machine lost) and hand each to a new
     driver. The epoch is bumped here, under the row lock, so an old driver that was only slow
     stops at its next step and writes nothing more (exactly one copy runs); the new driver
-    resumes from the job's last checkpoint. Returns the ids of the jobs taken over."""
+    resumes from the job's last checkpoint.
+
+    A job still pending after ``NEREUS_PENDING_REDELIVER_S`` (its driver task lost before any
+    driver claimed it) is delivered again, with a new epoch: whichever of its deliveries comes
+    first runs it, and every other one is dropped (``_claim_driver``), so a job that only waits
+    in the queue behind others still runs once. The wait doubles with each redelivery (up to 8
+    times). Returns the ids of the jobs taken over or delivered again."""
     now = now or timezone.now()
     lost_before = now - timedelta(seconds=settings.NEREUS_DRIVER_LOST_S)
     running = (JobState.STARTING, JobState.RUNNING, JobState.TRANSITIONING)
@@ -380,6 +531,9 @@ def jobs_reap_lost(*, now: datetime | None = None) -> list[int]:
             job.epoch += 1
             job.heartbeat_at = now  # the new delivery's grace period before it is lost in turn
             job.save(update_fields=["epoch", "heartbeat_at", "updated_at"])
+            _stale_older_proposals(
+                job, why=f"the driver of epoch {job.epoch - 1} was lost (silent {silent_s} s)"
+            )
             if job.state == JobState.CANCELLING:
                 job_move(job=job, target=JobState.CANCELLED)
                 continue
@@ -391,7 +545,46 @@ def jobs_reap_lost(*, now: datetime | None = None) -> list[int]:
                 "job %s: driver silent for %s s; a new driver takes over", job_id, silent_s
             )
             taken.append(job_id)
-    return taken
+    return taken + _redeliver_pending(now)
+
+
+def _redeliver_pending(now: datetime) -> list[int]:
+    """Deliver again the driver task of jobs pending too long (see ``jobs_reap_lost``)."""
+    base_s = settings.NEREUS_PENDING_REDELIVER_S
+    candidates = (
+        Job.objects.filter(state=JobState.PENDING)
+        .alias(waiting_since=Coalesce("heartbeat_at", "created_at"))
+        .filter(waiting_since__lt=now - timedelta(seconds=base_s))
+        .values_list("pk", flat=True)
+    )
+    delivered = []
+    for job_id in list(candidates):
+        with transaction.atomic():
+            job = Job.objects.select_for_update().filter(pk=job_id).first()
+            if job is None or job.state != JobState.PENDING:
+                continue
+            # The heartbeat of a pending job: when its driver task was last sent.
+            waited_s = (now - (job.heartbeat_at or job.created_at)).total_seconds()
+            if waited_s < base_s * min(2**job.epoch, 8):
+                continue
+            job_event_append(
+                job=job,
+                epoch=job.epoch,
+                kind="job.redelivered",
+                data={"epoch": job.epoch, "pending_s": round(waited_s, 1)},
+            )
+            job.epoch += 1
+            job.heartbeat_at = now
+            job.save(update_fields=["epoch", "heartbeat_at", "updated_at"])
+            new_epoch = job.epoch
+            transaction.on_commit(
+                lambda job_id=job_id, new_epoch=new_epoch: _enqueue_driver(job_id, epoch=new_epoch)
+            )
+            logger.warning(
+                "job %s: pending for %s s; its driver task is sent again", job_id, round(waited_s)
+            )
+            delivered.append(job_id)
+    return delivered
 
 
 def job_workdir(job_id: int) -> Path:
@@ -430,6 +623,8 @@ def job_drive(*, job_id: int, epoch: int | None = None) -> str:
         logger.warning("driver of job %s epoch %s was superseded; stopping", job_id, epoch)
         return Job.objects.get(pk=job_id).state
     except Exception as exc:
+        if _database_outage(exc):
+            return _leave_to_reaper(job_id, epoch, exc, last_state=job.state)
         if Job.objects.filter(pk=job_id).values_list("epoch", flat=True).first() != epoch:
             logger.warning("driver of job %s epoch %s was superseded (%s)", job_id, epoch, exc)
             return Job.objects.get(pk=job_id).state
@@ -442,7 +637,27 @@ def job_drive(*, job_id: int, epoch: int | None = None) -> str:
             f"{type(exc).__name__}: {exc}",
         )
     target = JobState.SUCCEEDED if outcome.status == "succeeded" else JobState.CANCELLED
-    return _finish(job_id, epoch, target)
+    return _retrying_database(f"job {job_id} end", lambda: _finish(job_id, epoch, target))
+
+
+def _leave_to_reaper(job_id: int, epoch: int, exc: BaseException, *, last_state: str) -> str:
+    """The database stayed away while the driver ran: that is no fault of the job, which must
+    not fail for it. The driver stops, its heartbeat with it, and ``jobs_reap_lost`` hands the
+    job to a new driver (a new epoch) that resumes from its last checkpoint."""
+    logger.warning(
+        "job %s epoch %s: the database is away (%s: %s); the driver stops and a new one will "
+        "take the job over",
+        job_id,
+        epoch,
+        type(exc).__name__,
+        exc,
+    )
+    _drop_connection()
+    try:
+        return Job.objects.only("state").get(pk=job_id).state
+    except DATABASE_OUTAGE:
+        _drop_connection()
+        return last_state
 
 
 class _ControlLink:
@@ -464,9 +679,12 @@ class _ControlLink:
     def emit_control(self, event: dict) -> None:
         from webapp.plans.services import record_controller_event
 
-        with transaction.atomic():
-            record_controller_event(job=Job(pk=self.job_id), event=event, epoch=self.epoch)
-            self._follow(event.get("event"))
+        def record() -> None:
+            with transaction.atomic():
+                record_controller_event(job=Job(pk=self.job_id), event=event, epoch=self.epoch)
+                self._follow(event.get("event"))
+
+        _retrying_database(f"job {self.job_id} {event.get('event')}", record)
 
     def _follow(self, kind: str | None) -> None:
         """The job's state follows its controller: awaiting approval while a proposal waits."""
@@ -485,10 +703,13 @@ class _ControlLink:
         approval or rejection of a controller's proposal, by its controller id; an approved
         override (a person's proposal: no controller id), with its plan. A rejected override
         asks nothing of the driver."""
-        new = list(
-            JobEvent.objects.filter(
-                job_id=self.job_id, pk__gt=self.after, kind__in=COMMAND_KINDS
-            ).order_by("pk")
+        new = _retrying_database(
+            f"job {self.job_id} commands",
+            lambda: list(
+                JobEvent.objects.filter(
+                    job_id=self.job_id, pk__gt=self.after, kind__in=COMMAND_KINDS
+                ).order_by("pk")
+            ),
         )
         if new:
             self.after = new[-1].pk
