@@ -203,6 +203,8 @@ class Controller:
         self.memory_factor = 1.0
         """Measured peak memory over the planner's prediction (learned; never below 1)."""
         self._memory_quiet_until = -1
+        self._memory_escalated_until = -2
+        """The quiet period whose one escalation (a device violation) has fired."""
         self.deferred: Deferred | None = None
         """A candidate refused as too slow to repay, reconsidered while its signal stays calm."""
         self.last_step: int | None = None
@@ -424,8 +426,18 @@ class Controller:
             # Quiet, but not deaf: a step the devices themselves cannot hold fails and loses
             # the state since the last checkpoint, which the move refused before (only the
             # budget was outgrown then) did not weigh; the replan restarts on feasibility alone.
+            # Once per quiet period, and only for a policy that moves: a replan that cannot
+            # move either is not asked again every step (each would reset every reference).
+            if (
+                self.policy.admission == "never"
+                or self._memory_escalated_until == self._memory_quiet_until
+            ):
+                return []
             found = self._violation(step, horizon, headroom=False)
-            return [] if found is None else [found]
+            if found is None:
+                return []
+            self._memory_escalated_until = self._memory_quiet_until
+            return [found]
         found = self._violation(step, 1) or self._violation(step, horizon)
         if found is None:
             return []
@@ -1099,6 +1111,7 @@ class Controller:
             self.plan = candidate
             self.monitor.plan_changed()
             self._memory_quiet_until = -1
+            self._memory_escalated_until = -2
             self._settling = bool(dag.joining)
             return
         # Replan from the intact units; where none can be made, the urgent path restarts.
@@ -1118,6 +1131,7 @@ class Controller:
         self.staged = None
         self.rebatches += 1
         self._memory_quiet_until = -1  # a new plan: its own forecasts
+        self._memory_escalated_until = -2
         self.emit(
             {
                 "event": "control.micro_batches",
@@ -1134,6 +1148,7 @@ class Controller:
     def _restart(self, candidate: Plan, workload: PpoWorkload, engine: Engine, *, because: str):
         self.staged = None
         self._memory_quiet_until = -1  # a new plan: its own forecasts
+        self._memory_escalated_until = -2
         seconds = engine.restart(candidate, workload)
         self.restarts += 1
         self.restart_s += seconds

@@ -4,9 +4,10 @@ Every class is priced at hardware peak ("ideal" seconds) and divided by an effic
 (and link type) that calibration learns from the running job. Classes inside the pipeline (GEMMs,
 attention, decode, tensor-parallel all-reduces, pipeline point-to-point) are per-slot times under
 perfect pipelining, stretched by the pipeline's idle time: in training and inference the 1F1B
-bubble adds ``(pp - 1) / m`` of them for ``m`` micro-batches per flush; in generation a pipeline
-fills and drains once per wave, but a micro-batch's next token waits for its last one to leave the
-last stage, so with fewer micro-batches than stages every token idles ``pp - m`` stage-times.
+bubble adds ``(pp - 1) / m`` of them for ``m`` micro-batches per flush, as it does to
+generation's prefill; generation's decode fills and drains once per wave, but a micro-batch's
+next token waits for its last one to leave the last stage, so with fewer micro-batches than
+stages every token idles ``pp - m`` stage-times.
 Data-parallel gradient all-reduce, the optimizer step and the weight sync (to generation, and to
 the actor's and critic's inference units) run outside the pipeline. Collectives follow the
 alpha-beta model of a ring: ``2(n-1)/n · bytes / bandwidth + 2(n-1) · latency``.
@@ -116,30 +117,49 @@ def ideal_breakdown(
         ones = np.ones_like(concurrent)
         m = np.maximum(ones, np.ceil(concurrent / w.gen_micro_batch)) if pp > 1 else ones
         seqs_per_micro = concurrent / m
-        prefill = 2 * shape.dense_params * batch * prompt
-        decode_flops = 2 * shape.dense_params * batch * gen
-        out["gemm"] = (prefill + decode_flops) / (slots * acc.peak_flops)
-        attention_flops = (
-            2 * num_layers * h * batch * (prompt * prompt + 2 * (prompt * gen + gen * gen / 2))
-        )
-        out["attention"] = attention_flops / (slots * acc.peak_flops)
+        flops = slots * acc.peak_flops
+        prefill = {  # once through the pipeline per wave
+            "gemm": 2 * shape.dense_params * batch * prompt / flops,
+            "attention": 2 * num_layers * h * batch * prompt * prompt / flops,
+            f"tp_allreduce:{tp_link}": tp_allreduce(
+                2 * num_layers / pp * m * waves, seqs_per_micro * prompt * h * b
+            ),
+        }
         kv_per_token = 2 * num_layers / pp * shape.kv_dim_per_slot * b
         avg_context = prompt + gen / 2
         weights = shape.params_per_slot * b
-        reads = gen * (waves * m * weights + batch * avg_context * kv_per_token)
-        out["decode"] = reads / acc.memory_bandwidth
         steps = gen * m * waves  # decode steps each tensor-parallel group takes, in all
-        out[f"tp_allreduce:{tp_link}"] = tp_allreduce(
-            steps * 2 * num_layers / pp, seqs_per_micro * h * b
-        ) + tp_allreduce(2 * num_layers / pp * m * waves, seqs_per_micro * prompt * h * b)
-        out[f"pp_p2p:{pp_link}"] = p2p(steps, seqs_per_micro * h * b)
+        decode = {  # a token at a time through the pipeline
+            "gemm": 2 * shape.dense_params * batch * gen / flops,
+            "attention": 2 * num_layers * h * batch * 2 * (prompt * gen + gen * gen / 2) / flops,
+            "decode": gen
+            * (waves * m * weights + batch * avg_context * kv_per_token)
+            / acc.memory_bandwidth,
+            f"tp_allreduce:{tp_link}": tp_allreduce(
+                steps * 2 * num_layers / pp, seqs_per_micro * h * b
+            ),
+            f"pp_p2p:{pp_link}": p2p(steps, seqs_per_micro * h * b),
+        }
+        for part in (prefill, decode):
+            for op_class, seconds in part.items():
+                out[op_class] = out.get(op_class, 0.0) + seconds
         out.update(_weight_sync(shape, num_slots))
-        stretch = decode_stretch(pp, m, gen)
+        stretch = generation_stretch(pp, m, gen, sum(prefill.values()), sum(decode.values()))
     if ms.stage == "inference" and ms.role in TRAINED:
         # The actor's and the critic's inference units take the weights just trained, every
         # step, as generation does.
         out.update(_weight_sync(shape, num_slots))
     return out, stretch
+
+
+def generation_stretch(pp: int, micro_batches, tokens: int, prefill_s, decode_s) -> np.ndarray:
+    """How much a generation pipeline's idle time stretches its per-slot time, ``prefill_s`` of
+    prefill and ``decode_s`` of decode: prefill idles as training's pipeline does (the fill and
+    drain of its ``m`` micro-batches), decode as ``decode_stretch`` says, and the two together
+    by their blend."""
+    m = np.asarray(micro_batches, dtype=float)
+    both = np.maximum(prefill_s + decode_s, 1e-30)
+    return (prefill_s * (1.0 + (pp - 1) / m) + decode_s * decode_stretch(pp, m, tokens)) / both
 
 
 def decode_stretch(pp: int, micro_batches, tokens: int) -> np.ndarray:
