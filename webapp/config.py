@@ -230,9 +230,16 @@ def load(environ: Mapping[str, str] | None = None) -> ServiceConfig:
         allowed_hosts = ("127.0.0.1", "localhost", "[::1]", "testserver")
 
     origins = _split_list(env.get("NEREUS_CSRF_TRUSTED_ORIGINS"))
+    # In production the site is served over HTTPS only: a plain http:// origin there would let a
+    # page on the network path (not TLS-protected) pass the CSRF origin check.
+    schemes = ("https://",) if production else ("http://", "https://")
     for origin in origins:
-        if not origin.startswith(("http://", "https://")):
-            raise ConfigError("NEREUS_CSRF_TRUSTED_ORIGINS", f"{origin!r} must start with https://")
+        if not origin.startswith(schemes):
+            raise ConfigError(
+                "NEREUS_CSRF_TRUSTED_ORIGINS",
+                f"{origin!r} must start with https://"
+                + ("" if production else " (or http:// outside production)"),
+            )
 
     log_level = (env.get("NEREUS_LOG_LEVEL") or "INFO").upper()
     if log_level not in {"DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"}:

@@ -1,9 +1,15 @@
 """Reachability of the services the configuration needs: the database, the Celery broker, the
-channel layer and Ray. Used by ``GET /healthz`` and ``nereus doctor``."""
+channel layer and Ray. Used by ``GET /healthz`` and ``nereus doctor``.
+
+``/healthz`` needs no login (probes call it), so it tells anyone only which checks pass; the
+details (paths, addresses, a driver's error) go to the server's log, and into the answer only for a
+signed-in staff user or a request carrying the metrics token (``NEREUS_METRICS_TOKEN``)."""
 
 from __future__ import annotations
 
 import dataclasses
+import hmac
+import logging
 import os
 import socket
 from pathlib import Path
@@ -14,6 +20,8 @@ from django.db.utils import DatabaseError
 from django.http import JsonResponse
 
 PROBE_TIMEOUT_S = 2.0
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -110,15 +118,30 @@ def run_checks() -> list[Check]:
     return [check_database(), check_broker(), check_channel_layer(), check_ray()]
 
 
+def _may_see_details(request) -> bool:
+    """A signed-in, active staff user, or the bearer of the metrics token when one is set."""
+    user = getattr(request, "user", None)
+    if user is not None and user.is_authenticated and user.is_active and user.is_staff:
+        return True
+    token = os.environ.get("NEREUS_METRICS_TOKEN", "")
+    given = request.headers.get("Authorization", "")
+    return bool(token) and hmac.compare_digest(given.encode(), f"Bearer {token}".encode())
+
+
 def healthz(request):
     """200 when every dependency the configuration needs answers, 503 naming those that do not."""
     checks = run_checks()
     down = [c.name for c in checks if c.required and not c.ok]
+    for c in checks:
+        if not c.ok:
+            log.warning("health check %s failed: %s", c.name, c.detail)
+    details = _may_see_details(request)
     body = {
         "status": "unavailable" if down else "ok",
         "down": down,
         "checks": {
-            c.name: {"ok": c.ok, "required": c.required, "detail": c.detail} for c in checks
+            c.name: {"ok": c.ok, "required": c.required} | ({"detail": c.detail} if details else {})
+            for c in checks
         },
     }
     return JsonResponse(body, status=503 if down else 200)

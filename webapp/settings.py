@@ -41,6 +41,7 @@ INSTALLED_APPS = [
     "channels",
     "rest_framework",
     "drf_spectacular",
+    "drf_spectacular_sidecar",  # Swagger UI and ReDoc served from here, never from a CDN
     "webapp.realtime",
     "webapp.projects",
     "webapp.jobs",
@@ -217,6 +218,11 @@ SPECTACULAR_SETTINGS = {
     "DESCRIPTION": "Submit, watch and steer adaptive PPO post-training jobs.",
     "VERSION": "v1",
     "SERVE_INCLUDE_SCHEMA": False,
+    # The schema UI's scripts come from the drf-spectacular-sidecar package's static files, like
+    # plotly.js: a CDN would run third-party code on this origin, next to the session.
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    "REDOC_DIST": "SIDECAR",
     # Several models have a "state"; name each choice set after its model.
     "ENUM_NAME_OVERRIDES": {
         "StateEnum": "webapp.jobs.models.JobState",  # the jobs' name, kept as it was published

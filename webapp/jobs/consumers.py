@@ -5,18 +5,22 @@ receives every stored event after that id, then live ones; ids only increase and
 dropped, so a client that reconnects misses nothing and sees nothing twice.
 
 Who may see the job is checked again before every read of the log, not only at connect: a revoked
-token, a deactivated user or a member removed from the project gets the socket closed (4404) at the
-next event instead of streaming on, as the REST API stops answering them at the next request.
+token, a deactivated user, a member removed from the project or a browser session that was logged
+out (or whose password changed since) gets the socket closed (4404) at the next event instead of
+streaming on, as the REST API stops answering them at the next request.
 """
 
 from __future__ import annotations
 
 import json
+from importlib import import_module
 from urllib.parse import parse_qs
 
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
-from django.contrib.auth import get_user_model
+from django.conf import settings
+from django.contrib.auth import HASH_SESSION_KEY, SESSION_KEY, get_user_model
+from django.utils.crypto import constant_time_compare
 
 from webapp.jobs import selectors
 from webapp.projects.models import ApiToken
@@ -48,6 +52,16 @@ class JobEventsConsumer(AsyncJsonWebsocketConsumer):
         if self.job is None:
             await self.close(code=CLOSE_NOT_FOUND)
             return
+        # A session-authenticated socket lives only as long as the session that opened it: remember
+        # which one it was and the password hash it was verified against, to check before each read.
+        self.session_key = self.session_hash = None
+        if self.scope.get("token") is None:
+            session = self.scope.get("session")
+            self.session_key = getattr(session, "session_key", None)
+            self.session_hash = user.get_session_auth_hash()
+            if not self.session_key:  # authenticated, yet by no session we could check again
+                await self.close(code=CLOSE_UNAUTHENTICATED)
+                return
         self.last_id = 0
         await self.channel_layer.group_add(self.job.group_name, self.channel_name)
         await self.accept()
@@ -127,7 +141,10 @@ class JobEventsConsumer(AsyncJsonWebsocketConsumer):
 
     def _still_visible(self) -> bool:
         user, token = self.scope["user"], self.scope.get("token")
-        if not get_user_model().objects.filter(pk=user.pk, is_active=True).exists():
+        current = get_user_model().objects.filter(pk=user.pk, is_active=True).first()
+        if current is None:
+            return False
+        if token is None and not self._session_still_valid(current):
             return False
         if (
             token is not None
@@ -135,6 +152,20 @@ class JobEventsConsumer(AsyncJsonWebsocketConsumer):
         ):
             return False
         return selectors.jobs_visible_to(user, token=token).filter(pk=self.job.pk).exists()
+
+    def _session_still_valid(self, current) -> bool:
+        """The session that opened the socket still exists (not logged out, not expired), still
+        belongs to this user and was not invalidated by a password change: what an HTTP request
+        with that cookie needs to stay logged in."""
+        data = import_module(settings.SESSION_ENGINE).SessionStore(session_key=self.session_key)
+        data = data.load()
+        stored_hash = data.get(HASH_SESSION_KEY)
+        return (
+            str(data.get(SESSION_KEY)) == current._meta.pk.value_to_string(current)
+            and isinstance(stored_hash, str)
+            and constant_time_compare(stored_hash, self.session_hash)
+            and constant_time_compare(current.get_session_auth_hash(), self.session_hash)
+        )
 
     # --- channel-layer handlers ------------------------------------------------------------
 
