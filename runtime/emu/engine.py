@@ -28,6 +28,12 @@ class IntegrityError(RuntimeError):
     """A destination unit's logical state differs from its source's."""
 
 
+class SourceReleaseError(SlotError):
+    """A primitive's units were dropped from the engine but releasing them failed on a slot (one
+    that died, say): the destinations are verified and registered, the released units are not
+    units any more, and what the failed slot held is for the caller to find out (``lost_slots``)."""
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class PrimitiveReport:
     kind: str
@@ -183,11 +189,10 @@ class UnitEngine:
     def destroy(self, spec: Destroy) -> PrimitiveReport:
         unit = self._known(spec.unit)
         started = time.perf_counter()
-        live = [s for s in unit.slots if s not in self.lost_slots]
-        results = self.pool.run(slot_ops.release, on=live, unit_ids=[unit.unit_id])
-        with self._lock:
+        with self._lock:  # gone from the engine's view first, even if its release fails
             del self.units[unit.unit_id]
             self.verified.pop(unit.unit_id, None)
+        results = self._release([unit], kind="destroy")
         leaked = sum(r["still_referenced"] for r in results)
         if leaked:
             raise RuntimeError(f"{unit.unit_id}: {leaked} tensors outlived their release")
@@ -235,19 +240,19 @@ class UnitEngine:
             for target in targets:
                 self.units[target.unit_id] = target
                 self.verified[target.unit_id] = expected
+            if release_source:
+                # The targets are verified: the sources stop being units before their release
+                # starts, so a release that fails part-way (some slots freed them, one died)
+                # never leaves a partly released source listed as intact.
+                for unit in sources:
+                    self.units.pop(unit.unit_id, None)
+                    self.verified.pop(unit.unit_id, None)
         verified = time.perf_counter()
         freed = cached = 0
         if release_source:
-            slots = sorted({s for u in sources for s in u.slots})
-            released = self.pool.run(
-                slot_ops.release, on=slots, unit_ids=[u.unit_id for u in sources]
-            )
+            released = self._release(sources, kind=kind)
             freed = sum(r["freed_bytes"] for r in released)
             cached = sum(r.get("cached_bytes", 0) for r in released)
-            with self._lock:
-                for unit in sources:
-                    del self.units[unit.unit_id]
-                    self.verified.pop(unit.unit_id, None)
         return PrimitiveReport(
             kind=kind,
             source=tuple(u.unit_id for u in sources),
@@ -272,6 +277,19 @@ class UnitEngine:
             cached_bytes=cached,
             reused_bytes=sum(r.get("reused_bytes", 0) for r in results),
         )
+
+    def _release(self, units: list[Unit], *, kind: str) -> list[dict]:
+        """Release units already unregistered on their slots that still hold state; a slot that
+        fails meanwhile is reported (``SourceReleaseError``) with the engine's view already right:
+        the units are gone, whatever the slots that answered freed."""
+        slots = sorted({s for u in units for s in u.slots} - self.lost_slots)
+        try:
+            return self.pool.run(slot_ops.release, on=slots, unit_ids=[u.unit_id for u in units])
+        except SlotError as exc:
+            ids = ", ".join(u.unit_id for u in units)
+            raise SourceReleaseError(
+                f"{kind}: releasing {ids} failed on a slot (no longer units of this engine): {exc}"
+            ) from exc
 
     def _release_quietly(self, units: list[Unit]) -> None:
         """Drop half-built destination state on the slots that still answer."""

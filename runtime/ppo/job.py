@@ -520,7 +520,9 @@ class PpoRuntime:
             engine.pool.run(checkpoint.ensure_unit_groups, units=every)
             engine.prepare_groups(dp_groups)
             self._grouped.add(key)
-        engine.pool.run(slot_work.keep_workspaces, on=live, units=every)
+        # A unit with members still building keeps its workspace on the live ones too (all or
+        # none of a unit's members hold it: see ``keep_workspaces``).
+        engine.pool.run(slot_work.keep_workspaces, on=live, units=every, building=sorted(building))
         self._built &= {slot_work.workspace_key(u) for u in every}
         stage_of = {
             u.unit_id: ms.stage

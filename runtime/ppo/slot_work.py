@@ -27,6 +27,7 @@ import math
 import time
 import zlib
 from collections import defaultdict
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -160,11 +161,17 @@ def workspaces(ctx: SlotContext) -> list[str]:
     return sorted(key[0] for key in ctx.state.get("ppo_workspaces", {}))
 
 
-def keep_workspaces(ctx: SlotContext, *, units: list[Unit]) -> int:
-    """Drop the workspaces of units not in ``units`` (replaced by a transition); returns the count."""
+def keep_workspaces(ctx: SlotContext, *, units: list[Unit], building: Sequence[int] = ()) -> int:
+    """Drop the workspaces of units not in ``units`` (replaced by a transition); returns the count.
+
+    A workspace whose unit has a member among ``building`` (slots still running a build, which
+    this call does not reach) is kept: a unit's workspace goes on all of its members at once or
+    on none, since ``build_workspaces`` skips members that hold it and the others would wait at
+    the unit's barrier alone. A later call, once those slots are done, drops it everywhere."""
     cache = ctx.state.setdefault("ppo_workspaces", {})
     keep = {workspace_key(u) for u in units}
-    gone = [k for k in cache if k not in keep]
+    busy = set(building)
+    gone = [k for k in cache if k not in keep and not busy & set(k[3])]
     for k in gone:
         del cache[k]
     return len(gone)
