@@ -50,13 +50,20 @@ def ensure_unit_groups(ctx: SlotContext, *, units: list[Unit]) -> int:
         whole, *stages = unit_groups(unit)
         key = tuple(sorted(whole))
         if key not in cache:
-            cache[key] = dist.new_group(list(key))
+            cache[key] = dist.new_group(list(key), timeout=ctx.group_timeout())
             created += 1
         for stage in stages:
             # A mesh lists a stage's slots in tensor-rank order, which need not be ascending (a
             # merged unit's are not); building one is collective over the pool, like new_group.
             if stage not in meshes:
-                meshes[stage] = DeviceMesh(ctx.device.type, torch.tensor(stage))
+                # A mesh over the whole pool uses the default group; any other gets a group of
+                # its own, with the pool's call timeout (torch's default would be 30 min).
+                whole_pool = len(stage) == ctx.world_size
+                meshes[stage] = DeviceMesh(
+                    ctx.device.type,
+                    torch.tensor(stage),
+                    backend_override=None if whole_pool else ctx.mesh_backend_override(),
+                )
                 created += 1
     return created
 

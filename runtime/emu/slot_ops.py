@@ -242,7 +242,7 @@ def ensure_groups(ctx: SlotContext, *, groups: list[tuple[int, ...]]) -> dict:
     for ranks in groups:
         key = tuple(sorted(ranks))
         if key not in cache and len(key) > 1:
-            cache[key] = dist.new_group(list(key))
+            cache[key] = dist.new_group(list(key), timeout=ctx.group_timeout())
             created += 1
             if ctx.rank in key:
                 # gloo connects a group's members lazily on first use; do it now, so that cost

@@ -19,10 +19,13 @@ or a grant gives it back.
 
 from __future__ import annotations
 
+import logging
 import tempfile
 import time
 import zlib
 from pathlib import Path
+
+from ray import exceptions as ray_exceptions
 
 from runtime.emu import checkpoint, slot_ops
 from runtime.emu.engine import _POOL_GROUPS, IntegrityError, UnitEngine
@@ -34,6 +37,8 @@ from runtime.planner.workload import PpoWorkload
 from runtime.transition.dag import TransitionDag
 from runtime.transition.executor import Executor
 from runtime.transition.units import Units, persists, units_of
+
+logger = logging.getLogger(__name__)
 
 
 def state_seed(model_stage: str) -> int:
@@ -64,6 +69,10 @@ class RayEngine:
         self.events: list[dict] = []
         self.on_event = None
         """Called with each event as it happens (a transition's nodes live, slots lost)."""
+        self._renewing: dict | None = None
+        """A re-forming of the group that has not succeeded yet: ``lost`` (the slots whose state
+        is gone for good) and ``kept`` (the intact units' shards, held on the driver until the
+        new processes take them back). While it is pending every slot counts as lost."""
         self._rebuild = {"generation": 1.0, "inference": 0.5}
         """Seconds one new unit of each derived stage takes to build (groups, modules,
         workspaces): learned from the builds the job reports, first step included."""
@@ -106,44 +115,84 @@ class RayEngine:
         self.lost_slots()  # a killed process is replaced before the slot is handed out
         slot = self.visible
         self.visible += 1
+        # The slot comes back empty: the units that named it are gone with its old process, and
+        # must not look intact once it is no longer lost.
+        for unit in [u for u in self.engine.units.values() if slot in u.slots]:
+            self._forget(unit)
         self.engine.lost_slots.discard(slot)
+        if self._renewing is not None:
+            self._renewing["lost"].discard(slot)
         self._event({"event": "engine.granted", "slot": slot})
         return slot
 
     def _probe(self) -> None:
         """Find slots whose process died; re-form the group on new processes, keeping the units
-        the dead ones did not touch."""
+        that no lost slot touches. If the group cannot be re-formed (a slot's capacity went with
+        it), the intact units' shards stay on the driver, every slot counts as lost, and the
+        next probe tries again; nothing raises."""
         # A dead process answers at once; a live one between steps within moments, even when
-        # the machine is busy: the patience is for the latter.
+        # the machine is busy: the patience is for the latter (and one that stays silent is
+        # busy, not dead).
         pool = self.engine.pool
         busy = self.job.building_ahead() if self.job is not None else frozenset()
-        dead = [i for i, ok in enumerate(pool.alive(timeout_s=30, busy=busy)) if not ok]
-        if not dead:
+        dead = []
+        if self._renewing is None:  # else every process is replaced anyway
+            dead = [i for i, ok in enumerate(pool.alive(timeout_s=30, busy=busy)) if not ok]
+        if not dead and self._renewing is None:
             return
         started = time.monotonic()
-        # A communicator that lost a member cannot be used again, and torch keeps per-process
-        # state about the groups it made (names, meshes) that a re-initialised process would
-        # carry over: every slot gets a new process. The intact units' shards wait on the
-        # driver meanwhile (as they would in host memory on a GPU node) and go back in place.
-        intact = [u for u in self.engine.units.values() if not set(u.slots) & set(dead)]
-        kept = {
-            unit.unit_id: pool.run(slot_ops.read_unit, on=unit.slots, unit=unit) for unit in intact
-        }
-        pool.renew()
-        for unit in intact:
-            pool.run(
-                slot_ops.install_unit,
-                [{"shards": held} for held in kept.pop(unit.unit_id)],
-                on=unit.slots,
-                unit=unit,
-            )
-        self.engine.lost_slots.update(dead)
-        self.engine._groups.clear()
-        _POOL_GROUPS.pop(pool, None)
-        if self.job is not None:
-            self.job.regrouped()
+        if self._renewing is None:
+            # A communicator that lost a member cannot be used again, and torch keeps
+            # per-process state about the groups it made (names, meshes) that a re-initialised
+            # process would carry over: every slot gets a new process. The intact units' shards
+            # wait on the driver meanwhile (as they would in host memory on a GPU node).
+            lost = set(dead) | self.engine.lost_slots
+            kept = {}
+            for unit in list(self.engine.units.values()):
+                if set(unit.slots) & lost:
+                    continue  # marked lost through its slots; the controller writes it off
+                try:
+                    kept[unit.unit_id] = pool.run(slot_ops.read_unit, on=unit.slots, unit=unit)
+                except (SlotError, KeyError) as exc:  # a unit no process holds is lost
+                    logger.warning("%s: unreadable, counted as lost (%s)", unit.unit_id, exc)
+                    self._forget(unit)
+            self._renewing = {"lost": lost, "kept": kept}
+        renewing = self._renewing
+        renewing["lost"].update(dead)
+        self.engine.lost_slots.update(renewing["lost"])
+        try:
+            pool.renew()
+            for unit_id, shards in renewing["kept"].items():
+                unit = self.engine.units[unit_id]
+                pool.run(
+                    slot_ops.install_unit,
+                    [{"shards": held} for held in shards],
+                    on=unit.slots,
+                    unit=unit,
+                )
+        except (SlotError, ray_exceptions.RayError) as exc:
+            # No process holds anything now: every slot counts as lost until a probe succeeds.
+            self.engine.lost_slots.update(range(pool.num_slots))
+            self._regrouped()
+            self._event({"event": "engine.renew_failed", "slots": dead, "error": str(exc)})
+            return
+        self._renewing = None
+        self.engine.lost_slots.clear()
+        self.engine.lost_slots.update(renewing["lost"])
+        self._regrouped()
         seconds = time.monotonic() - started
         self._event({"event": "engine.slots_lost", "slots": dead, "reform_s": round(seconds, 3)})
+
+    def _regrouped(self) -> None:
+        self.engine._groups.clear()
+        _POOL_GROUPS.pop(self.engine.pool, None)
+        if self.job is not None:
+            self.job.regrouped()
+
+    def _forget(self, unit) -> None:
+        """Unregister a unit whose state is gone (its slots' processes hold none of it)."""
+        self.engine.units.pop(unit.unit_id, None)
+        self.engine.verified.pop(unit.unit_id, None)
 
     # --- the interface ----------------------------------------------------------------------------
 
@@ -190,7 +239,10 @@ class RayEngine:
         except SlotError as exc:
             # A slot died during the step: the survivors' collectives time out, the group is
             # re-formed, and no unit's state can be trusted to be at a step boundary any more.
-            self._probe()
+            try:
+                self._probe()
+            except Exception as probe_exc:  # the failed report must still come back
+                logger.warning("probing the slots after a failed step failed: %s", probe_exc)
             self._release_all()
             self.job.lost_state()
             self._event({"event": "engine.step_failed", "step": step, "error": str(exc)})
@@ -205,7 +257,13 @@ class RayEngine:
             # The executor makes groups on every slot: the builds started ahead end first.
             self.job.finish_ahead()
         result = Executor(dag, self.engine, on_event=self._event).run()
-        failure = "" if result.ok else f"nodes {result.failed} failed"
+        failure = "" if result.ok else result.error or f"nodes {result.failed} failed"
+        if result.lost_slots:
+            # Re-form the group now, keeping the intact units; a failure here is retried later.
+            try:
+                self._probe()
+            except Exception as exc:
+                logger.warning("probing the slots after a transition failed: %s", exc)
         return TransitionOutcome(
             ok=result.ok,
             seconds=result.duration_s,
@@ -288,6 +346,7 @@ class RayEngine:
             self.job.resume(resume)
             self._event({"event": "engine.resumed", "step": resume.step})
         self.engine.lost_slots.clear()  # every unit was placed anew on live processes
+        self._renewing = None
         if self.job is not None:
             self.job.regrouped()
         return time.monotonic() - started
@@ -311,4 +370,8 @@ class RayEngine:
 
     def _release_all(self) -> None:
         for unit in list(self.engine.units.values()):
-            self.engine.destroy(Destroy(unit=unit))
+            try:
+                self.engine.destroy(Destroy(unit=unit))
+            except SlotError as exc:  # a dead or silent slot: its state is gone either way
+                logger.warning("releasing %s failed: %s", unit.unit_id, exc)
+                self._forget(unit)

@@ -42,6 +42,27 @@ class SlotContext:
     world_size: int = 0
     device: torch.device = dataclasses.field(default_factory=lambda: torch.device("cpu"))
     state: dict[str, Any] = dataclasses.field(default_factory=dict)
+    timeout_s: float | None = None
+    """The pool's call timeout: every group made on the slot gives up on a peer after it."""
+
+    def group_timeout(self) -> timedelta | None:
+        """The timeout for a subgroup (``dist.new_group(timeout=...)``); None: torch's default."""
+        return None if self.timeout_s is None else timedelta(seconds=self.timeout_s)
+
+    def mesh_backend_override(self) -> tuple:
+        """``DeviceMesh(backend_override=...)`` for a 1-D mesh whose group has the pool's call
+        timeout rather than torch's default (30 min on gloo, 10 on NCCL)."""
+        timeout = self.group_timeout()
+        if timeout is None:
+            return ((None, None),)
+        if self.device.type == "cuda":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+        else:
+            from torch._C._distributed_c10d import Backend
+
+            options = Backend.Options("gloo", timeout=timeout)
+        return ((None, options),)
 
 
 class SlotWorker:
@@ -94,6 +115,7 @@ class SlotWorker:
             **device,
         )
         self.ctx.rank, self.ctx.world_size = rank, world_size
+        self.ctx.timeout_s = timeout_s
         return time.perf_counter() - started
 
     def execute(self, fn: Callable[..., Any], kwargs: dict[str, Any]) -> Any:
@@ -226,9 +248,21 @@ class SlotPool:
         if self._remote_cls is None:
             raise RuntimeError("renew: this pool was not made by SlotPool.create")
         started = time.perf_counter()
-        for slot, actor in enumerate(self._actors):
+        old = list(self._actors)
+        for actor in old:
             with contextlib.suppress(ray.exceptions.RayError):  # already gone
                 ray.kill(actor, no_restart=True)
+        # ``ray.kill`` only asks: the new processes need the devices the old ones free.
+        deadline = time.monotonic() + self.call_timeout_s
+        for actor in old:
+            while time.monotonic() < deadline:
+                try:
+                    ray.get(actor.memory.remote(), timeout=1.0)
+                except ray.exceptions.RayActorError:
+                    break
+                except ray.exceptions.GetTimeoutError:
+                    continue
+        for slot in range(len(self._actors)):
             options = self._placements[slot]
             self._actors[slot] = self._remote_cls.options(**options).remote(slot_index=slot)
         self._join("join_group")
@@ -284,9 +318,11 @@ class SlotPool:
         return self._get_all([a.node.remote() for a in self._actors])
 
     def alive(self, *, timeout_s: float = 10.0, busy: frozenset[int] = frozenset()) -> list[bool]:
-        """Which slots answer; call it while no long call is running on them, except on the
-        ``busy`` slots, which are taken to be alive (a long call on one of them reports its
-        slot's death itself, through ``Pending.wait``)."""
+        """Which slots' processes live. Only Ray's word that an actor died makes a slot dead: a
+        slot that does not answer within ``timeout_s`` is busy (a call, or a collective waiting
+        on a peer, runs on it and ends within the pool's call timeout), and killing it would
+        destroy state it may alone hold. The ``busy`` slots are taken to be alive unasked (a
+        long call on one of them reports its slot's death itself, through ``Pending.wait``)."""
         refs = {i: a.memory.remote() for i, a in enumerate(self._actors) if i not in busy}
         out = []
         for i in range(len(self._actors)):
@@ -296,8 +332,14 @@ class SlotPool:
             try:
                 ray.get(refs[i], timeout=timeout_s)
                 out.append(True)
-            except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
-                out.append(False)
+            except ray.exceptions.GetTimeoutError:
+                out.append(True)  # busy, not dead
+            except ray.exceptions.ActorUnavailableError:
+                out.append(True)  # unreachable for a moment (Ray says it may come back)
+            except ray.exceptions.RayActorError:
+                out.append(False)  # the process died
+            except ray.exceptions.RayError:
+                out.append(True)  # it answered, with an error
         return out
 
     def kill(self, slot: int, *, timeout_s: float = 30.0) -> None:

@@ -41,6 +41,8 @@ class ExecutionResult:
     group_setup_s: float
     groups_created: int
     events: list[Event]
+    error: str = ""
+    """Why the transition failed before any node ran (its group set-up), if it did."""
 
 
 class Executor:
@@ -66,7 +68,12 @@ class Executor:
     def run(self) -> ExecutionResult:
         self._preflight()
         self._t0 = time.monotonic()
-        setup = self.engine.prepare_groups(_groups(self.dag))
+        try:
+            setup = self.engine.prepare_groups(_groups(self.dag))
+        except SlotError as exc:
+            # A slot died (or failed) since the last probe: nothing ran; the controller replans
+            # from the units that are intact.
+            return self._failed_setup(exc)
         self._emit(
             {"event": "transition.groups", "created": setup["created"], "seconds": setup["seconds"]}
         )
@@ -152,6 +159,38 @@ class Executor:
         )
         return result
 
+    def _failed_setup(self, exc: SlotError) -> ExecutionResult:
+        logger.warning("transition group set-up failed: %s", exc)
+        for node in self.dag.nodes.values():
+            node.state = "skipped"
+            self._emit_node(node)
+        lost = self._lost_slots()
+        error = f"group set-up failed: {exc}"
+        result = ExecutionResult(
+            ok=False,
+            duration_s=self._now(),
+            units=self._intact_units(lost),
+            failed=[],
+            lost_slots=lost,
+            group_setup_s=self._now(),
+            groups_created=0,
+            events=self.events,
+            error=error,
+        )
+        self._emit(
+            {
+                "event": "transition.finished",
+                "ok": False,
+                "duration_s": result.duration_s,
+                "predicted_s": self.dag.predicted_s,
+                "failed": [],
+                "lost_slots": lost,
+                "error": error,
+                "cache_released_bytes": 0,
+            }
+        )
+        return result
+
     # --- one node -------------------------------------------------------------------------------
 
     def _execute(self, node: Node) -> None:
@@ -216,9 +255,12 @@ class Executor:
         return lost
 
     def _intact_units(self, lost: list[int]) -> dict[str, tuple[Unit, ...]]:
+        """The units no lost slot touches (lost now or before: a revoked slot's units stay
+        registered until a transition releases them)."""
+        gone = set(lost) | self.engine.lost_slots
         out: dict[str, list[Unit]] = {ms: [] for ms in self.dag.target}
         for unit in self.engine.units.values():
-            if unit.model_stage in out and not set(unit.slots) & set(lost):
+            if unit.model_stage in out and not set(unit.slots) & gone:
                 out[unit.model_stage].append(unit)
         return {ms: tuple(sorted(us, key=lambda u: u.slots)) for ms, us in out.items()}
 

@@ -1,0 +1,221 @@
+"""The Ray engine when slots fail: a live slot that is busy or stuck in a collective is never
+declared dead, units on lost slots never look intact, a group that cannot be re-formed is retried
+(its intact units kept), and a transition with a dead slot reports a failed outcome."""
+
+import time
+
+import pytest
+import ray
+
+import runtime.emu.engine as emu_engine
+from runtime.emu import checkpoint, slot_ops
+from runtime.engine.ray_cluster import ray_connection
+from runtime.engine.ray_engine import RayEngine
+from runtime.engine.slots import SlotPool
+from runtime.planner import default_catalog
+from runtime.planner.plan import Layout, Plan
+from runtime.planner.workload import PpoWorkload
+from runtime.transition import Cluster, diff
+
+pytestmark = pytest.mark.ray
+
+CATALOG = default_catalog()
+ACC = CATALOG.accelerator("cpu-slot")
+WORKLOAD = PpoWorkload.for_model(CATALOG.model("tiny-llama"))
+NAMES = [ms.name for ms in WORKLOAD.model_stages()]
+CPUS = 3
+TIMEOUT_S = 5  # a collective waiting on a failed peer gives up quickly
+
+
+def _plan(num_slots: int, actor_units: tuple[tuple[int, ...], ...] = ((0,),)) -> Plan:
+    base = {n: (Layout(dp=1, tp=1, pp=1), ((0,),)) for n in NAMES}
+    actor = (Layout(dp=len(actor_units), tp=1, pp=1), actor_units)
+    return Plan.of_units(
+        accelerator=ACC.name, num_slots=num_slots, layouts={**base, "actor@training": actor}
+    )
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with ray_connection(None, num_cpus=CPUS):
+        yield
+
+
+@pytest.fixture
+def make_engine(cluster, tmp_path):
+    pools = []
+
+    def make(num_slots: int, plan: Plan) -> RayEngine:
+        pool = SlotPool.create(num_slots, call_timeout_s=TIMEOUT_S)
+        pools.append(pool)
+        engine = RayEngine(pool, checkpoint_dir=tmp_path / f"ckpt{len(pools)}")
+        engine.start(plan, WORKLOAD)
+        return engine
+
+    yield make
+    for pool in pools:
+        pool.close()
+
+
+def _checksums(engine: RayEngine) -> dict[str, int]:
+    return {u.unit_id: engine.engine.checksum(u) for us in engine.units().values() for u in us}
+
+
+def _timeouts(ctx):
+    """The timeouts of the subgroups and meshes made on this slot, in seconds."""
+    import torch
+
+    def seconds(group):
+        return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+
+    made = {**ctx.state.get("groups", {}), **ctx.state.get("dcp_groups", {})}
+    groups = {k: seconds(g) for k, g in made.items() if ctx.rank in k}  # the others: not members
+    meshes = {
+        k: seconds(m.get_group())
+        for k, m in ctx.state.get("dcp_meshes", {}).items()
+        if ctx.rank in k
+    }
+    return groups, meshes
+
+
+# --- 1: a live slot is not dead ------------------------------------------------------------------
+
+
+def test_a_busy_slot_counts_as_alive_and_a_killed_one_as_dead(cluster):
+    pool = SlotPool.create(2, call_timeout_s=TIMEOUT_S)
+    try:
+        pending = pool.start(lambda ctx: time.sleep(3) or 1, on=[1])
+        assert pool.alive(timeout_s=0.5) == [True, True]  # slot 1 is busy, not dead
+        assert pending.wait() == [1]
+        pool.kill(1)
+        assert pool.alive(timeout_s=0.5) == [True, False]
+    finally:
+        pool.close()
+
+
+def test_subgroups_and_meshes_have_the_pools_call_timeout(make_engine):
+    engine = make_engine(2, _plan(2, ((0,), (1,))))
+    pool = engine.engine.pool
+    units = [u for us in engine.units().values() for u in us]
+    pool.run(slot_ops.ensure_groups, groups=[(0, 1)])
+    pool.run(checkpoint.ensure_unit_groups, units=units)
+    for groups, meshes in pool.run(_timeouts):
+        assert groups and meshes
+        assert set(groups.values()) == {TIMEOUT_S}
+        assert set(meshes.values()) == {TIMEOUT_S}
+
+
+def test_a_failed_receiver_does_not_cost_the_sender_its_state(make_engine, monkeypatch):
+    """The receiving slot of an Extend raises before the broadcast; the sender, alive and the
+    only holder of the state, waits in the broadcast until the pool's call timeout (not torch's
+    30 minutes) and is neither declared lost nor killed."""
+    engine = make_engine(2, _plan(2))
+    actor = engine.units()["actor@training"][0]
+    before = engine.engine.checksum(actor)
+
+    def failing_extend(ctx, *, spec, verify=False):
+        from runtime.emu.slot_ops import extend
+
+        if ctx.rank == 1:
+            raise MemoryError("out of memory allocating the receive buffer (injected)")
+        return extend(ctx, spec=spec, verify=verify)
+
+    class Ops:
+        def __getattr__(self, name):
+            return failing_extend if name == "extend" else getattr(slot_ops, name)
+
+    dag = diff(
+        engine.units(), _plan(2, ((0,), (1,))), Cluster(accelerator=ACC, num_slots=2), WORKLOAD
+    )
+    monkeypatch.setattr(emu_engine, "slot_ops", Ops())
+    out = engine.transition(dag)
+    monkeypatch.setattr(emu_engine, "slot_ops", slot_ops)
+    assert not out.ok
+    assert out.lost_slots == ()
+    assert [u.unit_id for u in out.units["actor@training"]] == [actor.unit_id]
+    assert engine.lost_slots() == frozenset()
+    assert not [e for e in engine.events if e["event"] == "engine.slots_lost"]
+    assert engine.engine.checksum(actor) == before
+
+
+# --- 2: units on lost slots never look intact ----------------------------------------------------
+
+
+def test_revoke_then_grant_drops_the_revoked_slots_units(make_engine):
+    engine = make_engine(2, _plan(2, ((0,), (1,))))
+    before = _checksums(engine)
+    assert engine.revoke() == 1
+    assert engine.grant() == 1
+    assert engine.lost_slots() == frozenset()
+    named = {s for us in engine.units().values() for u in us for s in u.slots}
+    assert 1 not in named  # the new process on slot 1 holds nothing
+    assert [u.slots for u in engine.units()["actor@training"]] == [(0,)]
+    after = _checksums(engine)  # every unit still listed is really held
+    assert after == {k: v for k, v in before.items() if k in after}
+
+
+def test_a_second_failure_after_a_revoke_is_reported_not_raised(make_engine):
+    engine = make_engine(3, _plan(3, ((0,), (1,), (2,))))
+    before = _checksums(engine)
+    assert engine.revoke() == 2
+    assert engine.lost_slots() == {2}
+    engine.engine.pool.kill(1)
+    assert engine.lost_slots() == {1, 2}
+    assert engine.lost_slots() == {1, 2}
+    intact = [u for us in engine.units().values() for u in us if not {1, 2} & set(u.slots)]
+    assert intact
+    for unit in intact:
+        assert engine.engine.checksum(unit) == before[unit.unit_id]
+
+
+# --- 4: a re-forming that fails is retried, the intact units kept --------------------------------
+
+
+@ray.remote
+class _Tenant:
+    def ping(self):
+        return 1
+
+
+def test_a_failed_renew_keeps_the_intact_units_and_is_retried(make_engine):
+    engine = make_engine(2, _plan(2, ((0,), (1,))))
+    before = _checksums(engine)
+    on_slot_0 = [u for us in engine.units().values() for u in us if 1 not in u.slots]
+    engine.engine.pool.kill(1)
+    # Another tenant takes the freed device (and the one spare CPU): slot 1 cannot come back.
+    tenant = _Tenant.options(num_cpus=CPUS - 1).remote()
+    ray.get(tenant.ping.remote(), timeout=60)
+    try:
+        assert engine.lost_slots() == {0, 1}  # no process holds anything while it is pending
+        assert engine.lost_slots() == {0, 1}
+    finally:
+        ray.kill(tenant)
+    deadline = time.monotonic() + 60
+    while engine.lost_slots() != {1} and time.monotonic() < deadline:
+        pass  # the capacity comes back once Ray has ended the tenant
+    assert engine.lost_slots() == {1}
+    assert [e["event"] for e in engine.events].count("engine.slots_lost") == 1
+    intact = [u for us in engine.units().values() for u in us if 1 not in u.slots]
+    assert {u.unit_id for u in intact} == {u.unit_id for u in on_slot_0}
+    for unit in intact:
+        assert engine.engine.checksum(unit) == before[unit.unit_id]
+
+
+# --- 6: a transition with a dead slot fails, it does not raise -----------------------------------
+
+
+def test_a_slot_dead_before_a_transition_gives_a_failed_outcome(make_engine):
+    engine = make_engine(3, _plan(3))
+    before = _checksums(engine)
+    dag = diff(
+        engine.units(), _plan(3, ((0,), (1,))), Cluster(accelerator=ACC, num_slots=3), WORKLOAD
+    )
+    engine.engine.pool.kill(2)  # not used by the DAG's nodes, but by its group set-up
+    out = engine.transition(dag)
+    assert not out.ok
+    assert out.lost_slots == (2,)
+    assert out.failure
+    assert {u.unit_id for us in out.units.values() for u in us} == set(before)
+    assert engine.lost_slots() == {2}
+    for unit_id, checksum in before.items():
+        assert engine.engine.checksum(engine.engine.units[unit_id]) == checksum
