@@ -29,6 +29,7 @@ from redis import Redis
 from nereus import processes
 from tests.support.netns_service import root_gateway, tcp_forwarders
 from tests.support.ray_netns import netns_ray_cluster
+from tests.support.services import require
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(420)]
 
@@ -49,10 +50,7 @@ TERMINAL = {"succeeded", "failed", "cancelled"}
 @pytest.fixture
 def postgres_url() -> str:
     url = os.environ.get("DATABASE_URL", "")
-    if not url.startswith(("postgres://", "postgresql://")):
-        if os.environ.get("CI", "").lower() in {"1", "true", "yes"}:
-            pytest.fail("DATABASE_URL is not PostgreSQL in CI: the topology test must run")
-        pytest.skip("DATABASE_URL is not PostgreSQL (CI sets it)")
+    require(url.startswith(("postgres://", "postgresql://")), "DATABASE_URL is not PostgreSQL")
     return url
 
 

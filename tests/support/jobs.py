@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
+
+from django.utils import timezone
 
 from webapp.jobs.models import Job
 from webapp.projects.services import project_personal_for
@@ -17,3 +20,8 @@ def make_job(*, owner, project=None, name: str = "j", spec: dict[str, Any] | Non
         spec=spec if spec is not None else {"num_slots": 1, "num_steps": 1},
         **fields,
     )
+
+
+def silence(job: Job, seconds: float) -> None:
+    """The job's driver last beat ``seconds`` ago."""
+    Job.objects.filter(pk=job.pk).update(heartbeat_at=timezone.now() - timedelta(seconds=seconds))

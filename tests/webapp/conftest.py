@@ -6,6 +6,7 @@ import pytest
 from django.contrib.auth import get_user_model
 from rest_framework.test import APIClient
 
+from webapp.jobs import services as job_services
 from webapp.projects import services as project_services
 from webapp.projects.models import Project, Role
 
@@ -68,3 +69,13 @@ def token_for(member):
         return secret
 
     return make
+
+
+@pytest.fixture
+def enqueued(monkeypatch):
+    """The driver tasks the test enqueues, as (job id, epoch), instead of sending them."""
+    calls = []
+    monkeypatch.setattr(
+        job_services, "_enqueue_driver", lambda job_id, epoch=None: calls.append((job_id, epoch))
+    )
+    return calls

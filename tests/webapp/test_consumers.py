@@ -11,11 +11,11 @@ from channels.layers import get_channel_layer
 from channels.routing import URLRouter
 from channels.testing import WebsocketCommunicator
 from django.conf import settings
-from django.contrib.auth import BACKEND_SESSION_KEY, HASH_SESSION_KEY, SESSION_KEY, get_user_model
-from django.contrib.sessions.backends.db import SessionStore
+from django.contrib.auth import get_user_model
 from django.utils import timezone
 
 from tests.support.jobs import make_job
+from tests.support.websockets import session_for
 from webapp.jobs import services
 from webapp.jobs.consumers import CLOSE_NOT_FOUND, CLOSE_UNAUTHENTICATED
 from webapp.jobs.models import JobEvent
@@ -26,22 +26,13 @@ pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.asyncio]
 APP = AuthMiddlewareStack(URLRouter(websocket_urlpatterns))
 
 
-def _session_for(user) -> str:
-    store = SessionStore()
-    store[SESSION_KEY] = str(user.pk)
-    store[BACKEND_SESSION_KEY] = "django.contrib.auth.backends.ModelBackend"
-    store[HASH_SESSION_KEY] = user.get_session_auth_hash()
-    store.save()
-    return store.session_key
-
-
 @sync_to_async
 def _setup():
     users = get_user_model()
     alice = users.objects.create_user(username="alice", password="pw-alice-1234")
     bob = users.objects.create_user(username="bob", password="pw-bob-1234")
     job = make_job(owner=alice)
-    return job, _session_for(alice), _session_for(bob)
+    return job, session_for(alice), session_for(bob)
 
 
 @sync_to_async

@@ -15,6 +15,7 @@ from django.test import override_settings
 from django.utils import timezone
 
 from runtime.events import RuntimeEvent
+from tests.support.jobs import silence
 from webapp.jobs import errors, services
 from webapp.jobs.models import FailureReason, Job, JobEvent, JobState
 from webapp.plans import services as plan_services
@@ -34,15 +35,6 @@ def no_live_delivery(monkeypatch):
 
 
 @pytest.fixture
-def enqueued(monkeypatch):
-    calls = []
-    monkeypatch.setattr(
-        services, "_enqueue_driver", lambda job_id, epoch=None: calls.append((job_id, epoch))
-    )
-    return calls
-
-
-@pytest.fixture
 def owner(project, member):
     return member(project, Role.OPERATOR, "owner")
 
@@ -51,10 +43,6 @@ def _submit(owner, project, spec=None) -> Job:
     return services.job_submit(
         user=owner, project=project, name="j", spec=spec or {"num_slots": 1, "num_steps": 300}
     )
-
-
-def _silence(job: Job, seconds: float) -> None:
-    Job.objects.filter(pk=job.pk).update(heartbeat_at=timezone.now() - timedelta(seconds=seconds))
 
 
 def _step(job_id: int, epoch: int, step: int, **data) -> None:
@@ -217,7 +205,7 @@ def test_a_redelivered_task_that_takes_over_stales_the_old_proposals(project, ow
     job = _submit(owner, project, SIM_SPEC)
     _, epoch = services._claim_driver(job.pk, unless_alive=True)
     waiting = _propose(services._ControlLink(job.pk, epoch), 1, _a_plan_json())
-    _silence(job, LOST_S + 1)
+    silence(job, LOST_S + 1)
     # The broker delivers the task again (its worker was lost) before the periodic check runs.
     _, new_epoch = services._claim_driver(job.pk, unless_alive=True)
     waiting.refresh_from_db()
@@ -292,7 +280,7 @@ def test_a_driver_whose_database_stays_away_leaves_the_job_to_a_new_driver(
     assert job.state == JobState.RUNNING and job.failure_reason == FailureReason.NONE
     assert not JobEvent.objects.filter(job=job, kind="job.state", data__state="failed").exists()
     # Its heartbeat stopped with it: the periodic check hands the job to a new driver.
-    _silence(job, LOST_S + 1)
+    silence(job, LOST_S + 1)
     with django_capture_on_commit_callbacks(execute=True):
         assert services.jobs_reap_lost() == [job.pk]
     assert enqueued == [(job.pk, job.epoch + 1)]

@@ -8,12 +8,13 @@ import pytest
 from asgiref.sync import sync_to_async
 from channels.testing import WebsocketCommunicator
 from django.conf import settings
-from django.contrib.auth import BACKEND_SESSION_KEY, HASH_SESSION_KEY, SESSION_KEY, get_user_model
+from django.contrib.auth import HASH_SESSION_KEY, SESSION_KEY, get_user_model
 from django.contrib.auth.models import Permission
 from django.contrib.sessions.backends.db import SessionStore
 from django.utils import timezone
 
 from tests.support.jobs import make_job
+from tests.support.websockets import closed_with, session_for
 from webapp import config
 from webapp.config import ConfigError
 from webapp.jobs import services
@@ -29,36 +30,17 @@ from webapp.projects.models import ApiToken, Role
 APP = websocket_application(websocket_urlpatterns)
 
 
-def _session_for(user) -> str:
-    store = SessionStore()
-    store[SESSION_KEY] = str(user.pk)
-    store[BACKEND_SESSION_KEY] = "django.contrib.auth.backends.ModelBackend"
-    store[HASH_SESSION_KEY] = user.get_session_auth_hash()
-    store.save()
-    return store.session_key
-
-
 @sync_to_async
 def _ws_setup():
     alice = get_user_model().objects.create_user(username="alice", password="pw-alice-1234")
     job = make_job(owner=alice)
     services.job_event_append(job=job, epoch=job.epoch, kind="first", data={})
-    return alice, job, _session_for(alice), _session_for(alice)
+    return alice, job, session_for(alice), session_for(alice)
 
 
 def _socket(job_id: int, session: str):
     cookie = f"{settings.SESSION_COOKIE_NAME}={session}".encode()
     return WebsocketCommunicator(APP, f"/ws/jobs/{job_id}/", headers=[(b"cookie", cookie)])
-
-
-async def _closed_with(ws) -> int | None:
-    """Frames until the socket closes: the close code, or None if an event got through."""
-    while True:
-        output = await ws.receive_output(timeout=5)
-        if output["type"] == "websocket.close":
-            return output.get("code")
-        if output["type"] == "websocket.send":
-            return None
 
 
 @pytest.mark.django_db(transaction=True)
@@ -95,7 +77,7 @@ async def test_a_socket_closes_when_its_session_no_longer_authenticates(how, via
     await invalidate()
     if via == "resume":
         await ws.send_json_to({"type": "resume", "after": 0})
-    assert await _closed_with(ws) == CLOSE_NOT_FOUND
+    assert await closed_with(ws) == CLOSE_NOT_FOUND
 
 
 @pytest.mark.django_db(transaction=True)

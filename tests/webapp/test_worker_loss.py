@@ -11,7 +11,6 @@ import os
 import signal
 import sqlite3
 import time
-from datetime import timedelta
 
 import pytest
 from django.test import override_settings
@@ -20,6 +19,7 @@ from django.utils import timezone
 from nereus import processes
 from runtime.events import RuntimeEvent
 from tests.support import live
+from tests.support.jobs import silence
 from webapp.jobs import errors, services
 from webapp.jobs.models import FailureReason, Job, JobEvent, JobState
 from webapp.projects.models import Role
@@ -36,19 +36,6 @@ def job(project, member, monkeypatch):
     )
 
 
-@pytest.fixture
-def enqueued(monkeypatch):
-    calls = []
-    monkeypatch.setattr(
-        services, "_enqueue_driver", lambda job_id, epoch=None: calls.append((job_id, epoch))
-    )
-    return calls
-
-
-def _silence(job: Job, seconds: float) -> None:
-    Job.objects.filter(pk=job.pk).update(heartbeat_at=timezone.now() - timedelta(seconds=seconds))
-
-
 @pytest.mark.django_db
 @override_settings(NEREUS_DRIVER_LOST_S=LOST_S)
 def test_a_silent_driver_is_replaced_and_fenced_off(
@@ -56,7 +43,7 @@ def test_a_silent_driver_is_replaced_and_fenced_off(
 ):
     _, old = services._claim_driver(job.pk)
     assert services.jobs_reap_lost() == []  # its heartbeat is fresh
-    _silence(job, LOST_S + 1)
+    silence(job, LOST_S + 1)
     with django_capture_on_commit_callbacks(execute=True):
         assert services.jobs_reap_lost() == [job.pk]
     job.refresh_from_db()
@@ -85,7 +72,7 @@ def test_a_silent_driver_is_replaced_and_fenced_off(
 def test_a_redelivered_task_takes_over_only_a_silent_driver(job):
     _, first = services._claim_driver(job.pk, unless_alive=True)
     assert services._claim_driver(job.pk, unless_alive=True) is None
-    _silence(job, LOST_S + 1)
+    silence(job, LOST_S + 1)
     claimed = services._claim_driver(job.pk, unless_alive=True)
     assert claimed is not None and claimed[1] == first + 1
 
@@ -97,7 +84,7 @@ def test_a_job_that_keeps_losing_its_driver_fails(
 ):
     services._claim_driver(job.pk)
     for _ in range(2):
-        _silence(job, LOST_S + 1)
+        silence(job, LOST_S + 1)
         with django_capture_on_commit_callbacks(execute=True):
             services.jobs_reap_lost()
         services._claim_driver(job.pk, epoch=enqueued[-1][1])
@@ -111,7 +98,7 @@ def test_a_job_that_keeps_losing_its_driver_fails(
 def test_a_cancelling_job_whose_driver_is_lost_ends_cancelled(job, enqueued):
     services._claim_driver(job.pk)
     services.job_cancel(job_id=job.pk)
-    _silence(job, LOST_S + 1)
+    silence(job, LOST_S + 1)
     assert services.jobs_reap_lost() == []
     job.refresh_from_db()
     assert job.state == JobState.CANCELLED and enqueued == []
@@ -120,7 +107,7 @@ def test_a_cancelling_job_whose_driver_is_lost_ends_cancelled(job, enqueued):
 @pytest.mark.django_db(transaction=True)
 def test_the_driver_heartbeat_runs_while_its_epoch_is_current(job):
     _, epoch = services._claim_driver(job.pk)
-    _silence(job, 100)
+    silence(job, 100)
     with services._Heartbeat(job.pk, epoch, interval_s=0.05):
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
@@ -131,7 +118,7 @@ def test_the_driver_heartbeat_runs_while_its_epoch_is_current(job):
     assert (timezone.now() - job.heartbeat_at).total_seconds() < 5
     # Superseded: the heartbeat stops writing.
     Job.objects.filter(pk=job.pk).update(epoch=epoch + 1)
-    _silence(job, 100)
+    silence(job, 100)
     with services._Heartbeat(job.pk, epoch, interval_s=0.05):
         time.sleep(0.5)
     job.refresh_from_db()

@@ -7,6 +7,7 @@ from channels.testing import WebsocketCommunicator
 from django.contrib.auth import get_user_model
 
 from tests.support.jobs import make_job
+from tests.support.websockets import closed_with
 from webapp.jobs import services
 from webapp.jobs.consumers import CLOSE_NOT_FOUND, CLOSE_UNAUTHENTICATED
 from webapp.jobs.routing import websocket_urlpatterns
@@ -74,16 +75,6 @@ async def test_a_revoked_token_is_refused():
     assert not connected and code == CLOSE_UNAUTHENTICATED
 
 
-async def _closed_with(ws) -> int | None:
-    """Frames until the socket closes: the close code, or None if an event got through."""
-    while True:
-        output = await ws.receive_output(timeout=5)
-        if output["type"] == "websocket.close":
-            return output.get("code")
-        if output["type"] == "websocket.send":
-            return None
-
-
 @pytest.mark.parametrize("via", ["live", "resume"])
 @pytest.mark.parametrize("lose_access", ["revoke_token", "remove_member", "deactivate_user"])
 async def test_a_socket_that_loses_access_is_closed_before_the_next_event(lose_access, via):
@@ -110,7 +101,7 @@ async def test_a_socket_that_loses_access_is_closed_before_the_next_event(lose_a
     await lose()
     if via == "resume":
         await ws.send_json_to({"type": "resume", "after": 0})
-    assert await _closed_with(ws) == CLOSE_NOT_FOUND
+    assert await closed_with(ws) == CLOSE_NOT_FOUND
 
 
 async def test_a_socket_that_keeps_access_streams_on():

@@ -14,6 +14,7 @@ import torch
 from nereus import doctor
 from runtime import kernels
 from runtime.kernels import build, paths
+from tests.support.services import require
 
 
 @pytest.fixture
@@ -105,8 +106,7 @@ def test_the_build_records_what_it_built_from_only_when_it_succeeds(elsewhere, m
 
 
 def test_the_library_in_use_matches_its_record():
-    if kernels.library_status().state != "compiled":
-        pytest.skip("the kernels are not built here")
+    require(kernels.library_status().state == "compiled", "the kernels are not compiled here")
     assert json.loads(paths.stamp_path().read_text()) == build.stamp()
 
 

@@ -5,7 +5,6 @@ Every test that takes ``device`` runs on the CPU here and in CI, and on the GPU 
 machine with one and a CUDA build of the kernels (the device machine): one suite for both."""
 
 import itertools
-import os
 
 import pytest
 import torch
@@ -23,6 +22,7 @@ from tests.runtime.kernels.cases import (
     random_tensor,
     slice_sets,
 )
+from tests.support.services import in_ci
 
 DEVICES = [
     "cpu",
@@ -42,7 +42,7 @@ on_every_device = pytest.mark.parametrize("device", DEVICES)
 
 def test_compiled_kernels_are_in_use_in_ci():
     """make install builds them; CI must exercise the compiled ops, not only the fallback."""
-    if os.environ.get("CI", "").lower() in {"1", "true", "yes"}:
+    if in_ci():
         assert kernels.backend() == "compiled"
     # Elsewhere: a built library is the one in use unless it is stale or will not load, and then
     # it is never silently passed over: the status says why (and nereus doctor with it).

@@ -2,8 +2,6 @@
 member only would be rebuilt on that member alone, which then waits at the unit's barrier for a
 peer that skips it (holding it already), and the step hangs."""
 
-import time
-
 import pytest
 import torch
 
@@ -13,6 +11,7 @@ from runtime.engine.slots import SlotPool
 from runtime.ppo import slot_work
 from runtime.ppo.algorithm import PPOConfig
 from runtime.ppo.job import PpoJobConfig, PpoRuntime, plan_by_hand
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.ray
 
@@ -29,10 +28,7 @@ GENERATION = "actor@generation/2x1@2-3"
 
 
 def _wait_idle(job, timeout_s=60.0):
-    deadline = time.monotonic() + timeout_s
-    while job.building_ahead():
-        assert time.monotonic() < deadline, "the builds ahead did not end"
-        time.sleep(0.05)
+    wait_until(lambda: not job.building_ahead(), "the builds ahead ended", timeout_s=timeout_s)
 
 
 def test_a_dropped_unit_built_ahead_goes_on_all_its_slots_or_none(tmp_path):
