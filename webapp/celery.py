@@ -8,7 +8,7 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "webapp.settings")
 
 app = Celery("nereus")
 app.config_from_object("django.conf:settings", namespace="CELERY")
-app.autodiscover_tasks(["webapp.jobs"])
+app.autodiscover_tasks(["webapp.jobs", "webapp.plans"])
 
 
 @signals.worker_init.connect

@@ -176,6 +176,12 @@ CELERY_BEAT_SCHEDULE = {
         "schedule": max(1.0, CONFIG.driver_lost_s / 3),
         "options": {"expires": max(1.0, CONFIG.driver_lost_s / 3)},
     },
+    # Waiting proposals past their deadline, marked expired even when no driver is left to.
+    "plans-expire-overdue-proposals": {
+        "task": "plans.expire",
+        "schedule": 60.0,
+        "options": {"expires": 60.0},
+    },
 }
 CELERY_BEAT_SCHEDULE_FILENAME = str(VAR_DIR / "celery-beat-schedule")
 

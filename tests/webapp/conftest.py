@@ -72,6 +72,14 @@ def token_for(member):
 
 
 @pytest.fixture
+def no_live_delivery(monkeypatch):
+    """Events are stored but not published live. A test that executes on-commit callbacks
+    inside its own transaction would otherwise publish through the database channel layer
+    (no Redis), whose ``database_sync_to_async`` closes the test's connection mid-transaction."""
+    monkeypatch.setattr(job_services, "_publish", lambda group, message: None)
+
+
+@pytest.fixture
 def enqueued(monkeypatch):
     """The driver tasks the test enqueues, as (job id, epoch), instead of sending them."""
     calls = []

@@ -28,10 +28,8 @@ SIM_SPEC = {"kind": "ppo-sim", "gpus": 16, "num_steps": 8, "pace_s": 0.0}
 
 
 @pytest.fixture(autouse=True)
-def no_live_delivery(monkeypatch):
-    # Executing on-commit callbacks would publish events too; without Redis, the database channel
-    # layer would close the test's connection (inside its transaction) doing so.
-    monkeypatch.setattr(services, "_publish", lambda group, message: None)
+def _no_live_delivery(no_live_delivery):
+    pass
 
 
 @pytest.fixture

@@ -337,3 +337,20 @@ def test_overdue_proposals_expire(waiting):
     assert services.proposals_expire_overdue(now=later) == 1
     waiting.refresh_from_db()
     assert waiting.state == ProposalState.EXPIRED
+
+
+def test_the_beat_schedule_runs_registered_tasks_and_expires_overdue_proposals(waiting):
+    from django.conf import settings
+
+    from webapp.celery import app
+
+    app.loader.import_default_modules()  # what a worker does at start: autodiscovery
+    scheduled = {entry["task"] for entry in settings.CELERY_BEAT_SCHEDULE.values()}
+    assert {"jobs.reap", "plans.expire"} <= scheduled
+    assert scheduled <= set(app.tasks)
+    expire = app.tasks["plans.expire"]
+    assert expire.apply().get() == 0  # not due yet
+    Proposal.objects.filter(pk=waiting.pk).update(expires_at=timezone.now() - timedelta(seconds=1))
+    assert expire.apply().get() == 1
+    waiting.refresh_from_db()
+    assert waiting.state == ProposalState.EXPIRED

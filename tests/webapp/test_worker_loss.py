@@ -39,7 +39,7 @@ def job(project, member, monkeypatch):
 @pytest.mark.django_db
 @override_settings(NEREUS_DRIVER_LOST_S=LOST_S)
 def test_a_silent_driver_is_replaced_and_fenced_off(
-    job, enqueued, django_capture_on_commit_callbacks
+    job, enqueued, no_live_delivery, django_capture_on_commit_callbacks
 ):
     _, old = services._claim_driver(job.pk)
     assert services.jobs_reap_lost() == []  # its heartbeat is fresh
@@ -80,7 +80,7 @@ def test_a_redelivered_task_takes_over_only_a_silent_driver(job):
 @pytest.mark.django_db
 @override_settings(NEREUS_DRIVER_LOST_S=LOST_S, NEREUS_MAX_DRIVER_DELIVERIES=2)
 def test_a_job_that_keeps_losing_its_driver_fails(
-    job, enqueued, django_capture_on_commit_callbacks
+    job, enqueued, no_live_delivery, django_capture_on_commit_callbacks
 ):
     services._claim_driver(job.pk)
     for _ in range(2):

@@ -417,7 +417,7 @@ def _mark(row: Proposal, state: str) -> Proposal:
 
 def proposals_expire_overdue(*, now: datetime | None = None) -> int:
     """Mark waiting proposals past their deadline expired (the job keeps its plan); returns how
-    many. Meant for a periodic task, which is not scheduled yet."""
+    many. Run by the periodic ``plans.expire`` task (``CELERY_BEAT_SCHEDULE``)."""
     return Proposal.objects.filter(
         state=ProposalState.WAITING, expires_at__lte=now or timezone.now()
     ).update(state=ProposalState.EXPIRED)
