@@ -23,7 +23,7 @@ from runtime.planner.calibration import Calibrator
 from runtime.planner.catalog import Accelerator
 from runtime.planner.memory import memory_breakdown, memory_budget, total_bytes
 from runtime.planner.plan import Plan
-from runtime.planner.search import on_ready, price_plan, rebatched, stage_prices
+from runtime.planner.search import PlanResult, on_ready, price_plan, rebatched, stage_prices
 from runtime.planner.shapes import LayoutShape, batchings
 from runtime.planner.space import only_layouts
 from runtime.planner.workload import PpoWorkload
@@ -142,6 +142,11 @@ def place(
     slots cannot hold the planned nodes so, or without ``gpus_per_node``, the plan's slot ``i``
     goes to the ``i``-th live slot."""
     where = (_by_node(alive, gpus_per_node) if gpus_per_node else None) or alive
+    return onto(candidate, where, num_slots)
+
+
+def onto(candidate: Plan, where: list[int], num_slots: int) -> Plan:
+    """``candidate`` with its slot ``i`` moved to ``where[i]``, in a pool of ``num_slots``."""
     return dataclasses.replace(
         candidate,
         num_slots=num_slots,
@@ -152,13 +157,18 @@ def place(
     )
 
 
-def _by_node(alive: list[int], gpus_per_node: int) -> list[int] | None:
-    """The live slot each planned slot goes to, planned node by planned node onto real nodes;
-    None when some planned node fits on no real node left."""
+def _real_nodes(alive: list[int], gpus_per_node: int) -> list[list[int]]:
+    """The live slots by real node (slot // gpus_per_node), the fullest node first."""
     real: dict[int, list[int]] = {}
     for slot in sorted(alive):
         real.setdefault(slot // gpus_per_node, []).append(slot)
-    nodes = sorted(real.values(), key=lambda slots: (-len(slots), slots[0]))
+    return sorted(real.values(), key=lambda slots: (-len(slots), slots[0]))
+
+
+def _by_node(alive: list[int], gpus_per_node: int) -> list[int] | None:
+    """The live slot each planned slot goes to, planned node by planned node onto real nodes;
+    None when some planned node fits on no real node left."""
+    nodes = _real_nodes(alive, gpus_per_node)
     full, rest = divmod(len(alive), gpus_per_node)
     sizes = [gpus_per_node] * full + ([rest] if rest else [])
     where: list[int] = []
@@ -167,6 +177,32 @@ def _by_node(alive: list[int], gpus_per_node: int) -> list[int] | None:
             return None
         where += slots[:size]
     return where if len(where) == len(alive) else None
+
+
+def node_packings(alive: list[int], gpus_per_node: int) -> list[tuple[int, list[int]]]:
+    """The ways to lay a plan over the live slots so that no node the planner lays it out on
+    straddles two real ones: ``(node size g, where)``, the plan made for ``len(where)`` slots in
+    nodes of ``g`` and its slot ``i`` placed on ``where[i]``.
+
+    When the live slots hold the planner's nodes whole (``_by_node``), that is the only way: the
+    plan uses every live slot. Otherwise (several nodes each lost a slot: four nodes of seven
+    cannot hold planned nodes of eight) each power of two ``g`` below the node size packs as
+    many nodes of ``g`` into each real node as it holds, leaving the rest of that node idle:
+    fewer slots, TP up to ``g``, and every group the planner prices as inside a node really is.
+    ``g`` = 1 uses every live slot without tensor parallelism. A smaller ``g`` that reaches no
+    more slots than a larger one is not offered."""
+    where = _by_node(alive, gpus_per_node)
+    if where is not None:
+        return [(gpus_per_node, where)]
+    nodes = _real_nodes(alive, gpus_per_node)
+    out: list[tuple[int, list[int]]] = []
+    size = gpus_per_node
+    while size >= 1:
+        packed = [s for slots in nodes for s in slots[: len(slots) // size * size]]
+        if packed and (not out or len(packed) > len(out[-1][1])):
+            out.append((size, packed))
+        size //= 2
+    return out
 
 
 class Controller:
@@ -277,18 +313,48 @@ class Controller:
         and fitting in memory up to the generated length ``fits_at`` as well."""
         alive = self._alive(engine)
         acc = self._measured_accelerator()
+        found: list[tuple[PlanResult, list[int]]] = []
+        refusals: list[PlanningError] = []
+        for size, where in node_packings(alive, acc.gpus_per_node):
+            sized = (
+                acc if size == acc.gpus_per_node else dataclasses.replace(acc, gpus_per_node=size)
+            )
+            try:
+                found.append(
+                    (self._search(workload, sized, len(where), alternatives, keep, fits_at), where)
+                )
+            except PlanningError as exc:
+                refusals.append(exc)
+        if not found:
+            raise refusals[0]
+        result, where = min(found, key=lambda pair: pair[0].best.predicted_step_s)
+        return [
+            onto(dataclasses.replace(p, accelerator=self.acc.name), where, engine.pool_size())
+            for p in (result.best, *result.alternatives)
+        ]
+
+    def _search(
+        self,
+        workload: PpoWorkload,
+        acc: Accelerator,
+        num_slots: int,
+        alternatives: int,
+        keep: Mapping[str, tuple[int, int]] | None,
+        fits_at: float,
+    ) -> PlanResult:
+        """The planner's search on ``num_slots`` slots of ``acc`` (``_plans``)."""
         excluded = frozenset()
         if self.policy.fixed_layouts and self.fixed:
-            excluded = only_layouts(self.fixed, workload, acc, len(alive))
+            excluded = only_layouts(self.fixed, workload, acc, num_slots)
         if keep is not None:
-            excluded |= only_layouts(keep, workload, acc, len(alive))
+            excluded |= only_layouts(keep, workload, acc, num_slots)
         efficiency = self.calibrator.efficiency()
         fit = self._workload(fits_at) if fits_at > workload.gen_len else None
         try:
-            result = plan(
+            return plan(
                 workload,
                 acc,
-                len(alive),
+                num_slots,
                 efficiency=efficiency,
                 num_alternatives=alternatives,
                 excluded=excluded,
@@ -298,23 +364,14 @@ class Controller:
             if not excluded or keep is not None:
                 raise
             self.emit({"event": "control.relaxed", "reason": "the fixed layouts no longer fit"})
-            result = plan(
+            return plan(
                 workload,
                 acc,
-                len(alive),
+                num_slots,
                 efficiency=efficiency,
                 num_alternatives=alternatives,
                 fits_at=fit,
             )
-        return [
-            place(
-                dataclasses.replace(p, accelerator=self.acc.name),
-                alive,
-                engine.pool_size(),
-                self.acc.gpus_per_node,
-            )
-            for p in (result.best, *result.alternatives)
-        ]
 
     def initial_plan(self, engine: Engine) -> Plan:
         candidate = self._candidate(engine, self.workload)

@@ -122,8 +122,10 @@ def policy_loss(
     *,
     clip_ratio: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """PPO's clipped surrogate loss and the fraction of tokens where clipping was active."""
-    ratio = torch.exp(logprobs - old_logprobs)
+    """PPO's clipped surrogate loss and the fraction of tokens where clipping was active. The
+    ratio is taken only where ``mask`` is set: a pad position's log-probs may be anything, and
+    an overflowing ``exp`` there times its zero mask would be NaN in the loss and gradients."""
+    ratio = torch.exp(torch.where(mask.bool(), logprobs - old_logprobs, 0.0))
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1 - clip_ratio, 1 + clip_ratio)
     loss = masked_mean(torch.maximum(unclipped, clipped), mask)

@@ -891,3 +891,47 @@ def test_a_plan_for_the_live_slots_keeps_its_nodes_whole_after_a_loss(lost):
     assert {s for ms in placed.model_stages for s in ms.slots} <= set(alive)
     _assert_valid_placement(placed, ACC)
     assert place(made, list(range(len(alive))), len(alive), ACC.gpus_per_node) == made
+
+
+def _straddling(placed, gpus_per_node: int) -> list[tuple[int, ...]]:
+    """The TP groups of ``placed`` whose slots sit on more than one real node."""
+    out = []
+    for ms in placed.model_stages:
+        for unit in ms.units:
+            for p in range(ms.layout.pp):
+                group = unit[p * ms.layout.tp : (p + 1) * ms.layout.tp]
+                if len({s // gpus_per_node for s in group}) > 1:
+                    out.append(group)
+    return out
+
+
+def test_when_every_node_lost_a_slot_plans_keep_their_groups_inside_real_nodes():
+    """Four nodes of eight that each lost a slot cannot hold a plan laid out on nodes of eight:
+    mapping its slot i to the i-th live slot put TP groups across nodes, priced as NVLink. The
+    planner is now asked for plans on nodes of 4, 2 and 1 packed into the real nodes (the rest
+    of each node idle) and the fastest of them is taken."""
+    from runtime.control.controller import node_packings, place
+    from runtime.planner import plan
+
+    lost = {3, 11, 19, 27}
+    alive = [s for s in range(32) if s not in lost]
+    packings = node_packings(alive, ACC.gpus_per_node)
+    assert [(size, len(where)) for size, where in packings] == [(4, 16), (2, 24), (1, 28)]
+    for size, where in packings:
+        assert set(where) <= set(alive) and len(set(where)) == len(where)
+        for i in range(0, len(where), size):
+            assert len({s // ACC.gpus_per_node for s in where[i : i + size]}) == 1
+    # A node-aligned pool keeps the one way it had: every live slot, planned nodes whole.
+    assert node_packings([s for s in range(32) if s != 5], ACC.gpus_per_node) == [
+        (8, [*range(8, 32), *[s for s in range(8) if s != 5]])
+    ]
+
+    old = place(plan(WORKLOAD, ACC, len(alive)).best, alive, 32, ACC.gpus_per_node)
+    assert _straddling(old, ACC.gpus_per_node)  # what the controller ran before
+
+    controller = Controller(WORKLOAD, ACC, JobPolicy())
+    controller._alive = lambda engine: alive
+    chosen = controller._candidate(_engine(gpus=32), WORKLOAD)
+    assert {s for ms in chosen.model_stages for s in ms.slots} <= set(alive)
+    assert chosen.num_slots == 32
+    assert not _straddling(chosen, ACC.gpus_per_node)

@@ -58,6 +58,21 @@ def test_clipped_policy_loss_by_hand():
     torch.testing.assert_close(clip_fraction, torch.tensor(1 / 3))
 
 
+def test_a_pad_position_whose_log_probs_diverge_leaves_the_loss_and_gradients_finite():
+    logprobs = torch.tensor([[-1.0, 500.0]], requires_grad=True)  # exp(500) overflows fp32
+    loss, clip_fraction = policy_loss(
+        logprobs,
+        torch.tensor([[-1.0, 0.0]]),
+        torch.ones(1, 2),
+        torch.tensor([[1, 0]]),
+        clip_ratio=0.2,
+    )
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(logprobs.grad).all()
+    torch.testing.assert_close(loss, torch.tensor(-1.0))  # the one real token: ratio 1, A = 1
+    torch.testing.assert_close(clip_fraction, torch.tensor(0.0))
+
+
 def test_policy_loss_gradient_vanishes_where_the_ratio_is_clipped():
     logprobs = torch.log(torch.tensor([[1.5, 0.5]])).requires_grad_()
     loss, _ = policy_loss(
