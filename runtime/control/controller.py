@@ -1373,7 +1373,7 @@ class Controller:
                 return refuse(f"it uses slot {gone}, which is not alive")
             workload = self._workload(self._gen_len)
             over = [(ms.name, need) for ms, need in self._needs(candidate, self._gen_len)]
-        except (KeyError, ValueError, PlanningError) as exc:
+        except (KeyError, ValueError, TypeError, ArithmeticError, PlanningError) as exc:
             return refuse(f"it cannot be placed on this job's slots: {exc}")
         budget = memory_budget(self.acc.memory_bytes)
         over = [(name, need) for name, need in over if not self._within(need)]
@@ -1391,7 +1391,13 @@ class Controller:
         if moves:
             try:
                 dag = self._compile(engine, candidate, workload)
-            except (TransitionRefusedError, KeyError, ValueError) as exc:
+            except (
+                TransitionRefusedError,
+                KeyError,
+                ValueError,
+                TypeError,
+                ArithmeticError,
+            ) as exc:
                 return refuse(f"no live transition reaches it: {exc}")
         # The person's plan wins over whatever the controller had in hand.
         if self.pending is not None or self.staged is not None:

@@ -7,6 +7,7 @@ operation class by an efficiency that calibration learns from the running job.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -431,9 +432,13 @@ def load_catalog_file(path: str | Path) -> tuple[dict[str, Accelerator], dict[st
     """Read ``{"accelerators": {name: {...}}, "models": {name: {...}}}`` from YAML or JSON."""
     path = Path(path)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise CatalogError(f"catalog: cannot read {path}: {exc.strerror}") from exc
+    except UnicodeDecodeError as exc:
+        raise CatalogError(
+            f"catalog: {path} is not UTF-8 text (byte {exc.start}: {exc.reason})"
+        ) from None
     try:
         if path.suffix.lower() in {".yaml", ".yml"}:
             import yaml
@@ -472,16 +477,34 @@ def _section(data: dict, key: str) -> dict:
     return section
 
 
+MAX_COUNT = 2**53
+"""The largest integer a catalog field may hold (every count is used in float arithmetic)."""
+
+
+def _shown(value: Any) -> str:
+    """``value`` as an error shows it: a huge integer by its size, long text cut short."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return f"an integer of {value.bit_length()} bits"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def _number(value: Any, where: str) -> float:
     # YAML 1.1 (PyYAML) reads 2.25e15 without a '+' or a '.' as text: accept numeric text too.
+    number = None
     if isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            pass
+        with contextlib.suppress(ValueError):
+            number = float(value)
     elif isinstance(value, int | float) and not isinstance(value, bool):
-        return float(value)
-    raise CatalogError(f"{where}: expected a number, got {value!r}")
+        try:
+            number = float(value)
+        except OverflowError:
+            raise CatalogError(f"{where}: too large for a number ({_shown(value)})") from None
+    if number is None:
+        raise CatalogError(f"{where}: expected a number, got {_shown(value)}")
+    if not math.isfinite(number):
+        raise CatalogError(f"{where}: expected a finite number, got {_shown(value)}")
+    return number
 
 
 def _build(cls, where: str, name: str, entry: Any):
@@ -497,11 +520,13 @@ def _build(cls, where: str, name: str, entry: Any):
     for key, value in entry.items():
         kind = fields[key].type
         if kind == "int" and (isinstance(value, bool) or not isinstance(value, int)):
-            raise CatalogError(f"{where}.{key}: expected an integer, got {value!r}")
+            raise CatalogError(f"{where}.{key}: expected an integer, got {_shown(value)}")
+        if kind == "int" and abs(value) > MAX_COUNT:
+            raise CatalogError(f"{where}.{key}: at most {MAX_COUNT}, got {_shown(value)}")
         if kind == "float":
             value = _number(value, f"{where}.{key}")
         if kind == "bool" and not isinstance(value, bool):
-            raise CatalogError(f"{where}.{key}: expected true or false, got {value!r}")
+            raise CatalogError(f"{where}.{key}: expected true or false, got {_shown(value)}")
         values[key] = value
     required = [n for n, f in fields.items() if f.default is dataclasses.MISSING]
     missing = [n for n in required if n not in entry]

@@ -16,6 +16,53 @@ class PlanError(ValueError):
     """A plan value is malformed."""
 
 
+MAX_SLOTS = 1 << 20
+"""The most slots a pool may have: far beyond any cluster, small enough for every count that
+follows from it (bytes, seconds) to stay a finite float."""
+MAX_MICRO_BATCH = 1 << 31
+
+
+def _shown(value: Any) -> str:
+    """``value`` as an error message shows it: a huge integer by its size, not its digits."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return f"an integer of {value.bit_length()} bits"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _whole(value: Any, field: str, *, least: int, most: int) -> None:
+    """Refuse ``value`` unless it is an int (not a bool) in ``[least, most]``."""
+    if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= most:
+        raise PlanError(
+            f"{field}: must be a whole number from {least} to {most}, got {_shown(value)}"
+        )
+
+
+def _number(value: Any, field: str) -> None:
+    """Refuse ``value`` unless it is an int or float (not a bool, not NaN) that fits a float."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise PlanError(f"{field}: must be a number, got {_shown(value)}")
+    try:
+        if math.isnan(float(value)):
+            raise PlanError(f"{field}: must be a number, got NaN")
+    except OverflowError:
+        raise PlanError(f"{field}: too large for a number ({_shown(value)})") from None
+
+
+def _as_float(value: Any, field: str) -> float:
+    """``value`` as a float, refused (naming ``field``) unless it is a number a float holds."""
+    _number(value, field)
+    return float(value)
+
+
+def _named_numbers(pairs: Any, field: str) -> None:
+    """Refuse ``pairs`` unless they are (name, number) pairs."""
+    for name, value in pairs:
+        if not isinstance(name, str):
+            raise PlanError(f"{field}: expected names, got {_shown(name)}")
+        _number(value, f"{field}.{name}")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class Layout:
     """(dp, tp, pp): data-parallel units, each a tp × pp grid of slots."""
@@ -28,7 +75,9 @@ class Layout:
         for field in ("dp", "tp", "pp"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise PlanError(f"{field}: must be a positive integer, got {value!r}")
+                raise PlanError(f"{field}: must be a positive integer, got {_shown(value)}")
+            if value > MAX_SLOTS:
+                raise PlanError(f"{field}: at most {MAX_SLOTS}, got {value}")
 
     @property
     def num_slots(self) -> int:
@@ -57,9 +106,16 @@ class ModelStagePlan:
     before it changes a layout that memory outgrows)."""
 
     def __post_init__(self) -> None:
-        mb = self.micro_batch
-        if isinstance(mb, bool) or not isinstance(mb, int) or mb < 0:
-            raise PlanError(f"{self.name}.micro_batch: must be a whole number >= 0, got {mb!r}")
+        role, at, stage = self.name.partition("@") if isinstance(self.name, str) else ("", "", "")
+        if not (role and at and stage):
+            raise PlanError(f"name: expected 'role@stage', got {_shown(self.name)}")
+        _whole(self.micro_batch, f"{self.name}.micro_batch", least=0, most=MAX_MICRO_BATCH)
+        _number(self.predicted_s, f"{self.name}.predicted_s")
+        _named_numbers(self.breakdown, f"{self.name}.breakdown")
+        _named_numbers(self.memory_per_slot, f"{self.name}.memory_per_slot")
+        for unit in self.units:
+            for slot in unit:
+                _whole(slot, f"{self.name}.units", least=0, most=MAX_SLOTS - 1)
         if len(self.units) != self.layout.dp:
             raise PlanError(f"{self.name}.units: {len(self.units)} units for dp={self.layout.dp}")
         for unit in self.units:
@@ -90,9 +146,12 @@ class StagePlan:
     predicted_s: float
 
     def __post_init__(self) -> None:
+        if not isinstance(self.stage, str) or not self.stage:
+            raise PlanError(f"stages: expected a stage name, got {_shown(self.stage)}")
+        _number(self.predicted_s, f"{self.stage}.predicted_s")
         if self.mode not in ("disjoint", "colocated"):
             raise PlanError(
-                f"{self.stage}.mode: expected 'disjoint' or 'colocated', got {self.mode!r}"
+                f"{self.stage}.mode: expected 'disjoint' or 'colocated', got {_shown(self.mode)}"
             )
 
 
@@ -116,9 +175,21 @@ class Plan:
     they keep."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.accelerator, str) or not self.accelerator:
+            raise PlanError(f"accelerator: expected a name, got {_shown(self.accelerator)}")
+        _whole(self.num_slots, "num_slots", least=1, most=MAX_SLOTS)
+        _number(self.predicted_step_s, "predicted_step_s")
+        for role, model in self.models:
+            if not isinstance(role, str) or not isinstance(model, str):
+                raise PlanError(
+                    f"models: expected role: model name, got {_shown(role)}: {_shown(model)}"
+                )
+        names = [ms.name for ms in self.model_stages]
+        if len(set(names)) != len(names):
+            raise PlanError("model_stages: a model-stage is listed twice")
         for role, nbytes in self.training_state:
             if not isinstance(role, str) or not role:
-                raise PlanError(f"training_state: expected role names, got {role!r}")
+                raise PlanError(f"training_state: expected role names, got {_shown(role)}")
             if (
                 isinstance(nbytes, bool)
                 or not isinstance(nbytes, int | float)
@@ -126,7 +197,7 @@ class Plan:
                 or nbytes < 0
             ):
                 raise PlanError(
-                    f"training_state.{role}: must be a number of bytes >= 0, got {nbytes!r}"
+                    f"training_state.{role}: must be a number of bytes >= 0, got {_shown(nbytes)}"
                 )
         for ms in self.model_stages:
             outside = [s for s in ms.slots if not 0 <= s < self.num_slots]
@@ -235,7 +306,7 @@ class Plan:
             return cls(
                 accelerator=data["accelerator"],
                 num_slots=data["num_slots"],
-                predicted_step_s=float(data["predicted_step_s"]),
+                predicted_step_s=_as_float(data["predicted_step_s"], "predicted_step_s"),
                 models=tuple(sorted(data.get("models", {}).items())),
                 job=str(data.get("job", "")),
                 training_state=tuple(sorted(data.get("training_state", {}).items())),
@@ -245,7 +316,7 @@ class Plan:
                         name=ms["name"],
                         layout=Layout(**ms["layout"]),
                         units=tuple(tuple(u) for u in ms["units"]),
-                        predicted_s=float(ms["predicted_s"]),
+                        predicted_s=_as_float(ms["predicted_s"], f"{ms['name']}.predicted_s"),
                         breakdown=tuple(ms["breakdown"].items()),
                         memory_per_slot=tuple(ms["memory_per_slot"].items()),
                         micro_batch=ms.get("micro_batch", 0),
@@ -257,5 +328,5 @@ class Plan:
             raise PlanError(f"{exc.args[0]}: missing from the plan JSON") from None
         except PlanError:
             raise
-        except (TypeError, ValueError, AttributeError) as exc:
+        except (TypeError, ValueError, AttributeError, OverflowError) as exc:
             raise PlanError(f"plan: malformed JSON ({exc})") from None

@@ -338,6 +338,7 @@ def test_cursor_pagination_walks_every_job_once_newest_first(api, project, membe
         "garbage",
         base64.b64encode(b"p=abc").decode(),
         base64.b64encode(b"p=99999999999999999999999").decode(),
+        base64.b64encode(b"p=" + b"9" * 5000).decode(),  # past int()'s 4,300 digits: was a 500
         base64.b64encode(b"o=x").decode(),
     ],
 )

@@ -396,6 +396,49 @@ def test_bad_override_bodies_name_the_field(api, project, member, running, body,
     assert not Proposal.objects.exists()
 
 
+def _tampered(change) -> dict:
+    plan = events.plan_json(8)
+    change(plan)
+    return plan
+
+
+def _set_first_stage(field, value):
+    return lambda plan: plan["model_stages"][0].__setitem__(field, value)
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        (lambda plan: plan.__setitem__("predicted_step_s", 10**400), "predicted_step_s"),
+        (_set_first_stage("predicted_s", 10**400), "actor@generation.predicted_s"),
+        (_set_first_stage("micro_batch", 10**400), "actor@generation.micro_batch"),
+        (_set_first_stage("units", [[float(s)] for s in range(8)]), "actor@generation.units"),
+        (
+            _set_first_stage("units", [[True]] + [[s] for s in range(1, 8)]),
+            "actor@generation.units",
+        ),
+        (_set_first_stage("name", 5), "name"),
+        (_set_first_stage("name", "actor"), "name"),
+        (lambda plan: plan.__setitem__("num_slots", 10**30), "num_slots"),
+        (
+            lambda plan: plan["stages"][0].__setitem__("predicted_s", "soon"),
+            "generation.predicted_s",
+        ),
+    ],
+)
+def test_an_override_plan_with_values_of_the_wrong_kind_is_refused_naming_them(
+    api, project, member, running, change, named
+):
+    """Found by review: such plans were accepted, then failed the running job when its driver
+    applied them (a float slot id indexing a list, an integer too large for a float)."""
+    body = {"plan": _tampered(change), "reason": "try it"}
+    response = _override(api(user=member(project, Role.OPERATOR, "pat")), running.pk, body)
+    assert response.status_code == 400, response.content
+    (message,) = _fields(response)["plan"]
+    assert f"{named}:" in message and len(message) < 300, message
+    assert not Proposal.objects.exists()
+
+
 def test_an_override_of_an_unknown_or_unseen_job_is_a_404_and_viewers_get_403(
     api, project, other_project, member, running
 ):

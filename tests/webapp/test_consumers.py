@@ -96,7 +96,7 @@ async def test_malformed_messages_get_an_error_frame_and_the_socket_stays_open()
     await ws.send_json_to({"type": "resume", "after": "yesterday"})
     error = await ws.receive_json_from(timeout=5)
     assert error["code"] == "bad_after" and error["message"].startswith("after:")
-    for bad in (-4, 1e999, True, 3.9, 2**64, "-1", "١٢"):
+    for bad in (-4, 1e999, True, 3.9, 2**64, "-1", "١٢", "9" * 5000):  # the last: was bad_json
         await ws.send_json_to({"type": "resume", "after": bad})
         assert (await ws.receive_json_from(timeout=5))["code"] == "bad_after", bad
     event_id = await _append(job, "still.open")
@@ -104,12 +104,13 @@ async def test_malformed_messages_get_an_error_frame_and_the_socket_stays_open()
     await ws.disconnect()
 
 
-async def test_bad_after_in_the_url_is_reported_and_streams_from_the_start():
+@pytest.mark.parametrize("after", ["x", "9" * 5000])  # the second killed the consumer
+async def test_bad_after_in_the_url_is_reported_and_streams_from_the_start(after):
     job, session, _ = await _setup()
     await _append(job, "a")
     ws = WebsocketCommunicator(
         APP,
-        f"/ws/jobs/{job.pk}/?after=x",
+        f"/ws/jobs/{job.pk}/?after={after}",
         headers=[(b"cookie", f"{settings.SESSION_COOKIE_NAME}={session}".encode())],
     )
     assert (await ws.connect())[0]

@@ -36,7 +36,10 @@ class IdCursorPagination(CursorPagination):
         # DRF hands the position to the query as it is; a non-number would fail there with a 500.
         position = cursor.position if cursor is not None else None
         if position is not None and not (
-            position.isascii() and position.isdigit() and int(position) <= MAX_ID
+            position.isascii()
+            and position.isdigit()
+            and len(position) <= len(str(MAX_ID))  # int() refuses past 4,300 digits
+            and int(position) <= MAX_ID
         ):
             raise exceptions.ValidationError({self.cursor_query_param: [BAD_CURSOR]})
         return cursor

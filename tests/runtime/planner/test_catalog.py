@@ -152,6 +152,16 @@ LLAMA3_SCALING = {
             "models.m.rope_scaling.high_freq_factor: must exceed low_freq_factor",
         ),
         ([1, 2], "must hold a mapping"),
+        # Found by review: these raised OverflowError out of the CLI with a traceback.
+        (
+            {"models": {"m": {**TINY_ENTRY, "vocab_size": 10**400}}},
+            "models.m.vocab_size: at most 9007199254740992, got an integer of 1329 bits",
+        ),
+        (
+            {"accelerators": {"x": {"peak_flops": 10**400}}},
+            "accelerators.x.peak_flops: too large for a number",
+        ),
+        ({"accelerators": {"x": {"peak_flops": "1e999"}}}, "peak_flops: expected a finite number"),
     ],
 )
 def test_malformed_files_name_the_field(tmp_path, content, message):
@@ -169,6 +179,10 @@ def test_unparseable_and_missing_files(tmp_path):
         default_catalog().extended(broken)
     with pytest.raises(CatalogError, match="cannot read"):
         default_catalog().extended(tmp_path / "missing.json")
+    latin = tmp_path / "latin.json"
+    latin.write_bytes(b"\xff\xfe{}")  # named no file or option before
+    with pytest.raises(CatalogError, match=r"catalog: .*latin.json is not UTF-8 text"):
+        default_catalog().extended(latin)
 
 
 def test_gpus_per_node_must_be_a_power_of_two(tmp_path):
