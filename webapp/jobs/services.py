@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -286,19 +288,24 @@ class DatabaseEventSink:
 
     def emit(self, event) -> None:
         """Write the event; while the database is away for a moment, wait and write it again
-        (``NEREUS_DB_RETRY_S``) rather than lose the job's driver."""
-        _retrying_database(f"job {self.job_id} event {event.kind}", lambda: self._emit(event))
+        (``NEREUS_DB_RETRY_S``) rather than lose the job's driver. A write whose commit went
+        through but whose answer was lost with the connection is not written twice."""
+        attempts = itertools.count()
+        _retrying_database(
+            f"job {self.job_id} event {event.kind}",
+            lambda: self._emit(event, again=next(attempts) > 0),
+        )
 
     @transaction.atomic
-    def _emit(self, event) -> None:
+    def _emit(self, event, *, again: bool = False) -> None:
         job = Job.objects.select_for_update().get(pk=self.job_id)
-        job_event_append(
-            job=job,
-            epoch=self.epoch,
-            kind=event.kind,
-            data=dict(event.data),
-            at=datetime.fromtimestamp(event.at, tz=UTC),
-        )
+        at = datetime.fromtimestamp(event.at, tz=UTC)
+        if (
+            again
+            and JobEvent.objects.filter(job=job, epoch=self.epoch, kind=event.kind, at=at).exists()
+        ):
+            return  # the earlier try committed it (same kind, epoch and instant)
+        job_event_append(job=job, epoch=self.epoch, kind=event.kind, data=dict(event.data), at=at)
         if event.kind == "command.applied" and event.data.get("command") == "override":
             _override_outcome(job, event.data.get("proposal"), str(event.data.get("outcome")))
         if event.kind == "step.finished" and job.driver_deliveries and self._progress(event.data):
@@ -679,9 +686,14 @@ class _ControlLink:
     def emit_control(self, event: dict) -> None:
         from webapp.plans.services import record_controller_event
 
+        # One id for every try: a retry after a commit whose answer was lost records nothing.
+        event_id = uuid.uuid4().hex
+
         def record() -> None:
             with transaction.atomic():
-                record_controller_event(job=Job(pk=self.job_id), event=event, epoch=self.epoch)
+                record_controller_event(
+                    job=Job(pk=self.job_id), event=event, epoch=self.epoch, event_id=event_id
+                )
                 self._follow(event.get("event"))
 
         _retrying_database(f"job {self.job_id} {event.get('event')}", record)
