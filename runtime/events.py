@@ -7,9 +7,23 @@ event log in the database and publishes it on the channel layer; a CLI sink prin
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Mapping
 from typing import Any, Protocol
+
+
+def finite(value: Any) -> Any:
+    """``value`` as strict JSON holds it: NaN and infinities (an unreachable plan's cost, a
+    payback that never comes) become null, which JSON has and PostgreSQL's jsonb and browsers'
+    ``JSON.parse`` accept; mappings get string keys, tuples become lists."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, Mapping):
+        return {str(k): finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite(v) for v in value]
+    return value
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

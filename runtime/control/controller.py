@@ -18,6 +18,7 @@ from runtime.control.admission import Verdict, amortized_step_s, decide
 from runtime.control.monitor import POOL, Monitor, Trigger
 from runtime.control.policy import JobPolicy
 from runtime.engine.interface import Engine, StepReport
+from runtime.events import finite
 from runtime.planner import PlanningError, plan
 from runtime.planner.calibration import Calibrator
 from runtime.planner.catalog import Accelerator
@@ -192,6 +193,8 @@ def node_packings(alive: list[int], gpus_per_node: int) -> list[tuple[int, list[
     ``g`` = 1 uses every live slot without tensor parallelism. A smaller ``g`` that reaches no
     more slots than a larger one is not offered."""
     where = _by_node(alive, gpus_per_node)
+    if not alive:
+        return []
     if where is not None:
         return [(gpus_per_node, where)]
     nodes = _real_nodes(alive, gpus_per_node)
@@ -270,6 +273,7 @@ class Controller:
         )
 
     def emit(self, event: Event) -> None:
+        event = finite(event)  # strict JSON for every reader: no NaN, no infinities
         self.events.append(event)
         if self._emit_to is not None:
             self._emit_to(event)
@@ -313,6 +317,13 @@ class Controller:
         and fitting in memory up to the generated length ``fits_at`` as well."""
         alive = self._alive(engine)
         acc = self._measured_accelerator()
+        if not alive:
+            raise PlanningError(
+                "no slot is alive",
+                constraint="slots",
+                model_stage="",
+                shortfall=0.0,
+            )
         found: list[tuple[PlanResult, list[int]]] = []
         refusals: list[PlanningError] = []
         for size, where in node_packings(alive, acc.gpus_per_node):
@@ -378,7 +389,7 @@ class Controller:
         if not self.fixed:
             self.fixed = {ms.name: (ms.layout.tp, ms.layout.pp) for ms in candidate.model_stages}
         self.plan = candidate
-        self.monitor.pool = engine.pool_size()
+        self.monitor.pool = len(self._alive(engine))
         engine.start(candidate, self.workload)
         self.emit({"event": "control.plan", "plan": candidate.to_json(), "reason": "initial"})
         return candidate
@@ -412,13 +423,18 @@ class Controller:
                     "peak_memory": report.peak_memory,
                     "efficiency": predicted / report.seconds if report.seconds > 0 else 1.0,
                 }
-            triggers += self.monitor.observe(report.step, signals, pool=engine.pool_size())
+            # The pool signal counts the live slots: one lost outside the plan (an idle slot
+            # failing) changes what the job may use as a revocation does.
+            triggers += [
+                dataclasses.replace(t, spared=t.kind == "pool" and not self._off_pool(engine))
+                for t in self.monitor.observe(report.step, signals, pool=len(self._alive(engine)))
+            ]
             triggers += self._memory_ahead(report.step)
         else:
             if report.gen_len > 0 and "out of memory" in report.failure:
                 self._gen_len = report.gen_len  # the length that did not fit
             triggers.append(Trigger(kind="failure", step=report.step, detail=report.failure))
-            self.monitor.observe(report.step, {}, pool=engine.pool_size())
+            self.monitor.observe(report.step, {}, pool=len(self._alive(engine)))
         self._expire_pending(engine)
         if self.staged is not None:
             self._run_staged(report, triggers, engine)
@@ -440,10 +456,12 @@ class Controller:
             self.emit({"event": "control.trigger", **trigger.to_json()})
             self.replan(trigger, engine)
 
-    def _off_pool(self, engine: Engine) -> bool:
-        assert self.plan is not None
+    def _off_pool(self, engine: Engine, plan_: Plan | None = None) -> bool:
+        """Whether ``plan_`` (the running plan) uses a slot that is lost or out of the pool."""
+        plan_ = plan_ or self.plan
+        assert plan_ is not None
         lost, size = engine.lost_slots(), engine.pool_size()
-        return any(s in lost or s >= size for ms in self.plan.model_stages for s in ms.slots)
+        return any(s in lost or s >= size for ms in plan_.model_stages for s in ms.slots)
 
     def _learn_memory(self, report: StepReport) -> None:
         """Keep the largest measured-over-predicted peak (an out-of-memory step reports its peak
@@ -894,7 +912,12 @@ class Controller:
         failed or something urgent came up (then the replan that follows decides afresh)."""
         assert self.staged is not None
         staged, self.staged = self.staged, None
-        if not report.ok or any(t.urgent for t in triggers) or self._off_pool(engine):
+        if (
+            not report.ok
+            or any(t.urgent for t in triggers)
+            or self._off_pool(engine)
+            or self._off_pool(engine, staged.plan)  # slots it was to move onto went
+        ):
             engine.drop_ahead()
             self.emit(
                 self._decision(
@@ -907,8 +930,15 @@ class Controller:
             dag = self._compile(engine, staged.plan, workload, built_ahead=staged.ahead)
         except TransitionRefusedError as exc:
             self.emit(self._decision(staged.trigger, staged.plan, None, f"infeasible now: {exc}"))
+            self._replan_now(staged.trigger, report.step, engine)
             return
         self._apply(staged.plan, workload, dag, engine)
+
+    def _replan_now(self, trigger: Trigger, step: int, engine: Engine) -> None:
+        """A move in hand that became infeasible (slots it counted on were lost): replan on
+        the live slots at once. No later trigger need come: a lost idle slot may be the only
+        change, and the job would stay on its plan for good."""
+        self.replan(dataclasses.replace(trigger, step=step), engine)
 
     def _outlook(self, candidate: Plan, trigger: Trigger) -> Outlook:
         """The horizon a non-urgent move's saving lasts for: which signals it rests on.
@@ -1120,8 +1150,9 @@ class Controller:
                 dag = self._compile(engine, candidate, workload)
             except TransitionRefusedError as exc:
                 # Its verdict priced a live move; a restart would cost far more, so it is not
-                # taken on that verdict: the next trigger replans and weighs every route afresh.
+                # taken on that verdict: a replan weighs every route afresh.
                 self.emit(self._decision(trigger, candidate, None, f"infeasible now: {exc}"))
+                self._replan_now(trigger, step, engine)
                 return
             if deferred.ahead and dag.ahead:
                 self._stage(candidate, workload, dag, trigger, engine, step=step)

@@ -33,6 +33,9 @@ class Trigger:
     reference: float = 0.0
     step: int = 0
     detail: str = ""
+    spared: bool = False
+    """A pool that shrank without taking a slot the running plan uses (an idle slot lost):
+    the plan runs on, so the replan is not urgent."""
 
     @property
     def urgent(self) -> bool:
@@ -42,7 +45,7 @@ class Trigger:
         trust it (a move away from a plan forecast to outgrow memory is admitted on feasibility
         when it is live, or when the plan would outgrow the devices themselves)."""
         if self.kind == "pool":
-            return self.value < self.reference
+            return self.value < self.reference and not self.spared
         return self.kind in ("failure",)
 
     def to_json(self) -> dict:

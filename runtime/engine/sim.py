@@ -168,6 +168,25 @@ class SimulatedEngine:
         if missing:  # the state was lost (an out-of-memory step) and nothing has restored it:
             # the job waits for a plan it can restart on
             return self._stalled(step, f"{missing[0]}: no units hold its state (simulated)")
+        persisting = {ms.name for ms in workload.model_stages() if persists(ms)}
+        gone_units = [
+            (ms.name, unit)
+            for ms in plan.model_stages
+            if ms.name in persisting
+            for unit in ms.units
+            if unit not in {u.slots for u in self._units.get(ms.name, ())}
+        ]
+        if gone_units:  # slots given back after a revocation came back empty: the step fails
+            # at its first collective, and the controller replans from the units that are left
+            name, unit = gone_units[0]
+            return StepReport(
+                step=step,
+                ok=False,
+                seconds=0.0,
+                gen_len=float(self.trace.gen_len_at(step)),
+                failure=f"{name}: the unit on slots {list(unit)} is gone (simulated)",
+                simulated=True,
+            )
         gen_len = self.trace.gen_len_at(step) * math.exp(self.rng.gauss(0, 0.02))
         now = workload.with_gen_len(max(1, round(gen_len)))
         runs_on, building_s, blocked_s = self._joined(plan, now)
@@ -367,9 +386,11 @@ class SimulatedEngine:
             self.truth.storage_bytes_per_s * nodes
         )
         seconds += redo
+        # The restarted processes replace the lost ones; a slot lost while they start stays lost.
+        before = set(self._lost)
         self._advance(seconds)
         self._units = units_of(plan, workload)
-        self._lost.clear()
+        self._lost -= before
         self._joining.clear()
         return seconds
 
@@ -378,10 +399,17 @@ class SimulatedEngine:
     def _advance(self, seconds: float) -> None:
         start, self.clock = self.clock, self.clock + seconds
         pool = self.trace.gpus_at(self.clock)
-        if pool < self._pool:  # reclaimed: the highest slots go, with their state
-            self._lost.update(range(pool, self._pool))
-        elif pool > self._pool:  # slots (back) in the pool arrive empty and usable
-            self._lost.difference_update(range(self._pool, pool))
+        fewest = self.trace.fewest_gpus_between(start, self.clock)
+        # Reclaimed, even if only for a moment: the highest slots go, with their state.
+        self._lost.update(range(fewest, self._pool))
+        if pool > fewest:  # slots (back) in the pool arrive empty and usable: the units they
+            # held are gone (the plan that names them fails its next step)
+            back = set(range(fewest, pool))
+            self._lost.difference_update(back)
+            self._units = {
+                name: tuple(u for u in units if not set(u.slots) & back)
+                for name, units in self._units.items()
+            }
         self._pool = pool
         for slot in self.trace.failures_between(start, self.clock):
             if slot < self._pool:

@@ -82,6 +82,11 @@ class Trace:
                 count = value
         return count
 
+    def fewest_gpus_between(self, start: float, end: float) -> int:
+        """The smallest pool in ``(start, end]``, counting the pool at ``start``: a revocation
+        and its return inside the interval still took the revoked slots' state."""
+        return min([self.gpus_at(start), *(n for at, n in self.pool if start < at <= end)])
+
     def failures_between(self, start: float, end: float) -> list[int]:
         return [slot for at, slot in self.failures if start < at <= end]
 

@@ -499,10 +499,14 @@ def _search(workload, accelerator, num_slots, eff, excluded, fits_at):
         at = base.at(_allow(level, workload))
         if any(at.layout(ms, tp, pp).fits.any() for _, ms, tp, pp in cluster):
             levels.append(level)
-    if not levels:  # no training layout fits beside anything: say why at the least
-        levels = [
-            min(_kept_per_slot(ms, workload, 1, 1) for ms in workload.model_stages("training"))
-        ]
+    if not levels:  # no training layout fits beside anything: say why, beside the least any
+        # keeps and beside the unsharded state (every training layout allowed); the refusal
+        # below names the smaller shortfall (the unsharded level alone overstated the state
+        # beside the other model-stages thirtyfold where sharding was what came closest)
+        unsharded = min(
+            _kept_per_slot(ms, workload, 1, 1) for ms in workload.model_stages("training")
+        )
+        levels = sorted({kept[0][0], unsharded}) if kept else [unsharded]
     found, errors = [], []
     for level in levels:
         try:

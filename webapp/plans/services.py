@@ -12,7 +12,6 @@ the job's event log. ``proposal_decide`` records a person's answer to a proposal
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 from datetime import datetime, timedelta
 from typing import Any
@@ -23,6 +22,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from runtime.control.policy import MAX_APPROVAL_TIMEOUT_S, JobPolicy, PolicyError
+from runtime.events import finite
 from runtime.planner.plan import Plan as RuntimePlan
 from webapp.jobs import errors as job_errors
 from webapp.jobs.models import Job, JobEvent, JobState
@@ -80,7 +80,7 @@ def record_controller_event(
         existing = job.events.filter(kind=kind, data__event_id=event_id).first()
         if existing is not None:
             return existing
-    data = _finite({key: value for key, value in event.items() if key != "event"})
+    data = finite({key: value for key, value in event.items() if key != "event"})
     if event_id:
         data["event_id"] = event_id
     recorder = _RECORDERS.get(kind)
@@ -256,17 +256,6 @@ def _number(data: dict, field: str, *, required: bool = True) -> float | None:
     return float(value)
 
 
-def _finite(value: Any) -> Any:
-    """JSON without NaN or infinities (PostgreSQL's jsonb refuses them): they become null."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, Mapping):
-        return {str(k): _finite(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_finite(v) for v in value]
-    return value
-
-
 def approval_timeout(job: Job) -> timedelta:
     """How long a proposal of this job waits: its spec's ``policy.approval_timeout_s``, or the
     runtime's default; never more than ``MAX_APPROVAL_TIMEOUT_S`` (a spec stored before that
@@ -311,7 +300,7 @@ def proposal_override(
     proposal = Proposal.objects.create(
         job=job,
         epoch=job.epoch,
-        plan=_finite(plan),
+        plan=finite(plan),
         reason=reason,
         proposed_by=user,
         expires_at=timezone.now() + approval_timeout(job),

@@ -935,3 +935,52 @@ def test_when_every_node_lost_a_slot_plans_keep_their_groups_inside_real_nodes()
     assert {s for ms in chosen.model_stages for s in ms.slots} <= set(alive)
     assert chosen.num_slots == 32
     assert not _straddling(chosen, ACC.gpus_per_node)
+
+
+def test_no_live_slot_is_a_stall_not_an_exception():
+    """Every slot lost (eight fail, then the pool shrinks onto them): the planner was asked for
+    a plan on no slots and raised ValueError out of the job (found by review)."""
+    trace = Trace(
+        name="z",
+        steps=6,
+        accelerator=ACC.name,
+        gpus=16,
+        gen_len=((0, 1024.0),),
+        pool=((14.8, 8),),
+        failures=tuple((14.0 + 0.1 * s, s) for s in range(8)),
+    )
+    engine = SimulatedEngine(trace, ACC, truth=TrueModel.draw(3, noise=0.0), seed=1)
+    controller = Controller(WORKLOAD, ACC, JobPolicy())
+    run_job(engine, controller, trace.steps)
+    assert not [s for s in range(engine.pool_size()) if s not in engine.lost_slots()]
+    decisions = [e for e in controller.events if e["event"] == "control.decision"]
+    assert decisions and decisions[-1]["reason"] == "no feasible plan: no slot is alive"
+
+
+def test_idle_slots_lost_while_a_move_waits_are_replanned_around_and_not_urgently():
+    """Eight of the sixteen slots a pool gained fail while the move onto them is deferred: the
+    move became infeasible, no later trigger came (the pool's size did not change), and the job
+    stayed on sixteen slots of twenty-four for good (found by review). Lost idle slots now change
+    the pool signal; the plan they spare runs on, so the replan weighs payback as for any
+    other change of the pool."""
+    trace = Trace(
+        name="idle",
+        steps=100,
+        accelerator=ACC.name,
+        gpus=16,
+        gen_len=((0, 1000.0),),
+        pool=((100.0, 32),),
+        failures=tuple((100 + 7.0 * k, 17 + k) for k in range(8)),
+    )
+    engine = SimulatedEngine(trace, ACC, truth=TrueModel.draw(0), seed=0)
+    controller = Controller(dataclasses.replace(WORKLOAD, gen_len=1000), ACC, JobPolicy())
+    run_job(engine, controller, trace.steps)
+    shrinks = [
+        e
+        for e in controller.events
+        if e["event"] == "control.trigger" and e["kind"] == "pool" and e["value"] < e["reference"]
+    ]
+    assert shrinks and all(e["spared"] for e in shrinks)
+    assert not [e for e in controller.events if e.get("reason") == "urgent: feasibility only"]
+    used = {s for ms in controller.plan.model_stages for s in ms.slots}
+    assert len(used) > 16 and not used & engine.lost_slots()

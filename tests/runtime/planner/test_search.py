@@ -19,7 +19,7 @@ from runtime.planner import (
 )
 from runtime.planner.catalog import Accelerator, ModelConfig
 from runtime.planner.memory import memory_breakdown, memory_budget, total_bytes
-from runtime.planner.plan import Plan, PlanError
+from runtime.planner.plan import Layout, Plan, PlanError
 from runtime.planner.search import fitting, price_plan, rebatched
 from runtime.planner.shapes import LayoutShape, batchings, training_state
 from runtime.planner.space import only_layouts, valid_layouts
@@ -312,15 +312,16 @@ def test_a_micro_batch_is_never_charged_more_sequences_than_its_unit_has(stage):
 def test_a_layout_memory_outgrows_runs_in_smaller_micro_batches_before_it_is_dropped():
     """Training and inference at 8,000 generated tokens in micro-batches of 8 sequences: each
     model-stage runs in the fastest of 8, 4, 2 and 1 that fits its layout, and some fit only in
-    smaller ones; pinned to 8, no plan fits: the actor's training fits only in layouts keeping
-    so much state on every slot that its generation no longer fits beside it."""
+    smaller ones; pinned to 8, no plan fits: the actor's training in micro-batches of 8 does not
+    fit a device in the layouts that keep least, and those that keep more leave its generation
+    no room; the refusal names whichever comes closer."""
     acc = CATALOG.accelerator("h100-sxm")
     adaptive = PpoWorkload.for_model(CATALOG.model("llama-3.1-8b"), gen_len=8000, micro_batch=8)
     pinned = dataclasses.replace(adaptive, adaptive_micro_batch=False)
     free = plan(adaptive, acc, 32, num_alternatives=0).best
     with pytest.raises(
         PlanningError,
-        match=r"memory: actor@generation needs .* beside \d+\.\d GiB of training state kept",
+        match=r"memory: actor@(generation|training) needs .* beside \d+\.\d GiB of training state",
     ) as refused:
         plan(pinned, acc, 32, num_alternatives=0)
     assert refused.value.constraint == "memory"
@@ -513,3 +514,29 @@ def test_a_tied_lm_head_is_planned_only_at_tp_1_and_pp_1_while_scalar_heads_are_
     assert not any(
         "tie_embeddings" in r for *_, r in valid_layouts(model, acc, 64, lm_head=False)[1]
     )
+
+
+def test_when_no_training_layout_fits_the_refusal_counts_the_least_training_state():
+    """With no training layout fitting beside anything, the refusal priced the others beside
+    the unsharded training state (953 GiB a slot for a 32B actor and critic, found by review),
+    not beside the least that some layout keeps."""
+    import re
+
+    acc = CATALOG.accelerator("a100-80gb")
+    workload = PpoWorkload.for_model(CATALOG.model("qwen2.5-32b"), gen_len=500)
+    with pytest.raises(PlanningError) as refused:
+        plan(workload, acc, 16, num_alternatives=0)
+    beside = re.search(r"beside (\d+\.\d) GiB of training state", str(refused.value))
+    assert beside is not None, str(refused.value)
+    least = sum(
+        min(
+            float(
+                LayoutShape.of_layout(ms, workload, None, Layout(dp=1, tp=tp, pp=pp)).kept_per_slot[
+                    0
+                ]
+            )
+            for tp, pp in ((8, 2), (4, 4), (2, 8), (1, 16))  # the most sharded on 16 slots
+        )
+        for ms in workload.model_stages("training")
+    )
+    assert float(beside.group(1)) * 2**30 <= least * 1.01

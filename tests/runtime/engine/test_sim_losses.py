@@ -1,0 +1,79 @@
+"""The simulated cluster loses state where a real one would (found by review): slots revoked for
+less than a step, slots given back after a revocation, and a slot that fails while a restart
+runs. Each hid the controller's recovery paths and made simulated runs optimistic."""
+
+from __future__ import annotations
+
+import json
+
+from runtime.control import Controller, JobPolicy, run_job
+from runtime.engine.sim import SimulatedEngine, TrueModel
+from runtime.engine.traces import Trace
+from runtime.planner import PpoWorkload, default_catalog
+
+CATALOG = default_catalog()
+ACC = CATALOG.accelerator("h100-sxm")
+WORKLOAD = PpoWorkload.for_model(CATALOG.model("llama-3.1-8b"), gen_len=1000)
+
+
+def _run(steps: int, **trace) -> tuple[SimulatedEngine, Controller]:
+    world = Trace(
+        name="t", steps=steps, accelerator=ACC.name, gpus=16, gen_len=((0, 1000.0),), **trace
+    )
+    engine = SimulatedEngine(world, ACC, truth=TrueModel.draw(0), seed=0)
+    controller = Controller(WORKLOAD, ACC, JobPolicy())
+    run_job(engine, controller, steps)
+    return engine, controller
+
+
+def _started(**trace) -> tuple[SimulatedEngine, Controller]:
+    world = Trace(name="t", steps=4, accelerator=ACC.name, gpus=16, gen_len=((0, 1000.0),), **trace)
+    engine = SimulatedEngine(world, ACC, truth=TrueModel.draw(0), seed=0)
+    controller = Controller(WORKLOAD, ACC, JobPolicy())
+    controller.initial_plan(engine)
+    return engine, controller
+
+
+def test_a_revocation_shorter_than_a_step_takes_the_revoked_slots_state():
+    engine, controller = _started(pool=((1.0, 8), (1.5, 16)))
+    assert any(max(u.slots) >= 8 for units in engine.units().values() for u in units)
+    report = engine.step(controller.plan, WORKLOAD, 0)  # longer than 1.5 s
+    assert report.ok and engine.pool_size() == 16 and not engine.lost_slots()
+    # The slots came back empty: no unit on them is held any more ...
+    assert all(max(u.slots) < 8 for units in engine.units().values() for u in units)
+    # ... and the plan that names them cannot run its next step.
+    assert not engine.step(controller.plan, WORKLOAD, 1).ok
+
+
+def test_a_job_whose_slots_were_revoked_and_given_back_recovers_instead_of_running_on():
+    _, controller = _run(25, pool=((100.0, 3), (600.0, 16)))
+    moves = [
+        e for e in controller.events if e["event"] in ("control.transition", "control.restart")
+    ]
+    assert moves  # it was a 0-second transition that kept every unit on the given-back slots
+    assert not any(
+        e["event"] == "control.transition" and e["ok"] and e["nodes"] == 0 and e["actual_s"] == 0
+        for e in moves
+    )
+    last = [e for e in controller.events if e["event"] == "step"][-1]
+    assert last["ok"]
+
+
+def test_a_slot_that_fails_while_a_restart_runs_stays_lost():
+    engine, _ = _started(pool=((0.5, 8),), failures=((100.0, 1),))
+    engine.clock = 1.0
+    engine._advance(0.0)
+    plan = Controller(WORKLOAD, ACC, JobPolicy())._candidate(engine, WORKLOAD)
+    seconds = engine.restart(plan, WORKLOAD)
+    assert engine.clock > 100.0 and seconds > 99.0
+    assert engine.lost_slots() == {1}
+
+
+def test_controller_events_are_strict_json():
+    """An urgent decision's verdict carried infinities and NaN (no saving, no payback), which
+    `nereus simulate --events` wrote as tokens JSON does not have."""
+    _, controller = _run(12, pool=((100.0, 8),))
+    decisions = [e for e in controller.events if e["event"] == "control.decision"]
+    assert any(e.get("verdict") for e in decisions)
+    for event in controller.events:
+        json.dumps(event, allow_nan=False)
