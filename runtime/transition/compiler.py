@@ -792,31 +792,90 @@ def _add_resource_edges(dag: TransitionDag) -> None:
             dag.add_edge(*edge, "resource")
 
 
+SERIAL_SEARCH_BUDGET = 4096
+"""States (sets of primitives done) the search for a fitting order visits before it refuses."""
+
+
 def _serialise(dag: TransitionDag) -> bool:
-    """The fallback when edge by edge gets stuck: one primitive at a time, releasing first, each
-    started only when it fits; if that reaches the end, chain the DAG in that order."""
+    """The fallback when edge by edge gets stuck: one primitive at a time, each started only
+    when it fits; if some order reaches the end, chain the DAG in that order.
+
+    A greedy pass follows the executor's priority, then passes that run the releasing
+    primitives first and each model-stage's chain whole in turn (one model-stage's move can
+    need another's memory freed first: a greedy pass by chain length took the longer chain
+    first and stuck), then a search that backtracks from dead ends (the memory a set of done
+    primitives holds does not depend on their order, so each dead set is tried once), up to
+    ``SERIAL_SEARCH_BUDGET`` sets."""
     priority = dag.priority()
-    preds = {n: set(dag.preds(n)) for n in dag.nodes}
-    held, done, order = list(dag.initial), set(), []
-    while len(done) < len(dag.nodes):
-        fits = [
-            n
-            for n in dag.nodes
-            if n not in done
-            and preds[n] <= done
-            and all(held[s] + b <= dag.capacity[s] for s, b in dag.nodes[n].acquire.items())
-        ]
-        if not fits:
-            return False
-        n = min(fits, key=priority.__getitem__)
-        for s in set(dag.nodes[n].acquire) | set(dag.nodes[n].release):
-            held[s] += dag.nodes[n].delta(s)
-        done.add(n)
-        order.append(n)
+    stages = sorted({node.model_stage for node in dag.nodes.values()})
+    keys = [priority.__getitem__]
+    if len(stages) <= 4:
+        for turn in itertools.permutations(stages):
+            rank = {name: i for i, name in enumerate(turn)}
+            keys.append(
+                lambda n, rank=rank: (
+                    not dag.nodes[n].releasing,
+                    rank[dag.nodes[n].model_stage],
+                    priority[n],
+                )
+            )
+    order = None
+    for key in keys:
+        order = _fitting_order(dag, key, budget=1)
+        if order is not None:
+            break
+    if order is None:
+        order = _fitting_order(dag, priority.__getitem__, budget=SERIAL_SEARCH_BUDGET)
+    if order is None:
+        return False
     for before, after in itertools.pairwise(order):
         if (before, after) not in dag.edges:
             dag.add_edge(before, after, "resource")
     return True
+
+
+def _fitting_order(dag: TransitionDag, key, *, budget: int) -> list[str] | None:
+    """An order of all of ``dag``'s primitives, one at a time after their predecessors, in which
+    each fits its slots when it starts: depth first, candidates by ``key``, giving up after
+    ``budget`` dead ends (1: the greedy pass alone)."""
+    nodes = sorted(dag.nodes, key=key)
+    preds = {n: set(dag.preds(n)) for n in nodes}
+    held, done, order = list(dag.initial), set(), []
+    dead: set[frozenset[str]] = set()
+
+    def fits(n: str) -> bool:
+        return all(held[s] + b <= dag.capacity[s] for s, b in dag.nodes[n].acquire.items())
+
+    def apply(n: str, sign: int) -> None:
+        for s in set(dag.nodes[n].acquire) | set(dag.nodes[n].release):
+            held[s] += sign * dag.nodes[n].delta(s)
+
+    def candidates() -> list[str]:
+        return [n for n in nodes if n not in done and preds[n] <= done and fits(n)]
+
+    stack = [iter(candidates())]
+    while stack:
+        if len(done) == len(nodes):
+            return order
+        n = next(stack[-1], None)
+        if n is not None:
+            if frozenset(done | {n}) in dead:
+                continue
+            apply(n, +1)
+            done.add(n)
+            order.append(n)
+            stack.append(iter(candidates()))
+            continue
+        stack.pop()  # every candidate of this state dead-ended
+        if not order:
+            return None
+        dead.add(frozenset(done))
+        if len(dead) >= budget:
+            return None
+        last = order.pop()
+        done.discard(last)
+        apply(last, -1)
+    return None
 
 
 def _excluding_edge(dag: TransitionDag, slot: int, running: str | None, finished: set[str]):

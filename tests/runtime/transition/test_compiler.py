@@ -696,3 +696,49 @@ def test_a_layout_whose_sizes_no_split_can_cut_is_refused_before_anything_moves(
             roomy,
             workload,
         )
+
+
+def _fits_in_every_order(dag, capacity) -> None:
+    for slot in range(len(dag.initial)):
+        if dag.touching(slot):
+            assert dag.worst_case(slot)[0] <= capacity[slot], slot
+
+
+def test_a_move_that_fits_only_one_model_stage_at_a_time_is_not_refused():
+    """Found by review: the actor must move before the critic lands on slot 2, or slot 2
+    overflows. The edge heuristic ordered the critic first, and the greedy fallback took the
+    critic's longer chain first too: refused, though the actor-first order fits."""
+    mib = 2**20
+    one = (Layout(dp=1, tp=1, pp=1), ((0,),))
+
+    def with_training(actor, critic) -> Plan:
+        layouts = {name: one for name in NAMES}
+        layouts["actor@training"], layouts["critic@training"] = actor, critic
+        return _plan(layouts, 4)
+
+    current = with_training(
+        (Layout(dp=1, tp=1, pp=4), ((1, 3, 2, 0),)), (Layout(dp=1, tp=1, pp=2), ((0, 1),))
+    )
+    target = with_training(
+        (Layout(dp=1, tp=4, pp=1), ((2, 0, 1, 3),)), (Layout(dp=1, tp=1, pp=4), ((0, 3, 2, 1),))
+    )
+    capacity = (1e15, 1e15, 30 * mib, 30 * mib)
+    dag = diff(
+        current, target, Cluster(accelerator=ACC, num_slots=4, capacity_bytes=capacity), WORKLOAD
+    )
+    _fits_in_every_order(dag, capacity)
+    _assert_reaches_target(dag, target)
+    assert simulate(dag).ok
+
+
+def test_planned_layouts_for_a_shorter_length_are_reached_live_on_full_devices():
+    """The plans for 8,192 and 2,048 generated tokens on 16 H100s: refused at 72 GiB a slot,
+    though merging both models first, then moving one and then the other, peaks at 66 GiB."""
+    h100 = CATALOG.accelerator("h100-sxm")
+    workload = PpoWorkload.for_model(CATALOG.model("llama-3.1-8b"))
+    current = plan(workload.with_gen_len(8192), h100, 16).best
+    target = plan(workload.with_gen_len(2048), h100, 16).best
+    cluster = Cluster(accelerator=h100, num_slots=16)
+    dag = diff(current, target, cluster, workload)
+    _fits_in_every_order(dag, cluster.capacity())
+    assert simulate(dag).ok
