@@ -417,10 +417,14 @@ class _Builder:
                 acquire[s], release[s] = new[s] + transient, old[s] + transient
             elif axis == "pp":  # peers' stages arrive beside the slot's own: nothing copied
                 acquire[s], release[s] = new[s] - old[s], 0
-            else:  # tp over gloo: cut from one bucket at a time into the new buffer
-                bucket = max(
-                    BUCKET_BYTES,
-                    *(largest_shard_bytes(unit.layout, unit.position_of(m)) for m in peers),
+            else:  # tp over gloo: cut from one bucket at a time into the new buffer (a
+                # bucket holds no more than the peer sends: all of a small model's at once)
+                bucket = min(
+                    max(
+                        BUCKET_BYTES,
+                        *(largest_shard_bytes(unit.layout, unit.position_of(m)) for m in peers),
+                    ),
+                    max(old[m] for m in peers),
                 )
                 acquire[s], release[s] = new[s] + bucket, old[s] + bucket
         node = self._add(
