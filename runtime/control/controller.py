@@ -324,25 +324,55 @@ class Controller:
                 model_stage="",
                 shortfall=0.0,
             )
-        found: list[tuple[PlanResult, list[int]]] = []
-        refusals: list[PlanningError] = []
-        for size, where in node_packings(alive, acc.gpus_per_node):
-            sized = (
-                acc if size == acc.gpus_per_node else dataclasses.replace(acc, gpus_per_node=size)
+        packings = node_packings(alive, acc.gpus_per_node)
+        fixed = self.policy.fixed_layouts and bool(self.fixed)
+        try:
+            result, where = self._search_packings(
+                packings, workload, acc, alternatives, keep, fits_at, fixed=fixed
             )
-            try:
-                found.append(
-                    (self._search(workload, sized, len(where), alternatives, keep, fits_at), where)
-                )
-            except PlanningError as exc:
-                refusals.append(exc)
-        if not found:
-            raise refusals[0]
-        result, where = min(found, key=lambda pair: pair[0].best.predicted_step_s)
+        except PlanningError:
+            if not fixed or keep is not None:
+                raise
+            # Not on any of the ways to lay the plan out: the fixed layouts give way, once.
+            self.emit({"event": "control.relaxed", "reason": "the fixed layouts no longer fit"})
+            result, where = self._search_packings(
+                packings, workload, acc, alternatives, keep, fits_at, fixed=False
+            )
         return [
             onto(dataclasses.replace(p, accelerator=self.acc.name), where, engine.pool_size())
             for p in (result.best, *result.alternatives)
         ]
+
+    def _search_packings(
+        self,
+        packings: list[tuple[int, list[int]]],
+        workload: PpoWorkload,
+        acc: Accelerator,
+        alternatives: int,
+        keep: Mapping[str, tuple[int, int]] | None,
+        fits_at: float,
+        *,
+        fixed: bool,
+    ) -> tuple[PlanResult, list[int]]:
+        """The planner's fastest result over ``node_packings``, with where its slots go; the
+        first packing's refusal when none has a plan."""
+        found: list[tuple[PlanResult, list[int]]] = []
+        refusals: list[PlanningError] = []
+        for size, where in packings:
+            sized = (
+                acc if size == acc.gpus_per_node else dataclasses.replace(acc, gpus_per_node=size)
+            )
+            try:
+                result = self._search(
+                    workload, sized, len(where), alternatives, keep, fits_at, fixed=fixed
+                )
+            except PlanningError as exc:
+                refusals.append(exc)
+                continue
+            found.append((result, where))
+        if not found:
+            raise refusals[0]
+        return min(found, key=lambda pair: pair[0].best.predicted_step_s)
 
     def _search(
         self,
@@ -352,37 +382,25 @@ class Controller:
         alternatives: int,
         keep: Mapping[str, tuple[int, int]] | None,
         fits_at: float,
+        *,
+        fixed: bool,
     ) -> PlanResult:
-        """The planner's search on ``num_slots`` slots of ``acc`` (``_plans``)."""
+        """The planner's search on ``num_slots`` slots of ``acc``; with ``fixed``, every
+        model-stage keeps its fixed (tp, pp); with ``keep``, the named ones keep those."""
         excluded = frozenset()
-        if self.policy.fixed_layouts and self.fixed:
+        if fixed:
             excluded = only_layouts(self.fixed, workload, acc, num_slots)
         if keep is not None:
             excluded |= only_layouts(keep, workload, acc, num_slots)
-        efficiency = self.calibrator.efficiency()
-        fit = self._workload(fits_at) if fits_at > workload.gen_len else None
-        try:
-            return plan(
-                workload,
-                acc,
-                num_slots,
-                efficiency=efficiency,
-                num_alternatives=alternatives,
-                excluded=excluded,
-                fits_at=fit,
-            )
-        except PlanningError:
-            if not excluded or keep is not None:
-                raise
-            self.emit({"event": "control.relaxed", "reason": "the fixed layouts no longer fit"})
-            return plan(
-                workload,
-                acc,
-                num_slots,
-                efficiency=efficiency,
-                num_alternatives=alternatives,
-                fits_at=fit,
-            )
+        return plan(
+            workload,
+            acc,
+            num_slots,
+            efficiency=self.calibrator.efficiency(),
+            num_alternatives=alternatives,
+            excluded=excluded,
+            fits_at=self._workload(fits_at) if fits_at > workload.gen_len else None,
+        )
 
     def initial_plan(self, engine: Engine) -> Plan:
         candidate = self._candidate(engine, self.workload)
@@ -930,7 +948,8 @@ class Controller:
             dag = self._compile(engine, staged.plan, workload, built_ahead=staged.ahead)
         except TransitionRefusedError as exc:
             self.emit(self._decision(staged.trigger, staged.plan, None, f"infeasible now: {exc}"))
-            self._replan_now(staged.trigger, report.step, engine)
+            if not triggers:  # else the replan for them follows
+                self._replan_now(staged.trigger, report.step, engine)
             return
         self._apply(staged.plan, workload, dag, engine)
 

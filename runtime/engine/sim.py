@@ -306,15 +306,23 @@ class SimulatedEngine:
         end = self.clock + result.makespan_s
         joining = self._schedule(dag.joining, start=end)
         self._ahead.clear()
-        lost = self.trace.failures_between(self.clock, self.clock + result.makespan_s)
+        failed = self.trace.failures_between(self.clock, end)
+        # Slots revoked while it ran (even if given back before it ended) took what was on them.
+        fewest = self.trace.fewest_gpus_between(self.clock, end)
+        revoked = sorted({s for node in dag.nodes.values() for s in node.slots if s >= fewest})
         self._advance(result.makespan_s)
-        if not result.ok or lost:
+        if not result.ok or failed or revoked:
             return TransitionOutcome(
                 ok=False,
                 seconds=result.makespan_s,
                 units=self._intact(),
                 lost_slots=tuple(sorted(self._lost)),
-                failure=result.reason or f"slot {lost[0]} failed during the transition",
+                failure=result.reason
+                or (
+                    f"slot {failed[0]} failed during the transition"
+                    if failed
+                    else f"slot {revoked[0]} was revoked during the transition"
+                ),
                 simulated=True,
                 rebuild_s=rebuild,
             )

@@ -984,3 +984,19 @@ def test_idle_slots_lost_while_a_move_waits_are_replanned_around_and_not_urgentl
     assert not [e for e in controller.events if e.get("reason") == "urgent: feasibility only"]
     used = {s for ms in controller.plan.model_stages for s in ms.slots}
     assert len(used) > 16 and not used & engine.lost_slots()
+
+
+def test_fixed_layouts_are_kept_after_losses_on_several_nodes_where_some_packing_holds_them():
+    """Found by review: each way of packing the plan into the real nodes relaxed the fixed
+    layouts on its own, and the fastest relaxed plan won although the packing on nodes of 4
+    kept every fixed layout (the DP-only baseline then was not one)."""
+    engine = _engine(pool=(), gpus=32)
+    controller = Controller(WORKLOAD, ACC, JobPolicy(fixed_layouts=True))
+    controller.initial_plan(engine)
+    alive = [s for s in range(32) if s not in {3, 11, 19, 27}]
+    controller._alive = lambda engine: alive
+    before = len(controller.events)
+    chosen = controller._candidate(engine, WORKLOAD)
+    assert not [e for e in controller.events[before:] if e["event"] == "control.relaxed"]
+    assert {ms.name: (ms.layout.tp, ms.layout.pp) for ms in chosen.model_stages} == controller.fixed
+    assert not _straddling(chosen, ACC.gpus_per_node)

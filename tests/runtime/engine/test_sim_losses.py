@@ -77,3 +77,17 @@ def test_controller_events_are_strict_json():
     assert any(e.get("verdict") for e in decisions)
     for event in controller.events:
         json.dumps(event, allow_nan=False)
+
+
+def test_a_revocation_that_ends_within_a_transition_fails_it():
+    """The slots came back before the transition ended, and it reported success with units on
+    them (found by review): they were revoked, and what was on them is gone."""
+    from runtime.planner import plan
+
+    target = plan(WORKLOAD.with_gen_len(16384), ACC, 16).best
+    engine, controller = _started()
+    took = engine.transition(controller._compile(engine, target, WORKLOAD)).seconds
+    engine, controller = _started(pool=((0.3 * took, 8), (0.6 * took, 16)))
+    out = engine.transition(controller._compile(engine, target, WORKLOAD))
+    assert not out.ok and "revoked during the transition" in out.failure
+    assert all(max(u.slots) < 8 for units in out.units.values() for u in units)
