@@ -23,7 +23,7 @@ from nereus import processes
 DEMO_USER = "demo"
 DEMO_REVOKE_AT = 4
 DEMO_GRANT_AT = 10
-DEMO_APPROVAL_ABOVE_S = 0.5
+DEMO_APPROVAL_ABOVE_S = 0.1
 """Transitions predicted to cost more than this wait for approval (the urgent one never does)."""
 DEMO_POLICY = {
     "approval": "manual_above",
