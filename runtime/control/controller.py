@@ -192,9 +192,9 @@ def node_packings(alive: list[int], gpus_per_node: int) -> list[tuple[int, list[
     fewer slots, TP up to ``g``, and every group the planner prices as inside a node really is.
     ``g`` = 1 uses every live slot without tensor parallelism. A smaller ``g`` that reaches no
     more slots than a larger one is not offered."""
-    where = _by_node(alive, gpus_per_node)
     if not alive:
         return []
+    where = _by_node(alive, gpus_per_node)
     if where is not None:
         return [(gpus_per_node, where)]
     nodes = _real_nodes(alive, gpus_per_node)

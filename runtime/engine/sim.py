@@ -168,13 +168,17 @@ class SimulatedEngine:
         if missing:  # the state was lost (an out-of-memory step) and nothing has restored it:
             # the job waits for a plan it can restart on
             return self._stalled(step, f"{missing[0]}: no units hold its state (simulated)")
-        persisting = {ms.name for ms in workload.model_stages() if persists(ms)}
+        held = {
+            ms.name: {u.slots for u in self._units.get(ms.name, ())}
+            for ms in workload.model_stages()
+            if persists(ms)
+        }
         gone_units = [
             (ms.name, unit)
             for ms in plan.model_stages
-            if ms.name in persisting
+            if ms.name in held
             for unit in ms.units
-            if unit not in {u.slots for u in self._units.get(ms.name, ())}
+            if unit not in held[ms.name]
         ]
         if gone_units:  # slots given back after a revocation came back empty: the step fails
             # at its first collective, and the controller replans from the units that are left

@@ -15,6 +15,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from runtime.planner.plan import shown
+
 GIB = 2**30
 GB = 10**9
 
@@ -481,14 +483,6 @@ MAX_COUNT = 2**53
 """The largest integer a catalog field may hold (every count is used in float arithmetic)."""
 
 
-def _shown(value: Any) -> str:
-    """``value`` as an error shows it: a huge integer by its size, long text cut short."""
-    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
-        return f"an integer of {value.bit_length()} bits"
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
 def _number(value: Any, where: str) -> float:
     # YAML 1.1 (PyYAML) reads 2.25e15 without a '+' or a '.' as text: accept numeric text too.
     number = None
@@ -499,11 +493,11 @@ def _number(value: Any, where: str) -> float:
         try:
             number = float(value)
         except OverflowError:
-            raise CatalogError(f"{where}: too large for a number ({_shown(value)})") from None
+            raise CatalogError(f"{where}: too large for a number ({shown(value)})") from None
     if number is None:
-        raise CatalogError(f"{where}: expected a number, got {_shown(value)}")
+        raise CatalogError(f"{where}: expected a number, got {shown(value)}")
     if not math.isfinite(number):
-        raise CatalogError(f"{where}: expected a finite number, got {_shown(value)}")
+        raise CatalogError(f"{where}: expected a finite number, got {shown(value)}")
     return number
 
 
@@ -520,13 +514,13 @@ def _build(cls, where: str, name: str, entry: Any):
     for key, value in entry.items():
         kind = fields[key].type
         if kind == "int" and (isinstance(value, bool) or not isinstance(value, int)):
-            raise CatalogError(f"{where}.{key}: expected an integer, got {_shown(value)}")
+            raise CatalogError(f"{where}.{key}: expected an integer, got {shown(value)}")
         if kind == "int" and abs(value) > MAX_COUNT:
-            raise CatalogError(f"{where}.{key}: at most {MAX_COUNT}, got {_shown(value)}")
+            raise CatalogError(f"{where}.{key}: at most {MAX_COUNT}, got {shown(value)}")
         if kind == "float":
             value = _number(value, f"{where}.{key}")
         if kind == "bool" and not isinstance(value, bool):
-            raise CatalogError(f"{where}.{key}: expected true or false, got {_shown(value)}")
+            raise CatalogError(f"{where}.{key}: expected true or false, got {shown(value)}")
         values[key] = value
     required = [n for n, f in fields.items() if f.default is dataclasses.MISSING]
     missing = [n for n in required if n not in entry]

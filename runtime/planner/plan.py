@@ -22,7 +22,7 @@ follows from it (bytes, seconds) to stay a finite float."""
 MAX_MICRO_BATCH = 1 << 31
 
 
-def _shown(value: Any) -> str:
+def shown(value: Any) -> str:
     """``value`` as an error message shows it: a huge integer by its size, not its digits."""
     if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
         return f"an integer of {value.bit_length()} bits"
@@ -34,19 +34,19 @@ def _whole(value: Any, field: str, *, least: int, most: int) -> None:
     """Refuse ``value`` unless it is an int (not a bool) in ``[least, most]``."""
     if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= most:
         raise PlanError(
-            f"{field}: must be a whole number from {least} to {most}, got {_shown(value)}"
+            f"{field}: must be a whole number from {least} to {most}, got {shown(value)}"
         )
 
 
 def _number(value: Any, field: str) -> None:
     """Refuse ``value`` unless it is an int or float (not a bool, not NaN) that fits a float."""
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise PlanError(f"{field}: must be a number, got {_shown(value)}")
+        raise PlanError(f"{field}: must be a number, got {shown(value)}")
     try:
         if math.isnan(float(value)):
             raise PlanError(f"{field}: must be a number, got NaN")
     except OverflowError:
-        raise PlanError(f"{field}: too large for a number ({_shown(value)})") from None
+        raise PlanError(f"{field}: too large for a number ({shown(value)})") from None
 
 
 def _as_float(value: Any, field: str) -> float:
@@ -59,7 +59,7 @@ def _named_numbers(pairs: Any, field: str) -> None:
     """Refuse ``pairs`` unless they are (name, number) pairs."""
     for name, value in pairs:
         if not isinstance(name, str):
-            raise PlanError(f"{field}: expected names, got {_shown(name)}")
+            raise PlanError(f"{field}: expected names, got {shown(name)}")
         _number(value, f"{field}.{name}")
 
 
@@ -75,7 +75,7 @@ class Layout:
         for field in ("dp", "tp", "pp"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise PlanError(f"{field}: must be a positive integer, got {_shown(value)}")
+                raise PlanError(f"{field}: must be a positive integer, got {shown(value)}")
             if value > MAX_SLOTS:
                 raise PlanError(f"{field}: at most {MAX_SLOTS}, got {value}")
 
@@ -108,14 +108,15 @@ class ModelStagePlan:
     def __post_init__(self) -> None:
         role, at, stage = self.name.partition("@") if isinstance(self.name, str) else ("", "", "")
         if not (role and at and stage):
-            raise PlanError(f"name: expected 'role@stage', got {_shown(self.name)}")
+            raise PlanError(f"name: expected 'role@stage', got {shown(self.name)}")
         _whole(self.micro_batch, f"{self.name}.micro_batch", least=0, most=MAX_MICRO_BATCH)
         _number(self.predicted_s, f"{self.name}.predicted_s")
         _named_numbers(self.breakdown, f"{self.name}.breakdown")
         _named_numbers(self.memory_per_slot, f"{self.name}.memory_per_slot")
-        for unit in self.units:
-            for slot in unit:
-                _whole(slot, f"{self.name}.units", least=0, most=MAX_SLOTS - 1)
+        every = [s for unit in self.units for s in unit]
+        for slot in every:  # exactly int: not a bool, not a float such as 8.0
+            if type(slot) is not int or not 0 <= slot < MAX_SLOTS:
+                _whole(slot, f"{self.name}.units", least=0, most=MAX_SLOTS - 1)  # raises
         if len(self.units) != self.layout.dp:
             raise PlanError(f"{self.name}.units: {len(self.units)} units for dp={self.layout.dp}")
         for unit in self.units:
@@ -123,7 +124,6 @@ class ModelStagePlan:
                 raise PlanError(
                     f"{self.name}.units: unit {unit} is not {self.layout.tp}×{self.layout.pp} slots"
                 )
-        every = [s for unit in self.units for s in unit]
         if len(set(every)) != len(every):
             raise PlanError(f"{self.name}.units: a slot is used by two units")
 
@@ -147,11 +147,11 @@ class StagePlan:
 
     def __post_init__(self) -> None:
         if not isinstance(self.stage, str) or not self.stage:
-            raise PlanError(f"stages: expected a stage name, got {_shown(self.stage)}")
+            raise PlanError(f"stages: expected a stage name, got {shown(self.stage)}")
         _number(self.predicted_s, f"{self.stage}.predicted_s")
         if self.mode not in ("disjoint", "colocated"):
             raise PlanError(
-                f"{self.stage}.mode: expected 'disjoint' or 'colocated', got {_shown(self.mode)}"
+                f"{self.stage}.mode: expected 'disjoint' or 'colocated', got {shown(self.mode)}"
             )
 
 
@@ -176,20 +176,20 @@ class Plan:
 
     def __post_init__(self) -> None:
         if not isinstance(self.accelerator, str) or not self.accelerator:
-            raise PlanError(f"accelerator: expected a name, got {_shown(self.accelerator)}")
+            raise PlanError(f"accelerator: expected a name, got {shown(self.accelerator)}")
         _whole(self.num_slots, "num_slots", least=1, most=MAX_SLOTS)
         _number(self.predicted_step_s, "predicted_step_s")
         for role, model in self.models:
             if not isinstance(role, str) or not isinstance(model, str):
                 raise PlanError(
-                    f"models: expected role: model name, got {_shown(role)}: {_shown(model)}"
+                    f"models: expected role: model name, got {shown(role)}: {shown(model)}"
                 )
         names = [ms.name for ms in self.model_stages]
         if len(set(names)) != len(names):
             raise PlanError("model_stages: a model-stage is listed twice")
         for role, nbytes in self.training_state:
             if not isinstance(role, str) or not role:
-                raise PlanError(f"training_state: expected role names, got {_shown(role)}")
+                raise PlanError(f"training_state: expected role names, got {shown(role)}")
             if (
                 isinstance(nbytes, bool)
                 or not isinstance(nbytes, int | float)
@@ -197,7 +197,7 @@ class Plan:
                 or nbytes < 0
             ):
                 raise PlanError(
-                    f"training_state.{role}: must be a number of bytes >= 0, got {_shown(nbytes)}"
+                    f"training_state.{role}: must be a number of bytes >= 0, got {shown(nbytes)}"
                 )
         for ms in self.model_stages:
             outside = [s for s in ms.slots if not 0 <= s < self.num_slots]
