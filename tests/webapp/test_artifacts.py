@@ -17,6 +17,7 @@ from runtime.planner import default_catalog
 from runtime.ppo.export import write_hf_folder
 from runtime.ppo.model import build_model
 from webapp.jobs import services as job_services
+from webapp.jobs.workdir import job_workdir
 from webapp.projects.models import Role
 
 TINY = default_catalog().model("tiny-sft")
@@ -40,7 +41,7 @@ def job(project, member, monkeypatch, jobs_dir):
 def exported(job, jobs_dir):
     model = build_model(TINY, scalar_head=False, seed=1)
     return write_hf_folder(
-        job_services.job_workdir(job.pk) / "export" / "actor",
+        job_workdir(job.pk) / "export" / "actor",
         TINY,
         model.state_dict(),
         source={"role": "actor", "step": 2},
@@ -129,7 +130,7 @@ def test_only_files_the_manifest_lists_are_served(
 def test_a_path_that_leaves_the_export_matches_no_route(api, project, member, job, exported, path):
     """The server decodes %2F before routing: such a path has more segments than the route
     allows, so nothing under the job's directory (or beyond it) is reached."""
-    (job_services.job_workdir(job.pk) / "secret_key").write_text("s3cret")
+    (job_workdir(job.pk) / "secret_key").write_text("s3cret")
     response = api(user=member(project, Role.VIEWER, "v")).get(
         f"/api/v1/jobs/{job.pk}/artifacts/{path}"
     )

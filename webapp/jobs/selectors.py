@@ -56,9 +56,10 @@ def job_artifacts(*, job: Job) -> dict[str, dict]:
     """``{name: manifest}`` of the job's complete exports (``runtime.ppo.export``), read from the
     job's directory; an export still being written has no manifest yet and is not listed."""
     from runtime.ppo.export import artifacts  # torch: only where a model is asked for
-    from webapp.jobs.services import job_workdir
+    from webapp.jobs.workdir import job_workdir_owned
 
-    return artifacts(job_workdir(job.pk) / "export")
+    folder = job_workdir_owned(job)
+    return {} if folder is None else artifacts(folder / "export")
 
 
 def job_artifact_file(*, job: Job, artifact: str, name: str) -> tuple[BinaryIO, dict]:
@@ -68,9 +69,12 @@ def job_artifact_file(*, job: Job, artifact: str, name: str) -> tuple[BinaryIO, 
     closes the file. ``ArtifactError`` names what is missing."""
     from runtime.ppo.export import artifact as read_artifact
     from runtime.ppo.export import read_manifest
-    from webapp.jobs.services import job_workdir
+    from webapp.jobs.workdir import job_workdir_owned
 
-    root = job_workdir(job.pk) / "export"
+    folder = job_workdir_owned(job)
+    if folder is None:
+        raise ArtifactError("artifact", f"this job has no artifact {artifact!r}")
+    root = folder / "export"
     for _ in range(3):
         manifest = read_artifact(root, artifact)
         if manifest is None:

@@ -11,7 +11,6 @@ import time
 import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 from typing import Any, TypeVar
 
 from asgiref.sync import async_to_sync
@@ -24,6 +23,7 @@ from django.utils import timezone
 
 from webapp.jobs import errors, selectors
 from webapp.jobs.models import ALLOWED_MOVES, FailureReason, Job, JobEvent, JobState
+from webapp.jobs.workdir import job_workdir_claim
 from webapp.plans.models import Proposal, ProposalState
 from webapp.projects import errors as project_errors
 from webapp.projects.models import ApiToken, Project, Role
@@ -594,11 +594,6 @@ def _redeliver_pending(now: datetime) -> list[int]:
     return delivered
 
 
-def job_workdir(job_id: int) -> Path:
-    """A job's working directory (its checkpoints): the same for every driver of the job."""
-    return Path(settings.NEREUS_JOBS_DIR) / str(job_id)
-
-
 def job_drive(*, job_id: int, epoch: int | None = None) -> str:
     """Run a job's driver to the end (the body of the Celery task). Returns the final state.
 
@@ -760,8 +755,20 @@ def _drive_ppo(job_id: int, epoch: int, spec, sink: DatabaseEventSink):
     """A real PPO job on slots through the Ray engine (``RAY_ADDRESS``, or a local Ray). Its
     working directory is the job's own, so a driver that takes over after a lost worker resumes
     from the last committed checkpoint there."""
+    from runtime.events import RuntimeEvent
     from runtime.jobs.ppo_job import run_ppo_job
 
+    workdir, set_aside = job_workdir_claim(Job.objects.get(pk=job_id))
+    if set_aside is not None:
+        logger.warning(
+            "job %s: %s held another job's files; moved to %s", job_id, workdir, set_aside
+        )
+        sink.emit(
+            RuntimeEvent(
+                kind="job.workdir_set_aside",
+                data={"workdir": str(workdir), "moved_to": str(set_aside)},
+            )
+        )
     link = _ControlLink(job_id, epoch)
     return run_ppo_job(
         spec,
@@ -770,7 +777,7 @@ def _drive_ppo(job_id: int, epoch: int, spec, sink: DatabaseEventSink):
         commands=link.commands,
         should_stop=lambda: _should_stop(job_id, epoch),
         ray_address=settings.NEREUS_RAY_ADDRESS,
-        workdir=job_workdir(job_id),
+        workdir=workdir,
     )
 
 
