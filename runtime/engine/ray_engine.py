@@ -125,11 +125,11 @@ class RayEngine:
         self._event({"event": "engine.granted", "slot": slot})
         return slot
 
-    def _probe(self) -> None:
+    def _probe(self) -> bool:
         """Find slots whose process died; re-form the group on new processes, keeping the units
         that no lost slot touches. If the group cannot be re-formed (a slot's capacity went with
         it), the intact units' shards stay on the driver, every slot counts as lost, and the
-        next probe tries again; nothing raises."""
+        next probe tries again; nothing raises. Returns whether the group was re-formed."""
         # A dead process answers at once; a live one between steps within moments, even when
         # the machine is busy: the patience is for the latter (and one that stays silent is
         # busy, not dead).
@@ -139,7 +139,7 @@ class RayEngine:
         if self._renewing is None:  # else every process is replaced anyway
             dead = [i for i, ok in enumerate(pool.alive(timeout_s=30, busy=busy)) if not ok]
         if not dead and self._renewing is None:
-            return
+            return False
         started = time.monotonic()
         if self._renewing is None:
             # A communicator that lost a member cannot be used again, and torch keeps
@@ -175,13 +175,14 @@ class RayEngine:
             self.engine.lost_slots.update(range(pool.num_slots))
             self._regrouped()
             self._event({"event": "engine.renew_failed", "slots": dead, "error": str(exc)})
-            return
+            return False
         self._renewing = None
         self.engine.lost_slots.clear()
         self.engine.lost_slots.update(renewing["lost"])
         self._regrouped()
         seconds = time.monotonic() - started
         self._event({"event": "engine.slots_lost", "slots": dead, "reform_s": round(seconds, 3)})
+        return True
 
     def _regrouped(self) -> None:
         self.engine._groups.clear()
@@ -237,15 +238,23 @@ class RayEngine:
             self._learn_rebuild(report)
             return report
         except SlotError as exc:
-            # A slot died during the step: the survivors' collectives time out, the group is
-            # re-formed, and no unit's state can be trusted to be at a step boundary any more.
+            # A slot failed during the step: the survivors' collectives time out and the group
+            # is re-formed. Before the training stage began, no unit's state changed: the
+            # units no lost slot touches are kept, at the step's start, and the controller
+            # moves the job off the lost slots as after a failure between steps. Once training
+            # began, no unit's state can be trusted to be at a step boundary any more.
+            renewed = False
             try:
-                self._probe()
+                renewed = self._probe()
             except Exception as probe_exc:  # the failed report must still come back
                 logger.warning("probing the slots after a failed step failed: %s", probe_exc)
-            self._release_all()
-            self.job.lost_state()
-            self._event({"event": "engine.step_failed", "step": step, "error": str(exc)})
+            kept = renewed and not self.job.updating
+            if not kept:
+                self._release_all()
+                self.job.lost_state()
+            self._event(
+                {"event": "engine.step_failed", "step": step, "error": str(exc), "kept": kept}
+            )
             return self._failed(step, f"a slot failed during the step: {exc}", started)
 
     def _failed(self, step: int, why: str, started: float | None = None) -> StepReport:

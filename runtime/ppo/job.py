@@ -292,6 +292,11 @@ class PpoRuntime:
         self._built: set[tuple] = set()
         """The derived units whose workspaces are built on every one of their slots
         (``slot_work.workspace_key``)."""
+        self.updating = False
+        """Whether the step in progress has begun changing the job's state (its training
+        stage, its bookkeeping and its checkpoint). A step that fails before then leaves every
+        unit and the job at the step's start, so the step can be done again from the units a
+        failure left intact; one that fails after can leave units mid-update."""
         if config.init_from:
             self._check_initial(config.init_from)
         export.write_job_file(self.workdir, self.model, **self.export_fields())
@@ -614,6 +619,7 @@ class PpoRuntime:
         """One PPO step on ``plan``. ``step`` is the caller's count; the data, the sampling and
         the update are those of the job's own next step (behind it after a resume)."""
         self.check_plan(plan, workload)
+        self.updating = False
         reported, step = step, self.state.next_step
         c = self.config
         started = time.perf_counter()
@@ -686,6 +692,7 @@ class PpoRuntime:
 
         # 3. training
         t0 = time.perf_counter()
+        self.updating = True
         totals = self._train(
             engine,
             units,
@@ -722,6 +729,7 @@ class PpoRuntime:
         peak = max(m["peak_bytes"] for m in self._memory(engine))
         if c.checkpoint_every and (step + 1) % c.checkpoint_every == 0:
             self.save_checkpoint(engine)
+        self.updating = False
         return StepReport(
             step=reported,
             ok=True,

@@ -95,6 +95,44 @@ def test_a_killed_slot_with_a_live_replica_loses_no_step(pool, tmp_path):
     assert transition["ok"] and transition["dag"]["nodes"]
 
 
+@pytest.mark.parametrize("stage", ["_infer", "_train"])
+def test_a_slot_killed_mid_step_keeps_the_other_units_only_before_training(pool, tmp_path, stage):
+    """A slot dies in the middle of step 3. In its inference stage no unit's state changed yet:
+    the step fails, the units on the other slots are kept as they were at the step's start, and
+    the controller moves the job off the dead slot; the step is done again, with no restart and
+    no step lost. In its training stage the units may be mid-update: everything is released and
+    the job goes back to its last checkpoint (step 2)."""
+    engine, job = _engine(pool, tmp_path)
+    layouts = {name: (1, 1) for name in WITHOUT_A_REPLICA}
+    run_stage, calls = getattr(job, stage), []
+
+    def run_and_lose_a_slot(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 4:  # step 3's
+            engine.engine.pool.kill(1)
+        return run_stage(*args, **kwargs)
+
+    setattr(job, stage, run_and_lose_a_slot)
+    summary, events, ppo_steps = _run_with_a_kill(
+        engine, job, layouts=layouts, kill_before=-1, steps=5
+    )
+    failed = [e for e in engine.events if e["event"] == "engine.step_failed"]
+    assert len(failed) == 1
+    if stage == "_infer":
+        assert ppo_steps == [0, 1, 2, None, 3], "the failed step is done again, from step 3"
+        assert summary.restarts == 0 and summary.transitions >= 1
+        assert failed[0]["kept"] is True
+        transition = next(e for e in events if e["event"] == "control.transition")
+        assert transition["ok"] and all(1 not in u for us in job_units(engine) for u in us)
+    else:
+        assert ppo_steps == [0, 1, 2, None, 2], "back to the checkpoint of step 2"
+        assert summary.restarts >= 1 and failed[0]["kept"] is False
+
+
+def job_units(engine):
+    return [[u.slots for u in units] for units in engine.units().values()]
+
+
 def test_a_killed_slot_without_a_replica_resumes_from_the_last_checkpoint(pool, tmp_path):
     engine, job = _engine(pool, tmp_path)
     summary, events, ppo_steps = _run_with_a_kill(
