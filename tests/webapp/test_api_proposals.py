@@ -524,3 +524,76 @@ def test_the_schema_is_valid(api, approver):
         "/api/v1/jobs/{job_id}/override/",
     ):
         assert path in paths, path
+
+
+@pytest.mark.parametrize("end", ["cancel-running", "cancel-pending", "succeeded"])
+def test_an_approval_the_driver_never_took_goes_stale_when_the_job_ends(
+    api, project, member, approver, end
+):
+    """The driver checks for a stop before it reads commands, so an approval given just before
+    the job ended was never applied; it stayed 'approved' for ever (found by review). One the
+    controller took (``control.approved``) stays approved."""
+    owner = member(project, Role.OPERATOR, "ender")
+    pending = end == "cancel-pending"
+    job = make_job(
+        owner=owner,
+        project=project,
+        epoch=1,
+        state=JobState.PENDING if pending else JobState.RUNNING,
+    )
+    if pending:
+        proposal = services.proposal_override(
+            user=owner, job=job, plan=events.plan_json(8), reason="r"
+        )
+        taken = None
+    else:
+        services.record_controller_event(job=job, event=events.proposal_event(1, 4, 8))
+        services.record_controller_event(job=job, event=events.proposal_event(2, 4, 8))
+        taken, proposal = Proposal.objects.filter(job=job).order_by("controller_id")
+        assert proposal.state == ProposalState.WAITING  # the newer made the older stale
+        Proposal.objects.filter(pk=taken.pk).update(state=ProposalState.APPROVED)
+        job_services.job_event_append(
+            job=job, epoch=1, kind="control.approved", data={"proposal": 1}
+        )
+    approved = api(user=approver).post(
+        f"{PROPOSALS}{proposal.pk}/approve/", {"comment": "ok"}, format="json"
+    )
+    assert approved.status_code == 200 and approved.json()["state"] == "approved"
+    if end == "succeeded":
+        job_services._finish(job.pk, 1, JobState.SUCCEEDED)  # the last step ended first
+    else:
+        assert api(user=owner).post(f"/api/v1/jobs/{job.pk}/cancel/").status_code == 200
+        if not pending:  # the driver sees the cancel at the step boundary, before commands
+            job_services._finish(job.pk, 1, JobState.CANCELLED)
+    job.refresh_from_db()
+    proposal.refresh_from_db()
+    assert job.is_terminal and proposal.state == ProposalState.STALE
+    stale = job.events.get(kind="proposals.stale").data
+    assert stale["proposals"] == [proposal.pk] and job.state in stale["reason"]
+    if taken is not None:
+        taken.refresh_from_db()
+        assert taken.state == ProposalState.APPROVED
+
+
+def test_an_approval_given_while_a_new_driver_sets_up_reaches_it(
+    api, project, member, approver, no_live_delivery
+):
+    """Between claiming the job and building its control link (a PPO driver first claims its
+    directory), an override was proposed and approved; the link started after that command and
+    never handed it over (found by review)."""
+    owner = member(project, Role.OPERATOR, "setter")
+    job = make_job(owner=owner, project=project, spec={"kind": "ppo-sim"})
+    _, epoch = job_services._claim_driver(job.pk)
+    made = api(user=owner).post(
+        f"/api/v1/jobs/{job.pk}/override/",
+        {"plan": events.plan_json(8), "reason": "more"},
+        format="json",
+    )
+    assert made.status_code == 201, made.content
+    pid = made.json()["id"]
+    decided = api(user=approver).post(
+        f"{PROPOSALS}{pid}/approve/", {"comment": "ok"}, format="json"
+    )
+    assert decided.status_code == 200
+    link = job_services._ControlLink(job.pk, epoch)
+    assert link.commands() == [("override", {"plan": events.plan_json(8), "proposal": pid})]

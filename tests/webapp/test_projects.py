@@ -154,3 +154,14 @@ def test_existing_jobs_move_to_their_owners_personal_projects():
     assert Job.objects.filter(project=projects["alice"]).count() == 2
     assert Membership.objects.get(user_id=bob.pk, project=projects["bob"]).role == Role.ADMIN
     assert Project.objects.count() == 2
+
+
+def test_a_personal_project_takes_the_next_slug_when_its_own_is_taken(make_user):
+    """A project the admin site made with slug ``user-<id>`` (it does not reserve them) made
+    every submission of that user without a project a 500 (found by review)."""
+    erin = make_user("erin")
+    Project.objects.create(name="team", slug=f"user-{erin.pk}")
+    project = services.project_personal_for(erin)
+    assert project.slug == f"user-{erin.pk}-1" and project.personal_for == erin
+    assert services.project_personal_for(erin) == project
+    assert selectors.role_of(erin, project) == Role.ADMIN

@@ -225,10 +225,14 @@ def job_move(*, job: Job, target: str, reason: str = "", detail: str = "") -> Jo
             "updated_at",
         ]
     )
-    if target in (JobState.CANCELLING, JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED):
+    if target == JobState.CANCELLING:
         # No driver will act on a decision any more: the inbox must not keep asking for one.
-        Proposal.objects.filter(job=job, state=ProposalState.WAITING).update(
-            state=ProposalState.STALE
+        _stale_proposals(job, Proposal.objects.filter(job=job), why="the job is cancelling")
+    elif target in (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED):
+        # Nor on an approval its driver did not take before it stopped: the record must not say
+        # that a plan change was approved for a job that never made it.
+        _stale_proposals(
+            job, Proposal.objects.filter(job=job), why=f"the job {target}", untaken=True
         )
     job_event_append(
         job=job, epoch=job.epoch, kind="job.state", data={"state": target, "reason": reason}
@@ -407,15 +411,22 @@ def _claim_driver(
 def _stale_older_proposals(job: Job, *, why: str) -> list[int]:
     """The job has a new epoch: what older drivers' proposals wait for (a decision, or an
     approval their controller never took) will never happen, as commands are for the epoch they
-    were given in. Marks them stale, with a ``proposals.stale`` event saying why; returns
-    their ids. The caller holds the job's row lock."""
+    were given in. Marks them stale (``_stale_proposals``); returns their ids."""
     older = Proposal.objects.filter(job=job, epoch__lt=job.epoch)
-    stale = list(older.filter(state=ProposalState.WAITING).values_list("pk", flat=True))
-    stale += [
-        p.pk
-        for p in older.filter(state=ProposalState.APPROVED).order_by("pk")
-        if not _proposal_taken(job, p)
-    ]
+    return _stale_proposals(job, older, why=why, untaken=True)
+
+
+def _stale_proposals(job: Job, proposals, *, why: str, untaken: bool = False) -> list[int]:
+    """Marks stale those of ``proposals`` that wait for a decision and, with ``untaken``, those
+    approved that their driver did not take, with a ``proposals.stale`` event saying why;
+    returns their ids. The caller holds the job's row lock."""
+    stale = list(proposals.filter(state=ProposalState.WAITING).values_list("pk", flat=True))
+    if untaken:
+        stale += [
+            p.pk
+            for p in proposals.filter(state=ProposalState.APPROVED).order_by("pk")
+            if not _proposal_taken(job, p)
+        ]
     if not stale:
         return []
     stale.sort()
@@ -669,9 +680,10 @@ class _ControlLink:
 
     def __init__(self, job_id: int, epoch: int):
         self.job_id, self.epoch = job_id, epoch
-        # Commands given to an older driver were for its proposals; this one starts after them.
+        # Commands given to an older driver were for its proposals; this one starts after them
+        # (not after its own: one given since it claimed the job is for it).
         last = (
-            JobEvent.objects.filter(job_id=job_id, kind__in=COMMAND_KINDS)
+            JobEvent.objects.filter(job_id=job_id, kind__in=COMMAND_KINDS, epoch__lt=epoch)
             .order_by("-pk")
             .values_list("pk", flat=True)
             .first()

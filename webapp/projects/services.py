@@ -51,15 +51,22 @@ def project_personal_for(user) -> Project:
     project = Project.objects.filter(personal_for=user).first()
     if project is not None:
         return project
-    try:
-        with transaction.atomic():
-            project = Project.objects.create(
-                name=f"{user.get_username()}'s jobs", slug=f"user-{user.pk}", personal_for=user
-            )
-            Membership.objects.create(user=user, project=project, role=Role.ADMIN)
-    except IntegrityError:  # a concurrent request created it first
-        project = Project.objects.get(personal_for=user)
-    return project
+    # ``user-<id>`` unless a project took that slug another way (the admin site does not
+    # reserve it): then the next free ``user-<id>-<n>``.
+    for n in range(100):
+        slug = f"user-{user.pk}" if n == 0 else f"user-{user.pk}-{n}"
+        try:
+            with transaction.atomic():
+                project = Project.objects.create(
+                    name=f"{user.get_username()}'s jobs", slug=slug, personal_for=user
+                )
+                Membership.objects.create(user=user, project=project, role=Role.ADMIN)
+            return project
+        except IntegrityError:
+            project = Project.objects.filter(personal_for=user).first()
+            if project is not None:  # a concurrent request created it first
+                return project
+    raise IntegrityError(f"no free slug for the personal project of user {user.pk}")
 
 
 @transaction.atomic
