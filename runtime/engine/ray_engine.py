@@ -36,7 +36,7 @@ from runtime.planner.plan import Plan
 from runtime.planner.workload import PpoWorkload
 from runtime.transition.dag import TransitionDag
 from runtime.transition.executor import Executor
-from runtime.transition.units import Units, persists, units_of
+from runtime.transition.units import Units, persistent_stages, persists, units_of
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +105,15 @@ class RayEngine:
             raise ValueError("revoke: the job's last slot cannot be taken")
         self.visible -= 1
         self.engine.pool.kill(self.visible)
+        if self._renewing is not None:
+            # A re-form is pending (no probe runs until it succeeds): the slot is lost with
+            # it, and the shards carried over for units on it have nowhere to go back to.
+            self._renewing["lost"].add(self.visible)
+            self._renewing["kept"] = {
+                unit_id: held
+                for unit_id, held in self._renewing["kept"].items()
+                if self.visible not in held[0].slots
+            }
         self._event({"event": "engine.revoked", "slot": self.visible})
         return self.visible
 
@@ -152,7 +161,8 @@ class RayEngine:
                 if set(unit.slots) & lost:
                     continue  # marked lost through its slots; the controller writes it off
                 try:
-                    kept[unit.unit_id] = pool.run(slot_ops.read_unit, on=unit.slots, unit=unit)
+                    shards = pool.run(slot_ops.read_unit, on=unit.slots, unit=unit)
+                    kept[unit.unit_id] = (unit, shards)
                 except (SlotError, KeyError) as exc:  # a unit no process holds is lost
                     logger.warning("%s: unreadable, counted as lost (%s)", unit.unit_id, exc)
                     self._forget(unit)
@@ -162,8 +172,9 @@ class RayEngine:
         self.engine.lost_slots.update(renewing["lost"])
         try:
             pool.renew()
-            for unit_id, shards in renewing["kept"].items():
-                unit = self.engine.units[unit_id]
+            for unit_id, (unit, shards) in renewing["kept"].items():
+                if self.engine.units.get(unit_id) is not unit:
+                    continue  # released or forgotten since it was read (a grant, a stop)
                 pool.run(
                     slot_ops.install_unit,
                     [{"shards": held} for held in shards],
@@ -232,6 +243,19 @@ class RayEngine:
         )
         if missing:  # a failed step took the state; only a restart brings it back
             return self._failed(step, f"{missing[0]}: no units hold its state")
+        units = {(u.model_stage, u.slots) for u in self.engine.units.values()}
+        persistent = {ms.name for ms in persistent_stages(workload)}
+        gone = [
+            (ms.name, unit)
+            for ms in plan.model_stages
+            if ms.name in persistent
+            for unit in ms.units
+            if (ms.name, unit) not in units
+        ]
+        if gone:  # a slot given back after a revocation came back empty: the controller
+            # replans from the units that are left (the job would train on fewer replicas)
+            name, unit = gone[0]
+            return self._failed(step, f"{name}: the unit on slots {list(unit)} is gone")
         started = time.monotonic()
         try:
             report = self.job.step(self.engine, plan, workload, step)

@@ -15,6 +15,9 @@ Transitions play the compiled DAG with true primitive times (bytes over links at
 efficiencies, plus the per-primitive overhead the EMU benchmark measures on real slots);
 checkpoint/restart costs a restart plus saving and loading the whole persistent state at the
 storage bandwidth. The trace's pool changes and failures revoke the highest slots or the named one.
+A slot the plan uses that is lost in the middle of a step fails the step there, as on the Ray
+engine: before the training stage the units on the other slots are kept, after it began every
+unit's state is written off.
 """
 
 from __future__ import annotations
@@ -222,6 +225,30 @@ class SimulatedEngine:
         stage_seconds["generation"] = max(stage_seconds["generation"], building_s) + blocked_s
         seconds = sum(stage_seconds.values())
         ok, failure = True, ""
+        used = {s for ms in plan.model_stages for s in ms.slots}
+        lost_at = self.trace.first_loss(self.clock, self.clock + seconds, used)
+        if lost_at is not None and (peak <= 1.0 or lost_at - self.clock < 0.5 * seconds):
+            # A slot the plan uses was revoked or failed part-way: the step fails there, as on
+            # the Ray engine. Before the training stage no unit's state has changed: the units
+            # on the lost slots are gone and the others are kept, at the step's start. Once
+            # training began every unit may be mid-update: the job goes back to its last
+            # checkpoint, as after running out of memory.
+            elapsed = lost_at - self.clock
+            training = elapsed >= seconds - stage_seconds.get("training", 0.0)
+            stage = "training" if training else "generation or inference"
+            self._advance(elapsed)
+            if training:
+                self._units = {}
+                self._redo = self._redo + self._since_checkpoint
+                self._since_checkpoint = []
+            return StepReport(
+                step=step,
+                ok=False,
+                seconds=elapsed,
+                gen_len=gen_len,
+                failure=f"a slot was lost during the step's {stage} (simulated)",
+                simulated=True,
+            )
         if peak > 1.0:
             # Out of memory part-way: one rank fails inside the step's collectives, the others
             # time out and the group is torn down, as the Ray engine does on any failed step.
@@ -310,10 +337,13 @@ class SimulatedEngine:
         end = self.clock + result.makespan_s
         joining = self._schedule(dag.joining, start=end)
         self._ahead.clear()
-        failed = self.trace.failures_between(self.clock, end)
-        # Slots revoked while it ran (even if given back before it ended) took what was on them.
+        # Slots its nodes use that failed, or were revoked (even if given back before it ended),
+        # while it ran took what was on them; a slot no node uses failing meanwhile leaves it be,
+        # as on the Ray engine (the units on that slot are lost all the same).
+        touched = {s for node in dag.nodes.values() for s in node.slots}
+        failed = [s for s in self.trace.failures_between(self.clock, end) if s in touched]
         fewest = self.trace.fewest_gpus_between(self.clock, end)
-        revoked = sorted({s for node in dag.nodes.values() for s in node.slots if s >= fewest})
+        revoked = sorted(s for s in touched if s >= fewest)
         self._advance(result.makespan_s)
         if not result.ok or failed or revoked:
             return TransitionOutcome(

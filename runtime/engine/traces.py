@@ -90,6 +90,15 @@ class Trace:
     def failures_between(self, start: float, end: float) -> list[int]:
         return [slot for at, slot in self.failures if start < at <= end]
 
+    def first_loss(self, start: float, end: float, slots) -> float | None:
+        """The first instant in ``(start, end]`` at which one of ``slots`` is revoked (the pool
+        shrinks to it or below) or fails; None when none is."""
+        wanted = set(slots)
+        top = max(wanted, default=-1)
+        times = [at for at, n in self.pool if start < at <= end and n <= top]
+        times += [at for at, slot in self.failures if start < at <= end and slot in wanted]
+        return min(times, default=None)
+
     def pool_changes(self) -> int:
         return len(self.pool)
 

@@ -27,7 +27,7 @@ from runtime.jobs.spec import PpoJobSpec
 from runtime.planner import default_catalog
 from runtime.ppo import export
 from runtime.ppo.export import read_manifest
-from runtime.ppo.job import PpoRuntime
+from runtime.ppo.job import PpoRuntime, SupersededError
 
 
 def run_ppo_job(
@@ -40,8 +40,11 @@ def run_ppo_job(
     ray_address: str | None = None,
     workdir: str | Path | None = None,
     use_gpus: bool = False,
+    still_current: Callable[[], bool] = lambda: True,
 ) -> JobOutcome:
-    """Run the job to its last step (or a stop)."""
+    """Run the job to its last step (or a stop). ``still_current``: whether this driver still
+    owns the job, asked before each write of its checkpoints and export (``PpoRuntime.fence``:
+    a driver taken over in the middle of a step raises ``SupersededError`` there)."""
     config = spec.job_config()
     policy = JobPolicy.from_json(spec.policy)
     accelerator = default_catalog().accelerator("cpu-slot")
@@ -54,7 +57,7 @@ def run_ppo_job(
             spread=ray_address is not None,
             master_addr=None if ray_address is not None else "127.0.0.1",
         )
-        job = PpoRuntime(config, workdir=workdir)
+        job = PpoRuntime(config, workdir=workdir, still_current=still_current)
         seen = {"engine": 0}
 
         def forward_engine_events() -> None:
@@ -270,6 +273,8 @@ def _export(job: PpoRuntime, engine: RayEngine, sink: EventSink) -> None:
         manifest = read_manifest(folder)
         if manifest is None:
             raise export.ExportError(f"{folder}: written without a readable manifest")
+    except SupersededError:
+        raise  # the new driver writes the job's files and events now
     except Exception as exc:  # the weights stay in the checkpoints; the job's result stands
         sink.emit(
             RuntimeEvent(kind="job.export_failed", data={"reason": f"{type(exc).__name__}: {exc}"})

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -29,6 +30,8 @@ import torch
 
 from runtime.planner.catalog import ModelConfig
 from runtime.ppo.weights import write_safetensors
+
+logger = logging.getLogger(__name__)
 
 FORMAT = "huggingface"
 MANIFEST = "manifest.json"
@@ -109,7 +112,7 @@ def write_hf_folder(
         folder.is_dir() and (read_manifest(folder) is not None or not any(folder.iterdir()))
     ):
         raise ExportError(f"out: {folder} exists and is not an export folder (nothing was changed)")
-    _sweep(folder)
+    sweep_leftovers(folder)
     partial = folder.with_name(f".{folder.name}.partial-{uuid.uuid4().hex[:8]}")
     partial.mkdir(parents=True)
     try:
@@ -136,14 +139,14 @@ def write_hf_folder(
         for path in partial.iterdir():  # on disk before the folder is renamed into place
             with path.open("rb") as handle:
                 os.fsync(handle.fileno())
-        _replace(partial, folder)
+        replace_folder(partial, folder)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
     return folder
 
 
-def _replace(new: Path, folder: Path) -> None:
+def replace_folder(new: Path, folder: Path) -> None:
     """``new`` becomes ``folder``; an old folder there is moved aside first (and put back if the
     second rename fails), then removed. Readers that find no folder for that moment see no
     artifact, never a mixed one; one that opened a file of the old folder reads it whole."""
@@ -157,12 +160,12 @@ def _replace(new: Path, folder: Path) -> None:
         if old is not None:
             old.rename(folder)
         raise
-    _fsync_dir(folder.parent)
+    fsync_dir(folder.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -170,12 +173,31 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def write_file(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` whole or not at all, on disk when this returns: a temporary
+    file beside it, synced, renamed over it. A driver killed while writing leaves the old file
+    (or none), never a torn one."""
+    path = Path(path)
+    partial = path.with_name(f".{path.name}.partial-{uuid.uuid4().hex[:8]}")
+    try:
+        with partial.open("w", encoding="utf-8") as out:
+            out.write(text)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(partial, path)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
 STALE_S = 3600.0
 """A writer's leftovers (``.<name>.partial-*``, ``.<name>.old-*``) older than this are from one
 that died (a killed driver, a full disk): the next write of that folder removes them."""
 
 
-def _sweep(folder: Path) -> None:
+def sweep_leftovers(folder: Path) -> None:
+    """Remove what writers of ``folder`` that died left beside it (see ``STALE_S``)."""
     if not folder.parent.is_dir():
         return
     now = time.time()
@@ -291,13 +313,13 @@ def export_checkpoint(
     if role not in ROLES:
         raise ExportError(f"role: expected one of {', '.join(ROLES)}, got {role!r}")
     root = Path(job_dir) / "checkpoints"
-    committed = sorted(root.glob("step-*/COMMITTED"), key=checkpoint_step)
+    committed = committed_checkpoints(root)
     if step is not None:
-        committed = [c for c in committed if checkpoint_step(c) == step]
+        committed = [c for c in committed if c.step == step]
     if not committed:
         which = "no committed checkpoint" if step is None else f"no committed checkpoint at {step}"
         raise ExportError(f"checkpoint: {which} in {root}")
-    chosen = committed[-1].parent
+    chosen = committed[-1].folder
     params = params_from_checkpoint(chosen / f"{role}_training")
     expected = {
         name: tuple(tensor.shape)
@@ -319,7 +341,7 @@ def export_checkpoint(
         dtype=dtype,
         source={
             "role": role,
-            "step": checkpoint_step(committed[-1]),
+            "step": committed[-1].step,
             "checkpoint": str(chosen),
         },
         generation=generation,
@@ -327,13 +349,40 @@ def export_checkpoint(
     )
 
 
-def checkpoint_step(committed: Path) -> int:
-    """The step a checkpoint's ``COMMITTED`` mark resumes at (its folder's number: the names are
-    zero-padded to six digits, so past 999,999 only their numbers sort)."""
-    try:
-        return int(committed.parent.name.removeprefix("step-"))
-    except ValueError:
-        return -1
+COMMITTED = "COMMITTED"
+"""A checkpoint folder's mark, written last: ``{"step": N, "units": [model-stage, ...]}``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Committed:
+    """A committed checkpoint: the step it resumes at, its folder, the model-stages it holds."""
+
+    step: int
+    folder: Path
+    units: tuple[str, ...]
+
+
+def committed_checkpoints(root: Path) -> list[Committed]:
+    """The committed checkpoints under ``root`` (``step-N/`` folders), oldest first. A folder
+    whose mark cannot be read as one (torn by a crash of a writer that wrote in place) is
+    skipped with a warning: an earlier checkpoint is used, never a half-written one. The names
+    are zero-padded to six digits, so past 999,999 only their numbers sort."""
+    found = []
+    for mark in Path(root).glob(f"step-*/{COMMITTED}"):
+        folder = mark.parent
+        try:
+            step = int(folder.name.removeprefix("step-"))
+            data = json.loads(mark.read_text(encoding="utf-8"))
+            units = tuple(str(name) for name in data["units"])
+            if data["step"] != step:
+                raise ValueError(f"it says step {data['step']}")
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            logger.warning(
+                "checkpoint %s: its %s mark is unreadable (%s); skipped", folder, COMMITTED, exc
+            )
+            continue
+        found.append(Committed(step=step, folder=folder, units=units))
+    return sorted(found, key=lambda c: c.step)
 
 
 JOB_FILE = "job.json"
@@ -343,7 +392,7 @@ checkpoint there can be exported without the job's spec (``export_job_checkpoint
 
 def write_job_file(job_dir: str | Path, config: ModelConfig, **fields) -> None:
     path = Path(job_dir) / JOB_FILE
-    path.write_text(json.dumps({"model": dataclasses.asdict(config), **fields}, indent=2))
+    write_file(path, json.dumps({"model": dataclasses.asdict(config), **fields}, indent=2))
 
 
 def export_job_checkpoint(

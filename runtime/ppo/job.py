@@ -24,7 +24,9 @@ import copy
 import dataclasses
 import json
 import logging
+import shutil
 import time
+import uuid
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -55,6 +57,11 @@ from runtime.ppo.trainer_local import supervised_warmup
 from runtime.ppo.weights import CheckpointError, load_weights, read_state_dict, unexpected_keys
 from runtime.transition.dag import build_order, joining_units
 from runtime.transition.units import persists, unit_layout
+
+
+class SupersededError(RuntimeError):
+    """Another driver took the job over: this one must not write the job's files."""
+
 
 REWARDS = ("length", "correct", "partial", "model")
 
@@ -264,8 +271,17 @@ class JobState:
 class PpoRuntime:
     """One PPO job's driver: initial weights, units' placement, and the step on a plan."""
 
-    def __init__(self, config: PpoJobConfig, *, workdir: str | Path):
+    def __init__(
+        self,
+        config: PpoJobConfig,
+        *,
+        workdir: str | Path,
+        still_current: Callable[[], bool] = lambda: True,
+    ):
+        """``still_current``: whether this driver still owns the job (a driver taken over while
+        it ran a step must not write the job's files any more: ``fence``)."""
         config.validate()
+        self.still_current = still_current
         self.config = config
         self.model = config.model_config()
         self.tasks = config.task_set()
@@ -921,40 +937,60 @@ class PpoRuntime:
 
     # --- checkpoints ----------------------------------------------------------------------------
 
+    def fence(self) -> None:
+        """Raise ``SupersededError`` when another driver has taken the job over: called before the
+        job's files (checkpoints, exports) are written. Between steps the driver stops on its
+        own; this catches a driver taken over in the middle of a step, which would otherwise
+        write a checkpoint or an export after the new driver resumed."""
+        if not self.still_current():
+            raise SupersededError("another driver took the job over; this one writes nothing more")
+
     @property
     def checkpoint_root(self) -> Path:
         return self.workdir / "checkpoints"
 
     def save_checkpoint(self, engine: UnitEngine) -> Path:
         """Save one replica of each training model-stage with DCP and the driver's state, then
-        mark the checkpoint committed (a checkpoint without the mark is never resumed from)."""
+        mark the checkpoint committed (a checkpoint without the mark is never resumed from).
+
+        All of it is written into a hidden folder beside ``step-N/`` that is renamed into place
+        once complete and on disk (``export.replace_folder``), so a driver killed while saving
+        leaves no ``step-N/`` or the whole of one, never a mix of two writers' files. Only the
+        job's current driver saves (``fence``)."""
+        self.fence()
         self.finish_ahead()  # the groups below are made on every slot
         step = self.state.next_step
         root = self.checkpoint_root / f"step-{step:06d}"
+        export.sweep_leftovers(root)
+        partial = root.with_name(f".{root.name}.partial-{uuid.uuid4().hex[:8]}")
         held: dict[str, Unit] = {}
         for unit in sorted(engine.units.values(), key=lambda u: u.unit_id):
             held.setdefault(unit.model_stage, unit)
-        engine.pool.run(checkpoint.ensure_unit_groups, units=list(held.values()))  # every slot
-        for name, unit in held.items():
-            path = root / name.replace("@", "_")
-            engine.pool.run(checkpoint.save_unit, on=unit.slots, unit=unit, path=str(path))
-        self.save_state(root / "state.json")
-        (root / "COMMITTED").write_text(json.dumps({"step": step, "units": sorted(held)}))
+        try:
+            engine.pool.run(checkpoint.ensure_unit_groups, units=list(held.values()))
+            for name, unit in held.items():
+                path = partial / name.replace("@", "_")
+                engine.pool.run(checkpoint.save_unit, on=unit.slots, unit=unit, path=str(path))
+            self.save_state(partial / "state.json")
+            mark = {"step": step, "units": sorted(held)}
+            export.write_file(partial / export.COMMITTED, json.dumps(mark))
+            self.fence()  # a driver superseded while it saved leaves the folder unused
+            export.replace_folder(partial, root)
+        except BaseException:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
         return root
 
     def last_checkpoint(self) -> Checkpoint | None:
-        """The newest committed checkpoint, or None."""
-        committed = sorted(
-            self.checkpoint_root.glob("step-*/COMMITTED"), key=export.checkpoint_step
-        )
+        """The newest committed checkpoint whose mark reads whole, or None."""
+        committed = export.committed_checkpoints(self.checkpoint_root)
         if not committed:
             return None
-        root = committed[-1].parent
-        names = json.loads(committed[-1].read_text())["units"]
+        newest = committed[-1]
         return Checkpoint(
-            step=int(root.name.removeprefix("step-")),
-            units={name: root / name.replace("@", "_") for name in names},
-            state=root / "state.json",
+            step=newest.step,
+            units={name: newest.folder / name.replace("@", "_") for name in newest.units},
+            state=newest.folder / "state.json",
         )
 
     def resume(self, ckpt: Checkpoint) -> None:
@@ -984,6 +1020,7 @@ class PpoRuntime:
             raise export.ExportError(
                 f"role: expected one of {', '.join(export.ROLES)}, got {role!r}"
             )
+        self.fence()
         self.finish_ahead()  # reading the units makes groups on their slots
         return export.write_hf_folder(
             self.export_root / role,
@@ -1019,7 +1056,7 @@ class PpoRuntime:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.state.shuffle_state = self.shuffle.get_state().tolist()
         self.state.kl_coef = self.kl.value
-        path.write_text(json.dumps(self.state.to_json()))
+        export.write_file(path, json.dumps(self.state.to_json()))
 
     def load_state(self, path: Path) -> None:
         data = json.loads(path.read_text())

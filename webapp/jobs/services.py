@@ -790,6 +790,16 @@ def _drive_ppo(job_id: int, epoch: int, spec, sink: DatabaseEventSink):
         should_stop=lambda: _should_stop(job_id, epoch),
         ray_address=settings.NEREUS_RAY_ADDRESS,
         workdir=workdir,
+        still_current=lambda: _still_current(job_id, epoch),
+    )
+
+
+def _still_current(job_id: int, epoch: int) -> bool:
+    """Whether the driver of ``epoch`` still owns the job (asked before it writes the job's
+    files: a driver taken over in the middle of a step writes no checkpoint after that)."""
+    return _retrying_database(
+        f"job {job_id} before writing its files",
+        lambda: Job.objects.filter(pk=job_id, epoch=epoch).exists(),
     )
 
 

@@ -201,6 +201,38 @@ def test_a_failed_renew_keeps_the_intact_units_and_is_retried(make_engine):
         assert engine.engine.checksum(unit) == before[unit.unit_id]
 
 
+@pytest.mark.parametrize("grant_while_pending", [True, False])
+def test_a_revoke_while_a_renew_is_pending_loses_the_slot_and_its_unit(
+    make_engine, grant_while_pending
+):
+    """Found by review: a slot revoked while a re-form was pending came back not lost, its unit
+    reinstalled as intact; and a unit forgotten meanwhile (its slot granted back) made every
+    later probe raise KeyError after renewing the pool, wedging the engine."""
+    engine = make_engine(3, _plan(3, ((0,), (1,), (2,))))
+    engine.engine.pool.kill(1)
+    tenant = _Tenant.options(num_cpus=1).remote()  # the freed CPU: slot 1 cannot come back
+    ray.get(tenant.ping.remote(), timeout=60)
+    try:
+        assert engine.lost_slots() == {0, 1, 2}  # pending
+        assert engine.revoke() == 2
+        if grant_while_pending:
+            assert engine.grant() == 2
+    finally:
+        ray.kill(tenant)
+    want = {1} if grant_while_pending else {1, 2}
+    deadline = time.monotonic() + 60
+    while engine.lost_slots() != want and time.monotonic() < deadline:
+        pass  # the capacity comes back once Ray has ended the tenant
+    assert engine.lost_slots() == want
+    actor = [u.slots for u in engine.units()["actor@training"]]
+    intact = [slots for slots in actor if not set(slots) & want]
+    assert intact == [(0,)] and (1,) in actor  # the lost slot's unit, for the controller
+    assert ((2,) in actor) is not grant_while_pending  # forgotten when its slot came back
+    if not grant_while_pending:
+        assert engine.grant() == 2 and engine.lost_slots() == {1}
+        assert (2,) not in [u.slots for u in engine.units()["actor@training"]]
+
+
 # --- 6: a transition with a dead slot fails, it does not raise -----------------------------------
 
 

@@ -1,6 +1,8 @@
 """The simulated cluster loses state where a real one would (found by review): slots revoked for
-less than a step, slots given back after a revocation, and a slot that fails while a restart
-runs. Each hid the controller's recovery paths and made simulated runs optimistic."""
+less than a step, slots given back after a revocation, a slot lost in the middle of a step, and
+a slot that fails while a restart runs. Each hid the controller's recovery paths and made
+simulated runs optimistic; and it fails a transition only for the slots its nodes use, as the
+Ray engine does."""
 
 from __future__ import annotations
 
@@ -37,12 +39,72 @@ def _started(**trace) -> tuple[SimulatedEngine, Controller]:
 def test_a_revocation_shorter_than_a_step_takes_the_revoked_slots_state():
     engine, controller = _started(pool=((1.0, 8), (1.5, 16)))
     assert any(max(u.slots) >= 8 for units in engine.units().values() for u in units)
+    kept = {n: [u for u in us if max(u.slots) < 8] for n, us in engine.units().items()}
     report = engine.step(controller.plan, WORKLOAD, 0)  # longer than 1.5 s
-    assert report.ok and engine.pool_size() == 16 and not engine.lost_slots()
-    # The slots came back empty: no unit on them is held any more ...
-    assert all(max(u.slots) < 8 for units in engine.units().values() for u in units)
+    # The step failed where the slots went (1 s in, generating), as on the Ray engine ...
+    assert not report.ok and "generation or inference" in report.failure
+    assert report.seconds == 1.0 and engine.clock == 1.0
+    engine.step(controller.plan, WORKLOAD, 1)  # ... and the slots came back
+    assert engine.pool_size() == 16 and not engine.lost_slots()
+    # ... empty: no unit on them is held any more; those on the others are kept, at the step's
+    # start, as nothing had changed them yet ...
+    assert {n: list(us) for n, us in engine.units().items()} == kept
     # ... and the plan that names them cannot run its next step.
-    assert not engine.step(controller.plan, WORKLOAD, 1).ok
+    assert not engine.step(controller.plan, WORKLOAD, 2).ok
+
+
+def _step_seconds() -> dict[str, float]:
+    engine, controller = _started()
+    report = engine.step(controller.plan, WORKLOAD, 0)
+    assert report.ok
+    return report.stage_seconds
+
+
+def test_a_slot_lost_while_training_takes_every_unit_back_to_the_checkpoint():
+    """Once training began, units may be mid-update: as on the Ray engine, every unit's state
+    is written off, and the restart loads the last checkpoint and redoes the steps since."""
+    stages = _step_seconds()
+    into_training = stages["generation"] + stages["inference"] + 0.5 * stages["training"]
+    engine, controller = _started(failures=((into_training, 0),))
+    report = engine.step(controller.plan, WORKLOAD, 0)
+    assert not report.ok and "training" in report.failure
+    assert abs(report.seconds - into_training) < 1e-9 and engine.units() == {}
+    assert engine.lost_slots() == {0}
+
+
+def test_a_slot_no_transition_node_uses_failing_meanwhile_leaves_the_transition_be():
+    """As on the Ray engine (found by review): the simulated one failed the transition and
+    kept the old units for a failure of a slot none of its nodes used."""
+    from runtime.planner.plan import Layout, Plan
+
+    tiny = PpoWorkload.for_model(CATALOG.model("tiny-llama"), gen_len=1000)
+
+    def started(**trace):
+        world = Trace(
+            name="t", steps=4, accelerator=ACC.name, gpus=16, gen_len=((0, 1000.0),), **trace
+        )
+        engine = SimulatedEngine(world, ACC, truth=TrueModel.draw(0), seed=0)
+        controller = Controller(tiny, ACC, JobPolicy())
+        controller.initial_plan(engine)
+        layouts = {ms.name: (ms.layout, ms.units) for ms in controller.plan.model_stages}
+        layout, units = layouts["actor@training"]
+        free = min(set(range(16)) - {s for u in units for s in u})
+        layouts["actor@training"] = (Layout(dp=layout.dp + 1, tp=1, pp=1), (*units, (free,)))
+        target = Plan.of_units(accelerator=ACC.name, num_slots=16, layouts=layouts)
+        return engine, controller._compile(engine, target, tiny)
+
+    engine, dag = started()
+    touched = {s for node in dag.nodes.values() for s in node.slots}
+    took = engine.transition(dag).seconds
+    assert took > 0 and 0 < len(touched) < 16
+    for slot in (min(set(range(16)) - touched), min(touched)):
+        engine, dag = started(failures=((0.5 * took, slot),))
+        out = engine.transition(dag)
+        assert engine.lost_slots() == {slot}
+        if slot in touched:
+            assert not out.ok and f"slot {slot} failed" in out.failure
+        else:
+            assert out.ok, out.failure
 
 
 def test_a_job_whose_slots_were_revoked_and_given_back_recovers_instead_of_running_on():

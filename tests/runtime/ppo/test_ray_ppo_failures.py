@@ -325,3 +325,80 @@ def test_a_slot_busy_with_a_long_call_is_not_taken_for_dead(pool, tmp_path):
     assert pool.run(wait_for, on=[0], path=str(tmp_path)) == [0]  # others answer meanwhile
     go.write_text("")
     assert pending.wait() == [3] and pending.running() == frozenset()
+
+
+def _folder_state(folder) -> dict:
+    return {
+        str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns)
+        for p in sorted(folder.rglob("*"))
+    }
+
+
+def test_checkpoints_are_written_whole_by_the_job_s_own_driver_only(pool, tmp_path):
+    """Found by review: a second save of a committed step rewrote it in place (a crash then
+    left a mix of two writers' files that resume trusted), a torn COMMITTED mark stopped every
+    later driver at start, and a driver taken over mid-step still wrote its checkpoint."""
+    from runtime.ppo import export
+    from runtime.ppo.job import SupersededError
+
+    current = {"driver": True}
+    job = PpoRuntime(CONFIG, workdir=tmp_path / "job", still_current=lambda: current["driver"])
+    engine = RayEngine(pool, checkpoint_dir=tmp_path / "restart", job=job)
+    workload = job.workload()
+    plan = plan_by_hand(workload, {"actor@training": (2, 1, 1)}, num_slots=SLOTS)
+    engine.start(plan, workload)
+    try:
+        for s in range(2):
+            assert engine.step(plan, workload, s).ok
+        committed = job.checkpoint_root / "step-000002"
+        before = _folder_state(committed)
+        assert "COMMITTED" in before
+
+        # 1. A save of the same step that dies part-way (after the units, before the mark)
+        # leaves the committed one as it was, and nothing half-written beside it.
+        def dies(path):
+            raise OSError("the disk went away")
+
+        job.save_state = dies
+        with pytest.raises(OSError, match="disk went away"):
+            job.save_checkpoint(engine.engine)
+        del job.save_state
+        assert _folder_state(committed) == before
+        assert sorted(p.name for p in job.checkpoint_root.iterdir()) == ["step-000002"]
+
+        # 2. A driver that was taken over writes neither a checkpoint nor an export.
+        current["driver"] = False
+        with pytest.raises(SupersededError):
+            job.save_checkpoint(engine.engine)
+        with pytest.raises(SupersededError):
+            job.export(engine.engine)
+        assert _folder_state(committed) == before and not job.export_root.exists()
+        current["driver"] = True
+
+        # 3. A newer checkpoint whose mark is torn is skipped: resume and export use step 2.
+        torn = job.checkpoint_root / "step-000004"
+        torn.mkdir()
+        (torn / "COMMITTED").write_text('{"step": 4, "un')
+        assert job.last_checkpoint().step == 2
+        out = export.export_job_checkpoint(job.workdir, tmp_path / "out", dtype="float32")
+        assert export.read_manifest(out)["source"]["step"] == 2
+    finally:
+        engine.stop()
+
+
+def test_a_step_on_a_plan_whose_unit_is_gone_fails_instead_of_training_on_fewer(pool, tmp_path):
+    """A slot revoked then granted back comes back empty. A step on the plan that names its
+    training unit trained on the replicas left and reported success, so the controller never
+    replanned (found by review; the simulated engine failed it)."""
+    engine, job = _engine(pool, tmp_path)
+    workload = job.workload()
+    plan = plan_by_hand(workload, {"actor@training": (4, 1, 1)}, num_slots=SLOTS)
+    engine.start(plan, workload)
+    try:
+        assert engine.step(plan, workload, 0).ok
+        assert engine.revoke() == 3 and engine.grant() == 3
+        report = engine.step(plan, workload, 1)
+        assert not report.ok and "actor@training: the unit on slots [3] is gone" in report.failure
+        assert job.state.next_step == 1  # no update was made
+    finally:
+        engine.stop()
