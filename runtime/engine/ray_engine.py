@@ -141,12 +141,15 @@ class RayEngine:
         next probe tries again; nothing raises. Returns whether the group was re-formed."""
         # A dead process answers at once; a live one between steps within moments, even when
         # the machine is busy: the patience is for the latter (and one that stays silent is
-        # busy, not dead).
+        # busy, not dead, unless a call on it already ran past the call timeout: then it is
+        # hung, and killed; see ``SlotPool.alive``).
         pool = self.engine.pool
         busy = self.job.building_ahead() if self.job is not None else frozenset()
+        patience = min(30.0, pool.call_timeout_s)
         dead = []
         if self._renewing is None:  # else every process is replaced anyway
-            dead = [i for i, ok in enumerate(pool.alive(timeout_s=30, busy=busy)) if not ok]
+            alive = pool.alive(timeout_s=patience, busy=busy)
+            dead = [i for i, ok in enumerate(alive) if not ok]
         if not dead and self._renewing is None:
             return False
         started = time.monotonic()

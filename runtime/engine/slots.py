@@ -165,6 +165,8 @@ class SlotPool:
         self._remote_cls = remote_cls
         self._master_addr = master_addr
         self._placements: list[dict] = [{} for _ in actors]
+        self._overdue: dict[int, Any] = {}
+        """Slot → its process, where a call ran past the call timeout on that process."""
 
     @classmethod
     def create(
@@ -262,6 +264,7 @@ class SlotPool:
                     break
                 except ray.exceptions.GetTimeoutError:
                     continue
+        self._overdue.clear()
         for slot in range(len(self._actors)):
             options = self._placements[slot]
             self._actors[slot] = self._remote_cls.options(**options).remote(slot_index=slot)
@@ -311,18 +314,22 @@ class SlotPool:
         return Pending(pool=self, refs=refs, slots=tuple(slots))
 
     def memory(self) -> list[dict[str, int]]:
-        return self._get_all([a.memory.remote() for a in self._actors])
+        return self._get_all([a.memory.remote() for a in self._actors], range(self.num_slots))
 
     def nodes(self) -> list[dict[str, str]]:
         """Each slot's Ray node id and address."""
-        return self._get_all([a.node.remote() for a in self._actors])
+        return self._get_all([a.node.remote() for a in self._actors], range(self.num_slots))
 
     def alive(self, *, timeout_s: float = 10.0, busy: frozenset[int] = frozenset()) -> list[bool]:
-        """Which slots' processes live. Only Ray's word that an actor died makes a slot dead: a
+        """Which slots' processes live. Ray's word that an actor died makes a slot dead; a
         slot that does not answer within ``timeout_s`` is busy (a call, or a collective waiting
         on a peer, runs on it and ends within the pool's call timeout), and killing it would
-        destroy state it may alone hold. The ``busy`` slots are taken to be alive unasked (a
-        long call on one of them reports its slot's death itself, through ``Pending.wait``)."""
+        destroy state it may alone hold. Unless a call on that process already ran past the
+        call timeout (``Pending.wait`` said so): every call ends by then on a live process, so
+        one still silent is hung (stuck in native code, a wedged driver), no call can reach its
+        state, and it is killed and counted dead, for the group to be re-formed without it.
+        The ``busy`` slots are taken to be alive unasked (a long call on one of them reports its
+        slot's death itself, through ``Pending.wait``)."""
         refs = {i: a.memory.remote() for i, a in enumerate(self._actors) if i not in busy}
         out = []
         for i in range(len(self._actors)):
@@ -331,9 +338,22 @@ class SlotPool:
                 continue
             try:
                 ray.get(refs[i], timeout=timeout_s)
+                self._overdue.pop(i, None)  # its long call ended
                 out.append(True)
             except ray.exceptions.GetTimeoutError:
-                out.append(True)  # busy, not dead
+                if self._overdue.get(i) is not self._actors[i]:
+                    out.append(True)  # busy, not dead
+                    continue
+                logger.warning(
+                    "slot %s: silent past its call's %.0f s timeout and %.0f s more; killed as "
+                    "hung",
+                    i,
+                    self.call_timeout_s,
+                    timeout_s,
+                )
+                with contextlib.suppress(ray.exceptions.RayError):
+                    ray.kill(self._actors[i], no_restart=True)
+                out.append(False)
             except ray.exceptions.ActorUnavailableError:
                 out.append(True)  # unreachable for a moment (Ray says it may come back)
             except ray.exceptions.RayActorError:
@@ -371,11 +391,20 @@ class SlotPool:
     def _get(self, ref: Any) -> Any:
         return self._get_all([ref])[0]
 
-    def _get_all(self, refs: list[Any]) -> list[Any]:
+    def _get_all(self, refs: list[Any], slots: Sequence[int] | None = None) -> list[Any]:
+        """The calls' results; with ``slots`` (the slot of each call), the slots whose call ran
+        past the call timeout are remembered (``alive``) and named."""
         try:
             return ray.get(refs, timeout=self.call_timeout_s)
         except ray.exceptions.GetTimeoutError as exc:
-            raise SlotError(f"a slot did not answer within {self.call_timeout_s:.0f} s") from exc
+            silent = []
+            if slots is not None:
+                done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
+                ended = {id(r) for r in done}
+                silent = [s for s, r in zip(slots, refs, strict=True) if id(r) not in ended]
+                self._overdue.update({s: self._actors[s] for s in silent})
+            which = f"slots {silent}" if silent else "a slot"
+            raise SlotError(f"{which} did not answer within {self.call_timeout_s:.0f} s") from exc
         except ray.exceptions.RayError as exc:
             raise SlotError(f"a slot failed: {exc}") from exc
 
@@ -391,7 +420,7 @@ class Pending:
     def wait(self) -> list[Any]:
         """The calls' results, in the order of ``slots``; a failed or silent slot raises
         ``SlotError`` (the pool's call timeout counts from now)."""
-        return self.pool._get_all(self.refs)
+        return self.pool._get_all(self.refs, self.slots)
 
     def running(self) -> frozenset[int]:
         """The slots whose call has not ended (ended includes failed, a dead slot's too)."""

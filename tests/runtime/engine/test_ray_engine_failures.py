@@ -11,7 +11,7 @@ import runtime.emu.engine as emu_engine
 from runtime.emu import checkpoint, slot_ops
 from runtime.engine.ray_cluster import ray_connection
 from runtime.engine.ray_engine import RayEngine
-from runtime.engine.slots import SlotPool
+from runtime.engine.slots import SlotError, SlotPool
 from runtime.planner import default_catalog
 from runtime.planner.plan import Layout, Plan
 from runtime.planner.workload import PpoWorkload
@@ -136,6 +136,26 @@ def test_a_failed_receiver_does_not_cost_the_sender_its_state(make_engine, monke
     assert engine.lost_slots() == frozenset()
     assert not [e for e in engine.events if e["event"] == "engine.slots_lost"]
     assert engine.engine.checksum(actor) == before
+
+
+def test_a_slot_silent_past_its_call_timeout_is_killed_as_hung_and_the_others_kept(make_engine):
+    """A slot stuck in a call that never returns (native code, a wedged driver) was counted
+    busy for ever: every later call on it timed out and the job failed its retries. Silent past
+    the call timeout and still silent when probed, it is hung: killed, counted lost, and the
+    group is re-formed keeping the units on the other slots."""
+    engine = make_engine(2, _plan(2, ((0,), (1,))))
+    before = _checksums(engine)
+
+    def stuck(ctx):
+        while True:
+            time.sleep(0.05)
+
+    with pytest.raises(SlotError, match=r"slots \[1\] did not answer"):
+        engine.engine.pool.start(stuck, on=[1]).wait()
+    assert engine.lost_slots() == {1}
+    assert [e["slots"] for e in engine.events if e["event"] == "engine.slots_lost"] == [[1]]
+    intact = [u for us in engine.units().values() for u in us if 1 not in u.slots]
+    assert intact and all(engine.engine.checksum(u) == before[u.unit_id] for u in intact)
 
 
 # --- 2: units on lost slots never look intact ----------------------------------------------------
