@@ -165,8 +165,9 @@ class SlotPool:
         self._remote_cls = remote_cls
         self._master_addr = master_addr
         self._placements: list[dict] = [{} for _ in actors]
-        self._overdue: dict[int, Any] = {}
-        """Slot → its process, where a call ran past the call timeout on that process."""
+        self._overdue: dict[int, tuple[Any, float]] = {}
+        """Slot → (its process, when), where a call on that process ran past the call timeout
+        (``time.monotonic()`` of when the driver gave up waiting)."""
 
     @classmethod
     def create(
@@ -325,9 +326,11 @@ class SlotPool:
         slot that does not answer within ``timeout_s`` is busy (a call, or a collective waiting
         on a peer, runs on it and ends within the pool's call timeout), and killing it would
         destroy state it may alone hold. Unless a call on that process already ran past the
-        call timeout (``Pending.wait`` said so): every call ends by then on a live process, so
-        one still silent is hung (stuck in native code, a wedged driver), no call can reach its
-        state, and it is killed and counted dead, for the group to be re-formed without it.
+        call timeout (``Pending.wait`` said so): then it is given a further call timeout and
+        ``timeout_s`` since (by which time a peer blocked in a collective with a hung slot has
+        timed out, and answers), and one still silent is hung (stuck in native code, a wedged
+        driver): no call can reach its state, and it is killed and counted dead, for the group
+        to be re-formed without it.
         The ``busy`` slots are taken to be alive unasked (a long call on one of them reports its
         slot's death itself, through ``Pending.wait``)."""
         refs = {i: a.memory.remote() for i, a in enumerate(self._actors) if i not in busy}
@@ -336,20 +339,25 @@ class SlotPool:
             if i not in refs:
                 out.append(True)
                 continue
+            overdue = self._overdue.get(i)
+            if overdue is not None and overdue[0] is not self._actors[i]:
+                overdue = None  # of a process since replaced
+            patience = timeout_s
+            if overdue is not None:
+                since = time.monotonic() - overdue[1]
+                patience = max(timeout_s, self.call_timeout_s + timeout_s - since)
             try:
-                ray.get(refs[i], timeout=timeout_s)
+                ray.get(refs[i], timeout=patience)
                 self._overdue.pop(i, None)  # its long call ended
                 out.append(True)
             except ray.exceptions.GetTimeoutError:
-                if self._overdue.get(i) is not self._actors[i]:
+                if overdue is None:
                     out.append(True)  # busy, not dead
                     continue
                 logger.warning(
-                    "slot %s: silent past its call's %.0f s timeout and %.0f s more; killed as "
-                    "hung",
+                    "slot %s: silent for twice the call timeout (%.0f s); killed as hung",
                     i,
                     self.call_timeout_s,
-                    timeout_s,
                 )
                 with contextlib.suppress(ray.exceptions.RayError):
                     ray.kill(self._actors[i], no_restart=True)
@@ -402,7 +410,8 @@ class SlotPool:
                 done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
                 ended = {id(r) for r in done}
                 silent = [s for s, r in zip(slots, refs, strict=True) if id(r) not in ended]
-                self._overdue.update({s: self._actors[s] for s in silent})
+                now = time.monotonic()
+                self._overdue.update({s: (self._actors[s], now) for s in silent})
             which = f"slots {silent}" if silent else "a slot"
             raise SlotError(f"{which} did not answer within {self.call_timeout_s:.0f} s") from exc
         except ray.exceptions.RayError as exc:

@@ -23,7 +23,7 @@ import shutil
 import time
 import uuid
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -100,11 +100,13 @@ def write_hf_folder(
     dtype: str = "bfloat16",
     source: Mapping | None = None,
     generation: Mapping | None = None,
+    before_replace: Callable[[], None] = lambda: None,
     **config_fields,
 ) -> Path:
     """Write ``state_dict`` as a Hugging Face folder at ``folder`` (replacing one there), the
     manifest last. ``source`` says where the weights came from; ``generation`` is
-    ``generation_config.json`` (e.g. the end-of-sequence token)."""
+    ``generation_config.json`` (e.g. the end-of-sequence token). ``before_replace`` runs once
+    the folder is written, before it takes ``folder``'s place: raising there leaves nothing."""
     if dtype not in DTYPES:
         raise ExportError(f"dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}")
     folder = Path(folder).resolve()
@@ -139,6 +141,7 @@ def write_hf_folder(
         for path in partial.iterdir():  # on disk before the folder is renamed into place
             with path.open("rb") as handle:
                 os.fsync(handle.fileno())
+        before_replace()
         replace_folder(partial, folder)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)

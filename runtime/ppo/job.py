@@ -1029,6 +1029,7 @@ class PpoRuntime:
             scalar_head=role == "critic",
             dtype="float32",  # the job trains in fp32: nothing is rounded away
             source={"role": role, "step": self.state.next_step, "init_from": self.config.init_from},
+            before_replace=self.fence,  # a driver taken over while it wrote leaves nothing
             **self.export_fields(),
         )
 

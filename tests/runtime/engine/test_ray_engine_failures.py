@@ -6,6 +6,7 @@ import time
 
 import pytest
 import ray
+import torch
 
 import runtime.emu.engine as emu_engine
 from runtime.emu import checkpoint, slot_ops
@@ -156,6 +157,29 @@ def test_a_slot_silent_past_its_call_timeout_is_killed_as_hung_and_the_others_ke
     assert [e["slots"] for e in engine.events if e["event"] == "engine.slots_lost"] == [[1]]
     intact = [u for us in engine.units().values() for u in us if 1 not in u.slots]
     assert intact and all(engine.engine.checksum(u) == before[u.unit_id] for u in intact)
+
+
+def test_a_peer_blocked_in_a_collective_with_a_hung_slot_is_not_taken_for_hung(cluster):
+    """Found by review: every slot silent when a call timed out was marked overdue, the peers
+    blocked in a collective with the hung slot too, and killed if still blocked when probed.
+    A peer gets a further call timeout to answer (its collective times out by then)."""
+    import torch.distributed as dist
+
+    pool = SlotPool.create(2, call_timeout_s=8)
+    try:
+
+        def hang_or_wait(ctx):
+            if ctx.rank == 1:
+                while True:
+                    time.sleep(0.05)
+            time.sleep(4)  # enters the collective late: blocked until 4 + 8 s
+            dist.all_reduce(torch.zeros(1))
+
+        with pytest.raises(SlotError, match=r"slots \[0, 1\] did not answer"):
+            pool.start(hang_or_wait).wait()
+        assert pool.alive(timeout_s=2) == [True, False]
+    finally:
+        pool.close()
 
 
 # --- 2: units on lost slots never look intact ----------------------------------------------------

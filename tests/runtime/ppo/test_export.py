@@ -152,6 +152,22 @@ def test_a_failed_write_leaves_the_previous_export_in_place(tmp_path, monkeypatc
     assert export.read_manifest(folder) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["actor"]
 
+    # A writer that may not replace it any more (its driver was taken over) leaves it too.
+    monkeypatch.undo()
+
+    def superseded():
+        raise RuntimeError("another driver took the job over")
+
+    with pytest.raises(RuntimeError, match="took the job over"):
+        export.write_hf_folder(
+            folder,
+            TINY,
+            build_model(TINY, scalar_head=False, seed=3).state_dict(),
+            before_replace=superseded,
+        )
+    assert export.read_manifest(folder) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["actor"]
+
 
 def _job_dir(tmp_path, config: ModelConfig, steps=(4, 8)) -> tuple:
     """A PPO job's working directory as its driver leaves it: ``job.json`` and committed DCP
