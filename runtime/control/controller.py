@@ -1030,11 +1030,12 @@ class Controller:
         return option, dag
 
     def _cluster(self, engine: Engine) -> Cluster:
-        """The slots a transition may touch: the pool, plus revoked slots that units still name
-        (lost, so their state is written off)."""
+        """The slots a transition may touch: the pool, plus slots out of it that units still
+        name: written off where the engine reports them lost (revoked), and moved off as
+        sources where it does not (a shrink announced ahead: they hold their state until it)."""
         named = [s for us in engine.units().values() for u in us for s in u.slots]
         size = max([engine.pool_size(), *(s + 1 for s in named)])
-        lost = {s for s in engine.lost_slots() if s < size} | set(range(engine.pool_size(), size))
+        lost = {s for s in engine.lost_slots() if s < size}
         free = self._transition_capacity(engine.pool_size())
         extra = {}
         if getattr(engine, "rebuild_s", None):  # an engine that measures its own rebuilds

@@ -142,7 +142,9 @@ class SimulatedEngine:
         return self.clock
 
     def pool_size(self) -> int:
-        return self._pool
+        """The slots the job may plan on: the pool, less those whose reclaiming the trace has
+        announced (they hold their state, and can be moved off, until it happens)."""
+        return min(self._pool, self.trace.announced_gpus_at(self.clock))
 
     def lost_slots(self) -> frozenset[int]:
         return frozenset(self._lost)

@@ -2,7 +2,8 @@
 
 A trace file is JSON Lines. The first line is the header, every other line one record:
 
-    {"trace": "growth-16", "version": 1, "steps": 1000, "accelerator": "h100-sxm", "gpus": 16}
+    {"trace": "growth-16", "version": 1, "steps": 1000, "accelerator": "h100-sxm", "gpus": 16,
+     "notice_s": 120}
     {"at_step": 0, "gen_len": 500}
     {"at_step": 1000, "gen_len": 8000}
     {"at_s": 3600, "gpus": 24}
@@ -10,8 +11,12 @@ A trace file is JSON Lines. The first line is the header, every other line one r
 
 ``gen_len`` points are joined linearly (a held-out shape is any polyline); ``gpus`` sets the pool
 size from that simulated time on; ``fail_slot`` kills one slot at that time (its state is lost; the
-pool shrinks by one until a later ``gpus`` record). ``generate`` makes seeded traces of the shapes
-the experiments use; ``load`` reads a file and names the line and field of anything malformed.
+pool shrinks by one until a later ``gpus`` record). The header's optional ``notice_s`` (default 0)
+is how long before a shrink of the pool the job is told of it, as clouds announce reclaiming a
+spot instance (EC2 Spot: two minutes; GCP and Azure: 30 s): the slots to go stay usable, and
+hold their state, until the shrink itself. Failures come unannounced. ``generate`` makes seeded
+traces of the shapes the experiments use; ``load`` reads a file and names the line and field of
+anything malformed.
 
 Bounds: ``steps`` and ``at_step`` at most ``MAX_STEPS`` (a job's most), ``gen_len`` at most
 ``MAX_GEN_LEN`` tokens, ``gpus`` at most ``MAX_SLOTS`` (the planner's most), and the failures
@@ -31,6 +36,10 @@ from pathlib import Path
 from runtime.planner.search import MAX_SLOTS
 
 FORMAT_VERSION = 1
+SPOT_NOTICE_S = 120.0
+"""How long before reclaiming them a generated spot-like pool announces it: EC2 Spot's
+interruption notice (the seed's availability traces are AWS's)."""
+MAX_NOTICE_S = 3600.0
 MAX_STEPS = 1_000_000
 """The most steps a trace runs (or places a ``gen_len`` point at): a job's most."""
 MAX_GEN_LEN = 10_000_000
@@ -64,6 +73,8 @@ class Trace:
     """(simulated seconds, slots) changes, by time."""
     failures: tuple[tuple[float, int], ...] = ()
     """(simulated seconds, slot index) failures, by time."""
+    notice_s: float = 0.0
+    """How long before a shrink of the pool it is announced (0: unannounced)."""
 
     def gen_len_at(self, step: int) -> int:
         steps = [s for s, _ in self.gen_len]
@@ -81,6 +92,13 @@ class Trace:
             if at <= seconds:
                 count = value
         return count
+
+    def announced_gpus_at(self, seconds: float) -> int:
+        """The pool the job is told it has at ``seconds``: the pool then, less the slots of any
+        shrink announced by then (``notice_s``) that has not happened yet. Growth is not
+        announced: slots join when they come."""
+        later = (n for at, n in self.pool if seconds < at <= seconds + self.notice_s)
+        return min([self.gpus_at(seconds), *later])
 
     def fewest_gpus_between(self, start: float, end: float) -> int:
         """The smallest pool in ``(start, end]``, counting the pool at ``start``: a revocation
@@ -111,6 +129,7 @@ class Trace:
                     "steps": self.steps,
                     "accelerator": self.accelerator,
                     "gpus": self.gpus,
+                    **({"notice_s": self.notice_s} if self.notice_s else {}),
                 }
             )
         ]
@@ -211,6 +230,12 @@ def parse(lines: list[str], *, source: str = "trace", gpus: int | None = None) -
             raise TraceError(f"{where}: field '{field}': missing from the header")
     if not isinstance(header["accelerator"], str):
         raise TraceError(f"{where}: field 'accelerator': must be a name")
+    unknown = set(header) - {"trace", "version", "steps", "accelerator", "gpus", "notice_s"}
+    if unknown:
+        raise TraceError(f"{where}: field '{sorted(unknown)[0]}': unknown in the header")
+    notice_s = _number(
+        header.get("notice_s", 0.0), f"{where}: field 'notice_s'", maximum=MAX_NOTICE_S
+    )
     steps = _int(header["steps"], f"{where}: field 'steps'", minimum=1, maximum=MAX_STEPS)
     written = _int(header["gpus"], f"{where}: field 'gpus'", minimum=1, maximum=MAX_SLOTS)
     if gpus is None:
@@ -277,6 +302,7 @@ def parse(lines: list[str], *, source: str = "trace", gpus: int | None = None) -
         gen_len=tuple((at, value) for at, value, _ in sorted(gen_len)),
         pool=tuple((at, value) for at, value, _ in sorted(pool)),
         failures=tuple((at, value) for at, value, _ in sorted(failures)),
+        notice_s=notice_s,
     )
 
 
@@ -346,10 +372,15 @@ def generate(
     hours: float = 10.0,
     grow_to: int | None = None,
     failures: int = 0,
+    notice_s: float | None = None,
 ) -> Trace:
     """A seeded trace of one of ``SHAPES``; ``spot`` adds a spot-like pool (over a dozen changes in
-    ``hours``, never above ``MAX_SLOTS``), ``grow_to`` a pool that doubles towards that size,
+    ``hours``, never above ``MAX_SLOTS``), announcing each shrink ``notice_s`` before it
+    (``SPOT_NOTICE_S`` unless given), ``grow_to`` a pool that doubles towards that size,
     ``failures`` slot failures (less any that would leave the pool no slot to run on)."""
+    if notice_s is None:
+        notice_s = SPOT_NOTICE_S if spot else 0.0
+    _number(notice_s, "notice_s", maximum=MAX_NOTICE_S)
     if shape not in SHAPES:
         raise TraceError(f"shape: expected one of {', '.join(SHAPES)}, got {shape!r}")
     _int(gpus, "gpus", minimum=1, maximum=MAX_SLOTS)
@@ -416,4 +447,5 @@ def generate(
         gen_len=tuple((s, round(v, 1)) for s, v in points),
         pool=tuple(sorted(pool)),
         failures=tuple(sorted(fails)),
+        notice_s=float(notice_s),
     )

@@ -153,3 +153,31 @@ def test_a_revocation_that_ends_within_a_transition_fails_it():
     out = engine.transition(controller._compile(engine, target, WORKLOAD))
     assert not out.ok and "revoked during the transition" in out.failure
     assert all(max(u.slots) < 8 for units in out.units.values() for u in units)
+
+
+def test_an_announced_shrink_is_moved_off_before_it_and_an_unannounced_one_costs_state():
+    """A cloud announces reclaiming spot instances (EC2: two minutes before): the pool the job
+    may plan on shrinks at the notice, while the slots to go still hold their state, so the
+    controller moves the job off them in time. Unannounced, the same shrink cuts a step short
+    and takes the state on those slots (here the critic's only unit: back to a checkpoint)."""
+    outcomes = {}
+    for notice_s in (120.0, 0.0):
+        world = Trace(
+            name="t",
+            steps=30,
+            accelerator=ACC.name,
+            gpus=16,
+            gen_len=((0, 1000.0),),
+            pool=((300.0, 8),),
+            notice_s=notice_s,
+        )
+        engine = SimulatedEngine(world, ACC, truth=TrueModel.draw(0), seed=0)
+        controller = Controller(WORKLOAD, ACC, JobPolicy())
+        summary = run_job(engine, controller, 30)
+        assert engine.clock > 300.0 and engine.pool_size() == 8
+        assert max(s for ms in controller.plan.model_stages for s in ms.slots) < 8
+        outcomes[notice_s] = summary
+    announced, unannounced = outcomes[120.0], outcomes[0.0]
+    assert announced.failed_steps == 0 and announced.restarts == 0
+    assert announced.transitions >= 1
+    assert unannounced.failed_steps >= 1 and unannounced.restarts >= 1

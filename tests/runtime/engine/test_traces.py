@@ -54,6 +54,9 @@ HEADER = '{"trace": "t", "version": 1, "steps": 10, "accelerator": "h100-sxm", "
         ([HEADER, '{"at_step": 0, "gen_len": -5}'], r"trace:2: field 'gen_len'"),
         ([HEADER, '{"at_step": 0, "gen_len": 5}', '{"gpus": 4}'], r"trace:3: field 'at_s'"),
         ([HEADER, '{"at_step": 0, "gen_len": 5, "colour": 1}'], r"trace:2: field 'colour'"),
+        ([HEADER.replace("}", ', "notice_s": -1}'), '{"at_step": 0, "gen_len": 5}'], "notice_s"),
+        ([HEADER.replace("}", ', "notice_s": "2m"}'), '{"at_step": 0, "gen_len": 5}'], "notice_s"),
+        ([HEADER.replace("}", ', "notice": 120}'), '{"at_step": 0, "gen_len": 5}'], "'notice'"),
         ([HEADER, '{"at_step": 0, "gen_len": 5, "gpus": 3}'], r"trace:2: expected exactly one"),
         ([HEADER], r"field 'gen_len': at least one point"),
         ([HEADER, '{"at_step": "x", "gen_len": 5}'], r"trace:2: field 'at_step'"),
@@ -221,3 +224,34 @@ def test_generated_failures_leave_a_slot_and_pools_stay_within_the_planners_most
     assert max(g for _, g in big.pool) <= 65_536 and parse(big.to_lines()) == big
     with pytest.raises(TraceError, match="gpus: must be an integer from 1 to 65,536"):
         generate("growth", gpus=65_537)
+
+
+def test_a_shrink_is_announced_notice_s_before_it_and_growth_is_not():
+    trace = parse(
+        [
+            HEADER.replace("}", ', "notice_s": 120}'),
+            '{"at_step": 0, "gen_len": 100}',
+            '{"at_s": 500, "gpus": 4}',
+            '{"at_s": 550, "gpus": 2}',
+            '{"at_s": 900, "gpus": 16}',
+        ]
+    )
+    assert trace.notice_s == 120.0 and load_again(trace) == trace
+    assert [trace.announced_gpus_at(t) for t in (379, 380, 430, 500, 899, 900)] == [
+        8,
+        4,
+        2,
+        2,
+        2,
+        16,
+    ]
+    assert [trace.gpus_at(t) for t in (430, 500, 550)] == [8, 4, 2]  # the slots go at the shrink
+    unannounced = generate("growth", seed=1, steps=50, gpus=16, spot=True, notice_s=0)
+    assert unannounced.notice_s == 0 and all(
+        unannounced.announced_gpus_at(t) == unannounced.gpus_at(t) for t, _ in unannounced.pool
+    )
+    assert generate("growth", seed=1, steps=50, gpus=16, spot=True).notice_s == 120.0
+
+
+def load_again(trace):
+    return parse(trace.to_lines())
