@@ -616,7 +616,9 @@ def markdown(results: dict) -> str:
     lines += [
         "## 1. Online TP/PP adaptation vs fixed TP/PP with DP scaling",
         "",
-        f"Trace `{e1['trace']}` (500 to 8,000 tokens, spot-like 64-GPU pool); mean s/step "
+        f"Trace `{e1['trace']}` (500 to 8,000 tokens, spot-like 64-GPU pool whose reclaims "
+        "are announced two minutes ahead, as EC2 Spot's are; a slot lost unannounced cuts its "
+        "step short); mean s/step "
         "(t: transitions, r: restarts; relaxed: replans in which the kept layouts no longer fitted, "
         "so that the planner chose freely).",
         "",
@@ -752,7 +754,12 @@ def markdown(results: dict) -> str:
         ]
         lines.append(f"| {trace} | " + " | ".join(cells) + " |")
     lines.append("| average | " + " | ".join(f"{e4['average'][n]:.2f}" for n in names) + " |")
-    lines += ["", "(t: transitions, r: restarts; seed: 858.7 vs 928.3 s/step)", ""]
+    lines += [
+        "",
+        "(t: transitions, r: restarts; spot-like pools, reclaims announced two minutes ahead; "
+        "seed: 858.7 vs 928.3 s/step)",
+        "",
+    ]
     sweep = e4["sweep"]
     lines += [
         f"Over {len(sweep['rows'])} more traces (seeds {SWEEP_SEEDS[0]}-{SWEEP_SEEDS[-1]} of each "
