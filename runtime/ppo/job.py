@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from runtime import files
 from runtime.emu import checkpoint
 from runtime.emu.engine import UnitEngine
 from runtime.emu.layout import ShardError, assemble
@@ -954,14 +955,14 @@ class PpoRuntime:
         mark the checkpoint committed (a checkpoint without the mark is never resumed from).
 
         All of it is written into a hidden folder beside ``step-N/`` that is renamed into place
-        once complete and on disk (``export.replace_folder``), so a driver killed while saving
+        once complete and on disk (``files.replace_folder``), so a driver killed while saving
         leaves no ``step-N/`` or the whole of one, never a mix of two writers' files. Only the
         job's current driver saves (``fence``)."""
         self.fence()
         self.finish_ahead()  # the groups below are made on every slot
         step = self.state.next_step
         root = self.checkpoint_root / f"step-{step:06d}"
-        export.sweep_leftovers(root)
+        files.sweep_leftovers(root)
         partial = root.with_name(f".{root.name}.partial-{uuid.uuid4().hex[:8]}")
         held: dict[str, Unit] = {}
         for unit in sorted(engine.units.values(), key=lambda u: u.unit_id):
@@ -973,9 +974,9 @@ class PpoRuntime:
                 engine.pool.run(checkpoint.save_unit, on=unit.slots, unit=unit, path=str(path))
             self.save_state(partial / "state.json")
             mark = {"step": step, "units": sorted(held)}
-            export.write_file(partial / export.COMMITTED, json.dumps(mark))
+            files.write_file(partial / export.COMMITTED, json.dumps(mark))
             self.fence()  # a driver superseded while it saved leaves the folder unused
-            export.replace_folder(partial, root)
+            files.replace_folder(partial, root)
         except BaseException:
             shutil.rmtree(partial, ignore_errors=True)
             raise
@@ -1057,7 +1058,7 @@ class PpoRuntime:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.state.shuffle_state = self.shuffle.get_state().tolist()
         self.state.kl_coef = self.kl.value
-        export.write_file(path, json.dumps(self.state.to_json()))
+        files.write_file(path, json.dumps(self.state.to_json()))
 
     def load_state(self, path: Path) -> None:
         data = json.loads(path.read_text())

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 
 from django.conf import settings
 from django.utils import timezone
 
+from runtime.files import write_file
 from webapp.jobs.models import Job
 
 OWNER_FILE = "owner.json"
@@ -104,9 +104,5 @@ def job_workdir_claim(job: Job) -> tuple[Path, Path | None]:
     folder.mkdir(parents=True, exist_ok=True)
     if _stamp(folder) != _identity(job):
         # Written whole or not at all: a torn stamp would make the folder foreign to its job.
-        with tempfile.NamedTemporaryFile(
-            "w", dir=folder, prefix=f".{OWNER_FILE}.", delete=False, encoding="utf-8"
-        ) as out:
-            json.dump(_identity(job), out)
-        os.replace(out.name, folder / OWNER_FILE)
+        write_file(folder / OWNER_FILE, json.dumps(_identity(job)))
     return folder, moved

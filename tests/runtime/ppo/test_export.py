@@ -15,6 +15,7 @@ import transformers
 from typer.testing import CliRunner
 
 from nereus.cli import app
+from runtime import files
 from runtime.planner.catalog import ModelConfig, RopeScaling, default_catalog
 from runtime.ppo import export
 from runtime.ppo.model import build_model
@@ -305,7 +306,7 @@ def test_a_dead_writer_s_leftovers_go_with_the_next_write(tmp_path):
     dead = tmp_path / ".actor.partial-deadbeef"
     dead.mkdir()
     (dead / "model.safetensors").write_bytes(b"\0" * 1000)
-    old = time.time() - 2 * export.STALE_S
+    old = time.time() - 2 * files.STALE_S
     os.utime(dead, (old, old))
     live = tmp_path / ".actor.partial-cafecafe"  # another writer, right now
     live.mkdir()
