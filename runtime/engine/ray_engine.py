@@ -36,7 +36,7 @@ from runtime.planner.plan import Plan
 from runtime.planner.workload import PpoWorkload
 from runtime.transition.dag import TransitionDag
 from runtime.transition.executor import Executor
-from runtime.transition.units import Units, persistent_stages, persists, units_of
+from runtime.transition.units import Units, persists, units_not_held, units_of
 
 logger = logging.getLogger(__name__)
 
@@ -246,15 +246,7 @@ class RayEngine:
         )
         if missing:  # a failed step took the state; only a restart brings it back
             return self._failed(step, f"{missing[0]}: no units hold its state")
-        units = {(u.model_stage, u.slots) for u in self.engine.units.values()}
-        persistent = {ms.name for ms in persistent_stages(workload)}
-        gone = [
-            (ms.name, unit)
-            for ms in plan.model_stages
-            if ms.name in persistent
-            for unit in ms.units
-            if (ms.name, unit) not in units
-        ]
+        gone = units_not_held(plan, workload, self.units())
         if gone:  # a slot given back after a revocation came back empty: the controller
             # replans from the units that are left (the job would train on fewer replicas)
             name, unit = gone[0]

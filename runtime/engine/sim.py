@@ -39,7 +39,7 @@ from runtime.transition import cost as transition_cost
 from runtime.transition.compiler import DEFAULT_REBUILD_S
 from runtime.transition.dag import TransitionDag, in_build_order
 from runtime.transition.simulate import simulate
-from runtime.transition.units import Units, bytes_on, persists, units_of
+from runtime.transition.units import Units, bytes_on, persists, units_not_held, units_of
 
 COMMUNICATION = ("tp_allreduce", "pp_p2p", "dp_allreduce", "weight_sync", "transition")
 STALL_S = 60.0
@@ -173,18 +173,7 @@ class SimulatedEngine:
         if missing:  # the state was lost (an out-of-memory step) and nothing has restored it:
             # the job waits for a plan it can restart on
             return self._stalled(step, f"{missing[0]}: no units hold its state (simulated)")
-        held = {
-            ms.name: {u.slots for u in self._units.get(ms.name, ())}
-            for ms in workload.model_stages()
-            if persists(ms)
-        }
-        gone_units = [
-            (ms.name, unit)
-            for ms in plan.model_stages
-            if ms.name in held
-            for unit in ms.units
-            if unit not in held[ms.name]
-        ]
+        gone_units = units_not_held(plan, workload, self._units)
         if gone_units:  # slots given back after a revocation came back empty: the step fails
             # at its first collective, and the controller replans from the units that are left
             name, unit = gone_units[0]

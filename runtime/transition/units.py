@@ -47,6 +47,22 @@ def persistent_stages(workload: PpoWorkload) -> tuple[ModelStage, ...]:
     return tuple(ms for ms in workload.model_stages() if persists(ms))
 
 
+def units_not_held(
+    plan: Plan, workload: PpoWorkload, held: Units
+) -> list[tuple[str, tuple[int, ...]]]:
+    """The persistent units ``plan`` names (model-stage, slots) that ``held`` has not: a plan
+    cannot run its step on them (a slot given back after a revocation comes back empty)."""
+    persistent = {ms.name for ms in persistent_stages(workload)}
+    have = {(name, u.slots) for name, units in held.items() for u in units}
+    return [
+        (ms.name, slots)
+        for ms in plan.model_stages
+        if ms.name in persistent
+        for slots in ms.units
+        if (ms.name, slots) not in have
+    ]
+
+
 def units_of(plan: Plan, workload: PpoWorkload, *, tag: str = "u") -> dict[str, tuple[Unit, ...]]:
     """A plan's persistent units, named ``<model-stage>/<tag><index>``."""
     out = {}

@@ -18,20 +18,23 @@ ACC = CATALOG.accelerator("h100-sxm")
 WORKLOAD = PpoWorkload.for_model(CATALOG.model("llama-3.1-8b"), gen_len=1000)
 
 
-def _run(steps: int, **trace) -> tuple[SimulatedEngine, Controller]:
+def _job(steps: int, workload=WORKLOAD, **trace) -> tuple[SimulatedEngine, Controller]:
     world = Trace(
         name="t", steps=steps, accelerator=ACC.name, gpus=16, gen_len=((0, 1000.0),), **trace
     )
     engine = SimulatedEngine(world, ACC, truth=TrueModel.draw(0), seed=0)
-    controller = Controller(WORKLOAD, ACC, JobPolicy())
-    run_job(engine, controller, steps)
-    return engine, controller
+    return engine, Controller(workload, ACC, JobPolicy())
 
 
-def _started(**trace) -> tuple[SimulatedEngine, Controller]:
-    world = Trace(name="t", steps=4, accelerator=ACC.name, gpus=16, gen_len=((0, 1000.0),), **trace)
-    engine = SimulatedEngine(world, ACC, truth=TrueModel.draw(0), seed=0)
-    controller = Controller(WORKLOAD, ACC, JobPolicy())
+def _run(steps: int, **trace):
+    """The job run for ``steps`` on the trace: its engine, controller and run summary."""
+    engine, controller = _job(steps, **trace)
+    return engine, controller, run_job(engine, controller, steps)
+
+
+def _started(workload=WORKLOAD, **trace) -> tuple[SimulatedEngine, Controller]:
+    """The job on its initial plan, before its first step."""
+    engine, controller = _job(4, workload, **trace)
     controller.initial_plan(engine)
     return engine, controller
 
@@ -80,12 +83,7 @@ def test_a_slot_no_transition_node_uses_failing_meanwhile_leaves_the_transition_
     tiny = PpoWorkload.for_model(CATALOG.model("tiny-llama"), gen_len=1000)
 
     def started(**trace):
-        world = Trace(
-            name="t", steps=4, accelerator=ACC.name, gpus=16, gen_len=((0, 1000.0),), **trace
-        )
-        engine = SimulatedEngine(world, ACC, truth=TrueModel.draw(0), seed=0)
-        controller = Controller(tiny, ACC, JobPolicy())
-        controller.initial_plan(engine)
+        engine, controller = _started(workload=tiny, **trace)
         layouts = {ms.name: (ms.layout, ms.units) for ms in controller.plan.model_stages}
         layout, units = layouts["actor@training"]
         free = min(set(range(16)) - {s for u in units for s in u})
@@ -108,7 +106,7 @@ def test_a_slot_no_transition_node_uses_failing_meanwhile_leaves_the_transition_
 
 
 def test_a_job_whose_slots_were_revoked_and_given_back_recovers_instead_of_running_on():
-    _, controller = _run(25, pool=((100.0, 3), (600.0, 16)))
+    _, controller, _ = _run(25, pool=((100.0, 3), (600.0, 16)))
     moves = [
         e for e in controller.events if e["event"] in ("control.transition", "control.restart")
     ]
@@ -134,7 +132,7 @@ def test_a_slot_that_fails_while_a_restart_runs_stays_lost():
 def test_controller_events_are_strict_json():
     """An urgent decision's verdict carried infinities and NaN (no saving, no payback), which
     `nereus simulate --events` wrote as tokens JSON does not have."""
-    _, controller = _run(12, pool=((100.0, 8),))
+    _, controller, _ = _run(12, pool=((100.0, 8),))
     decisions = [e for e in controller.events if e["event"] == "control.decision"]
     assert any(e.get("verdict") for e in decisions)
     for event in controller.events:
@@ -162,18 +160,7 @@ def test_an_announced_shrink_is_moved_off_before_it_and_an_unannounced_one_costs
     and takes the state on those slots (here the critic's only unit: back to a checkpoint)."""
     outcomes = {}
     for notice_s in (120.0, 0.0):
-        world = Trace(
-            name="t",
-            steps=30,
-            accelerator=ACC.name,
-            gpus=16,
-            gen_len=((0, 1000.0),),
-            pool=((300.0, 8),),
-            notice_s=notice_s,
-        )
-        engine = SimulatedEngine(world, ACC, truth=TrueModel.draw(0), seed=0)
-        controller = Controller(WORKLOAD, ACC, JobPolicy())
-        summary = run_job(engine, controller, 30)
+        engine, controller, summary = _run(30, pool=((300.0, 8),), notice_s=notice_s)
         assert engine.clock > 300.0 and engine.pool_size() == 8
         assert max(s for ms in controller.plan.model_stages for s in ms.slots) < 8
         outcomes[notice_s] = summary
