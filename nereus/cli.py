@@ -288,6 +288,46 @@ def cancel_command(
         typer.echo(f"job {job['id']}: {job.get('state')}")
 
 
+@app.command("resize", epilog=_API_EPILOG)
+def resize_command(
+    job_id: Annotated[int, typer.Argument(min=1)],
+    slots: Annotated[
+        int, typer.Option(min=1, help="The job's pool from now on (1 to its max_slots).")
+    ],
+    notice: Annotated[
+        float,
+        typer.Option(
+            min=0.0,
+            max=86400.0,
+            help="For a shrink: seconds the slots to go stay the job's while it moves off "
+            "them, with their state (0: taken at once).",
+        ),
+    ] = 0.0,
+    as_json: _Json = False,
+    url: _Url = None,
+    token: _Token = None,
+) -> None:
+    """Change a running PPO job's slot pool (POST /api/v1/jobs/<id>/pool/). Its driver makes the
+    change between steps; the outcome is a command.applied event (``nereus logs``). A simulated
+    or supervised job is bad input (exit code 2); a job that has ended, a conflict (5)."""
+    from nereus.client import ApiError, Client, ClientConfig
+    from nereus.client_cli import _fail
+
+    try:
+        client = Client(ClientConfig.resolve(url=url, token=token))
+        answer = client.job_pool(job_id, slots=slots, notice_s=notice)
+    except ApiError as exc:
+        raise typer.Exit(code=_fail("resize", exc, as_json=as_json)) from None
+    if as_json:
+        typer.echo(json.dumps(answer))
+    else:
+        how = f", with {answer['notice_s']:g} s notice" if answer.get("notice_s") else ""
+        typer.echo(
+            f"job {answer['job']}: pool of {answer['slots']} slots asked{how} "
+            f"(command {answer['event']}; the driver makes it between steps)"
+        )
+
+
 @app.command("logs", epilog=_API_EPILOG)
 def logs_command(
     job_id: Annotated[int, typer.Argument(min=1)],

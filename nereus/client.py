@@ -217,6 +217,14 @@ class Client:
         """Ask a job to stop."""
         return self._call("POST", f"/api/v1/jobs/{int(job_id)}/cancel/")[1]
 
+    def job_pool(self, job_id: int, *, slots: int, notice_s: float = 0.0) -> dict[str, Any]:
+        """Change a running PPO job's slot pool (the driver makes the change between steps)."""
+        return self._call(
+            "POST",
+            f"/api/v1/jobs/{int(job_id)}/pool/",
+            body={"slots": slots, "notice_s": notice_s},
+        )[1]
+
     def job_events(self, job_id: int, *, after: int = 0) -> Iterator[dict[str, Any]]:
         """The job's events with ids above ``after``, oldest first, every page of them."""
         while True:

@@ -469,8 +469,12 @@ class Controller:
         """Slots revoked or failed since the last step: the urgent path, before the plan runs."""
         self.at_step = step
         if self._off_pool(engine):
-            lost = sorted(engine.lost_slots())
-            trigger = Trigger(kind="failure", step=step, detail=f"slots {lost} gone")
+            lost, size = sorted(engine.lost_slots()), engine.pool_size()
+            leaving = sorted(
+                {s for ms in self.plan.model_stages for s in ms.slots if s >= size} - set(lost)
+            )
+            detail = f"slots {lost} gone" if lost else f"slots {leaving} leave the pool"
+            trigger = Trigger(kind="failure", step=step, detail=detail)
             self.emit({"event": "control.trigger", **trigger.to_json()})
             self.replan(trigger, engine)
 

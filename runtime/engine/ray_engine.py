@@ -9,17 +9,19 @@ filled with reference values and the engine serves transitions and restarts only
 interface tests and the transition benchmarks).
 
 The pool moves as a cluster's does. The job may use the first ``pool_size()`` slots; ``revoke``
-takes the highest one away (its process is killed, as a reclaimed spot GPU's would be) and
-``grant`` gives one (back). A slot whose process died, revoked or failed, is found before the
-controller next asks (``lost_slots``): a communicator that lost a member cannot be used again,
-so the engine re-forms the group on new processes (``SlotPool.renew``), carrying the intact
-units over; the dead slot counts as lost (it holds nothing) until a restart places units again
-or a grant gives it back.
+takes the highest one away (its process is killed, as a reclaimed spot GPU's would be) and ``grant``
+gives one (back); ``resize`` is an operator's change of the pool, a shrink announced ahead included
+(the slots to go keep their state until the job is off them, or a deadline). A slot whose process
+died, revoked or failed, is found before the controller next asks (``lost_slots``): a communicator
+that lost a member cannot be used again, so the engine re-forms the group on new processes
+(``SlotPool.renew``), carrying the intact units over; the dead slot counts as lost (it holds
+nothing) until a restart places units again or a grant gives it back.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import tempfile
 import time
 import zlib
@@ -73,6 +75,12 @@ class RayEngine:
         """A re-forming of the group that has not succeeded yet: ``lost`` (the slots whose state
         is gone for good) and ``kept`` (the intact units' shards, held on the driver until the
         new processes take them back). While it is pending every slot counts as lost."""
+        self._reclaims: dict[int, float] = {}
+        """Slots beyond the pool whose reclaiming was announced (``resize`` with a notice), each
+        with its deadline in engine seconds: they hold their state, and can be moved off, until
+        then."""
+        self._in_use: frozenset[int] = frozenset()
+        """The slots of the plan the job last stepped on."""
         self._rebuild = {"generation": 1.0, "inference": 0.5}
         """Seconds one new unit of each derived stage takes to build (groups, modules,
         workspaces): learned from the builds the job reports, first step included."""
@@ -94,6 +102,7 @@ class RayEngine:
         return self.visible
 
     def lost_slots(self) -> frozenset[int]:
+        self._settle_reclaims()
         self._probe()  # one small call per slot: a process may die at any moment
         return frozenset(self.engine.lost_slots)
 
@@ -104,25 +113,89 @@ class RayEngine:
         if self.visible <= 1:
             raise ValueError("revoke: the job's last slot cannot be taken")
         self.visible -= 1
-        self.engine.pool.kill(self.visible)
+        self._take(self.visible)
+        self._event({"event": "engine.revoked", "slot": self.visible})
+        return self.visible
+
+    def _take(self, slot: int) -> None:
+        """End ``slot``'s process, whatever it holds (the next probe re-forms the group)."""
+        self.engine.pool.kill(slot)
         if self._renewing is not None:
             # A re-form is pending (no probe runs until it succeeds): the slot is lost with
             # it, and the shards carried over for units on it have nowhere to go back to.
-            self._renewing["lost"].add(self.visible)
+            self._renewing["lost"].add(slot)
             self._renewing["kept"] = {
                 unit_id: held
                 for unit_id, held in self._renewing["kept"].items()
-                if self.visible not in held[0].slots
+                if slot not in held[0].slots
             }
-        self._event({"event": "engine.revoked", "slot": self.visible})
-        return self.visible
+
+    def resize(self, slots: int, *, notice_s: float = 0.0) -> str:
+        """Make the job's pool ``slots`` (an operator's or a cluster scheduler's change); returns
+        what changed, in words.
+
+        Growing grants slots; one whose reclaiming was announced is kept instead, with what it
+        holds. Shrinking without notice takes the slots at once, their processes killed with
+        their state (``revoke``). With ``notice_s``, ``pool_size`` reports the smaller pool at
+        once while the slots to go live on: the controller moves the job off them before its
+        next step, using what they hold, and each is released (its process ended) as soon as
+        nothing the job runs is on it, or taken, state and all, once its deadline has passed.
+        Both are settled whenever the engine is asked for its lost slots (before every step);
+        a deadline that passes during a step takes its slot when the step ends."""
+        num = self.engine.pool.num_slots
+        if isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= num:
+            raise ValueError(f"slots: expected a whole number from 1 to {num}, got {slots!r}")
+        if (
+            isinstance(notice_s, bool)
+            or not isinstance(notice_s, int | float)
+            or not math.isfinite(notice_s)
+            or notice_s < 0
+        ):
+            raise ValueError(f"notice_s: expected a number of seconds >= 0, got {notice_s!r}")
+        before = self.visible
+        if slots > before:
+            given = [self.grant() for _ in range(slots - before)]
+            return f"pool {before} -> {slots} slots: slots {given} given"
+        if slots == before:
+            return f"pool stays at {slots} slots"
+        if notice_s == 0:
+            taken = sorted(self.revoke() for _ in range(before - slots))
+            return f"pool {before} -> {slots} slots: slots {taken} taken at once"
+        going = list(range(slots, before))
+        deadline = self.now() + notice_s
+        self._reclaims.update(dict.fromkeys(going, deadline))
+        self.visible = slots
+        self._event({"event": "engine.reclaim_announced", "slots": going, "notice_s": notice_s})
+        return (
+            f"pool {before} -> {slots} slots: slots {going} released once the job is off them, "
+            f"taken in {notice_s:g} s at the latest"
+        )
+
+    def _settle_reclaims(self) -> None:
+        """Release each announced slot nothing the job runs is on any more, and take each whose
+        deadline has passed, whatever it holds."""
+        now = self.now()
+        for slot, deadline in sorted(self._reclaims.items()):
+            held = slot in self._in_use or any(
+                slot in unit.slots for unit in self.engine.units.values()
+            )
+            if held and now < deadline:
+                continue
+            del self._reclaims[slot]
+            self._take(slot)
+            self._event({"event": "engine.reclaimed" if held else "engine.released", "slot": slot})
 
     def grant(self) -> int:
         """One more slot for the job (a revoked one comes back empty)."""
         if self.visible >= self.engine.pool.num_slots:
             raise ValueError(f"grant: all {self.engine.pool.num_slots} slots are in use already")
-        self.lost_slots()  # a killed process is replaced before the slot is handed out
         slot = self.visible
+        if self._reclaims.pop(slot, None) is not None:
+            # Announced for reclaiming but not taken yet: it stays, with what it holds.
+            self.visible += 1
+            self._event({"event": "engine.reclaim_withdrawn", "slot": slot})
+            return slot
+        self.lost_slots()  # a killed process is replaced before the slot is handed out
         self.visible += 1
         # The slot comes back empty: the units that named it are gone with its old process, and
         # must not look intact once it is no longer lost.
@@ -234,10 +307,9 @@ class RayEngine:
     def step(self, plan: Plan, workload: PpoWorkload, step: int) -> StepReport:
         if self.job is None:
             raise RuntimeError("step: this engine has no job (RayEngine(pool, job=PpoRuntime))")
-        gone = sorted(
-            {s for ms in plan.model_stages for s in ms.slots}
-            & (set(self.lost_slots()) | set(range(self.visible, self.engine.pool.num_slots)))
-        )
+        self._in_use = frozenset(s for ms in plan.model_stages for s in ms.slots)
+        out = set(range(self.visible, self.engine.pool.num_slots)) - set(self._reclaims)
+        gone = sorted(self._in_use & (set(self.lost_slots()) | out))
         if gone:
             return self._failed(step, f"slots {gone} are not in the pool")
         held = {u.model_stage for u in self.engine.units.values()}

@@ -20,9 +20,11 @@ from runtime.jobs import sft
 from runtime.jobs.spec import SftJobSpec
 
 Command = tuple[str, Any]
-"""What people send a running job: (``approve`` or ``reject``, the controller's proposal id), or
+"""What people send a running job: (``approve`` or ``reject``, the controller's proposal id);
 (``override``, ``{"plan": the plan's JSON, "proposal": the override's id as people know it}``)
-for a person's plan that another person approved (a rejected override asks nothing of the job)."""
+for a person's plan that another person approved (a rejected override asks nothing of the job);
+or (``resize``, ``{"slots": n, "notice_s": seconds}``), an operator's change of the job's slot
+pool (``RayEngine.resize``)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -36,10 +38,15 @@ class JobOutcome:
 
 
 def apply_commands(controller, engine, commands: list[Command], sink: EventSink) -> None:
-    """Hand people's approvals, rejections and approved overrides to the controller, between
-    steps; each outcome becomes a ``command.applied`` event (a proposal that stopped waiting is
-    ignored, and an override the controller cannot take is refused, saying why)."""
+    """Hand people's approvals, rejections and approved overrides to the controller, and pool
+    changes to the engine, between steps; each outcome becomes a ``command.applied`` event (a
+    proposal that stopped waiting is ignored, an override the controller cannot take is refused
+    saying why, and so is a pool change the engine cannot make). The controller sees a changed
+    pool before the next step (``Controller.before_step``)."""
     for kind, argument in commands:
+        if kind == "resize":
+            _resize(engine, argument, sink)
+            continue
         override = kind == "override"
         proposal = argument.get("proposal") if override else argument
         try:
@@ -55,6 +62,22 @@ def apply_commands(controller, engine, commands: list[Command], sink: EventSink)
                 data={"command": kind, "proposal": proposal, "outcome": outcome},
             )
         )
+
+
+def _resize(engine, argument: dict, sink: EventSink) -> None:
+    resize = getattr(engine, "resize", None)
+    try:
+        if resize is None:
+            raise ValueError(f"slots: the {engine.kind} engine's pool follows its trace")
+        outcome = resize(argument.get("slots"), notice_s=argument.get("notice_s", 0.0))
+    except ValueError as exc:
+        outcome = f"refused: {exc}"
+    sink.emit(
+        RuntimeEvent(
+            kind="command.applied",
+            data={"command": "resize", **argument, "outcome": outcome},
+        )
+    )
 
 
 def run_sft_job(

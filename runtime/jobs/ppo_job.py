@@ -6,7 +6,8 @@ The job's events: ``step.finished`` (timings by stage, response length, peak mem
 pool and PPO's statistics), ``engine.*`` (slots lost, revoked, granted; resumed from a
 checkpoint), ``transition.node`` (each node of a running transition DAG, live), and the
 controller's own events through ``emit_control``. ``revoke_at_step``/``grant_at_step`` play a
-cluster taking a slot away and giving one.
+cluster taking a slot away and giving one; an operator's ``resize`` commands change the pool as
+the job runs (``RayEngine.resize``), a shrink announced ahead included.
 """
 
 from __future__ import annotations
@@ -41,10 +42,16 @@ def run_ppo_job(
     workdir: str | Path | None = None,
     use_gpus: bool = False,
     still_current: Callable[[], bool] = lambda: True,
+    num_slots: int | None = None,
 ) -> JobOutcome:
     """Run the job to its last step (or a stop). ``still_current``: whether this driver still
     owns the job, asked before each write of its checkpoints and export (``PpoRuntime.fence``:
-    a driver taken over in the middle of a step raises ``SupersededError`` there)."""
+    a driver taken over in the middle of a step raises ``SupersededError`` there).
+    ``num_slots``: the pool the job starts on, if not the spec's (an operator resized the pool
+    of the driver this one takes over from); ``resize`` commands change it as the job runs."""
+    num_slots = spec.num_slots if num_slots is None else num_slots
+    if not 1 <= num_slots <= spec.max_slots:
+        raise ValueError(f"num_slots: must be in [1, {spec.max_slots}], got {num_slots}")
     config = spec.job_config()
     policy = JobPolicy.from_json(spec.policy)
     accelerator = default_catalog().accelerator("cpu-slot")
@@ -67,16 +74,14 @@ def run_ppo_job(
                 sink.emit(RuntimeEvent(kind=kind, data=data))
             seen["engine"] = len(engine.events)
 
-        engine = RayEngine(
-            pool, checkpoint_dir=workdir / "restart", job=job, pool_size=spec.num_slots
-        )
+        engine = RayEngine(pool, checkpoint_dir=workdir / "restart", job=job, pool_size=num_slots)
         engine.on_event = lambda _event: forward_engine_events()
         controller = Controller(job.workload(), accelerator, policy, emit=emit_control)
         sink.emit(
             RuntimeEvent(
                 kind="slots.ready",
                 data={
-                    "num_slots": spec.num_slots,
+                    "num_slots": num_slots,
                     "max_slots": pool.num_slots,
                     "backend": pool.backend,
                     "setup_s": round(pool.setup_s, 3),

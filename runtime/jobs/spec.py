@@ -169,6 +169,23 @@ class PpoJobSpec:
         _check_policy(self.policy)
         _check_fits(config, self.num_slots)
 
+    def check_pool(self, slots: Any) -> None:
+        """Refuse, naming ``slots``, a pool this job cannot run on: not a whole number from 1 to
+        ``max_slots``, or one its models fit in no layout (an operator's resize)."""
+        if (
+            isinstance(slots, bool)
+            or not isinstance(slots, int)
+            or not 1 <= slots <= self.max_slots
+        ):
+            raise ValueError(
+                f"slots: expected a whole number from 1 to the job's max_slots "
+                f"({self.max_slots}), got {slots!r}"
+            )
+        try:
+            _check_fits(self.job_config(), slots)
+        except ValueError as exc:
+            raise ValueError(f"slots: {str(exc).partition(': ')[2]}") from None
+
     def job_config(self):
         """The PPO runtime's configuration (``runtime.ppo.job.PpoJobConfig``)."""
         from runtime.ppo.algorithm import PPOConfig

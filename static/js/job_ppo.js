@@ -338,6 +338,24 @@
         redrawSoon();
         break;
       }
+      case "engine.reclaim_announced":
+        S.triggers.push({ kind: "revoked", step: S.lastStep ? S.lastStep.step : 0,
+          detail: `slots ${(d.slots || []).join(", ")} to go in ${num(d.notice_s)} s` });
+        log("reclaim announced", `slots ${(d.slots || []).join(", ")}`, `within ${num(d.notice_s)} s`,
+          "the job moves off them while they hold their state", "");
+        redrawSoon();
+        break;
+      case "engine.released": case "engine.reclaimed": case "engine.reclaim_withdrawn": {
+        const what = { "engine.released": ["released", "the job was off it"],
+          "engine.reclaimed": ["reclaimed", "its deadline passed, state and all"],
+          "engine.reclaim_withdrawn": ["kept", "a resize gave it back before it went"] }[event.kind];
+        log(what[0], `slot ${d.slot}`, "", what[1], "");
+        break;
+      }
+      case "command.resize":
+        log("resize", "", `by ${d.by}`, `pool of ${d.slots} slots` +
+          (d.notice_s ? `, ${num(d.notice_s)} s notice` : ", at once"), "");
+        break;
       case "engine.slots_lost":
         log("slots lost", `slots ${(d.slots || []).join(", ")}`, `group re-formed in ${num(d.reform_s)} s`, "", "");
         break;
@@ -381,7 +399,8 @@
         break;
       }
       case "command.applied":
-        log("command", "", `${d.command} ${d.proposal}: ${d.outcome}`, "", "");
+        log("command", "", d.command === "resize" ? `resize: ${d.outcome}`
+          : `${d.command} ${d.proposal}: ${d.outcome}`, "", "");
         break;
       case "control.override_refused":
         log("override refused", d.step != null ? `at step ${d.step}` : "", "kept the running plan",

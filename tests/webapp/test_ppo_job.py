@@ -136,6 +136,46 @@ def test_a_real_ppo_job_runs_through_the_services_and_records_its_controller(
         assert torch.equal(tensor, from_checkpoint[key]), key
 
 
+@pytest.mark.ray
+@pytest.mark.django_db(transaction=True)
+def test_an_operator_resizes_a_real_ppo_job_s_pool_before_and_while_it_runs(
+    project, member, monkeypatch, tmp_path
+):
+    """Given to the pending job, a pool of 3 is the one its driver starts on; given while it
+    runs, a shrink to 2 with notice reaches the driver between steps, which moves the job off
+    slot 2 while it still holds its state and then releases it: no step fails or repeats."""
+    monkeypatch.setattr(job_services, "_enqueue_driver", lambda job_id: None)
+    owner = member(project, Role.OPERATOR, "owner")
+    spec = {**SPEC, "num_slots": 2, "max_slots": 3, "num_steps": 4}
+    calls = {"n": 0}
+    commands = job_services._ControlLink.commands
+
+    def commands_with_a_shrink(link):
+        calls["n"] += 1
+        if calls["n"] == 2:  # before the job's step 1
+            job_services.job_resize_for(user=owner, job_id=link.job_id, slots=2, notice_s=120)
+        return commands(link)
+
+    monkeypatch.setattr(job_services._ControlLink, "commands", commands_with_a_shrink)
+    with override_settings(NEREUS_JOBS_DIR=tmp_path / "jobs"):
+        job = job_services.job_submit(user=owner, project=project, name="ppo", spec=spec)
+        job_services.job_resize_for(user=owner, job_id=job.pk, slots=3)
+        state = job_services.job_drive(job_id=job.pk)
+    job.refresh_from_db()
+    assert state == JobState.SUCCEEDED, job.failure_detail
+    events = list(JobEvent.objects.filter(job=job))
+    data = {kind: [e.data for e in events if e.kind == kind] for kind in {e.kind for e in events}}
+    assert data["slots.ready"][0]["num_slots"] == 3
+    steps = data["step.finished"]
+    assert [s["step"] for s in steps] == [0, 1, 2, 3] and all(s["ok"] for s in steps)
+    assert [s["num_slots"] for s in steps] == [3, 2, 2, 2]
+    (applied,) = data["command.applied"]
+    assert applied["command"] == "resize" and applied["slots"] == 2
+    assert "released once the job is off them" in applied["outcome"]
+    assert [e["slot"] for e in data["engine.released"]] == [2]
+    assert "engine.step_failed" not in data and "engine.reclaimed" not in data
+
+
 @pytest.mark.django_db
 def test_the_job_awaits_approval_while_its_controller_s_proposal_waits(project, member):
     from tests.support.jobs import make_job

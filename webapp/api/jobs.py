@@ -1,4 +1,5 @@
-"""``/api/v1/jobs/``: submit, list, retrieve, cancel, read a job's events, fetch its trained models.
+"""``/api/v1/jobs/``: submit, list, retrieve, cancel, resize a job's slot pool, read a job's events,
+fetch its trained models.
 
 One thin class per operation: validate the input, call a service or selector, render the output.
 Visibility and roles are decided by the services and selectors; their errors become responses in
@@ -85,12 +86,22 @@ def _job_or_404(request, job_id: int) -> Job:
     return selectors.job_get_for(request.user, job_id=job_id, token=request_token(request))
 
 
+class StrictInput(serializers.Serializer):
+    """A body whose every field is declared: any other is refused by name."""
+
+    def validate(self, attrs):
+        unknown = sorted(set(self.initial_data) - set(self.fields))
+        if unknown:
+            raise serializers.ValidationError({name: [UNKNOWN_FIELD] for name in unknown})
+        return attrs
+
+
 class JobListCreateApi(APIView):
     """List the jobs you can see, or submit one."""
 
     parser_classes = [JSONParser]
 
-    class SubmitInput(serializers.Serializer):
+    class SubmitInput(StrictInput):
         project = serializers.SlugField(
             required=False,
             help_text="Project slug; default: the token's project, or your personal project.",
@@ -99,12 +110,6 @@ class JobListCreateApi(APIView):
         spec = serializers.JSONField(
             help_text="The job spec (see runtime/jobs/spec.py); missing fields take defaults."
         )
-
-        def validate(self, attrs):
-            unknown = sorted(set(self.initial_data) - set(self.fields))
-            if unknown:
-                raise serializers.ValidationError({name: [UNKNOWN_FIELD] for name in unknown})
-            return attrs
 
         def validate_spec(self, value):
             if not isinstance(value, dict):
@@ -204,6 +209,52 @@ class JobCancelApi(APIView):
             user=request.user, job_id=job_id, token=request_token(request)
         )
         return Response(JobOutput(job).data)
+
+
+class PoolInput(StrictInput):
+    slots = serializers.IntegerField(
+        help_text="The job's pool from now on: 1 to its spec's max_slots, and enough for its "
+        "models in some layout."
+    )
+    notice_s = serializers.FloatField(
+        required=False,
+        default=0.0,
+        help_text="For a shrink: seconds the slots to go stay the job's while it moves off them "
+        "(0: taken at once, with what they hold). At most a day.",
+    )
+
+
+class PoolOutput(serializers.Serializer):
+    job = serializers.IntegerField()
+    slots = serializers.IntegerField()
+    notice_s = serializers.FloatField()
+    event = serializers.IntegerField(help_text="The command's id in the job's events.")
+
+
+class JobPoolApi(APIView):
+    """Change a running (or pending) real PPO job's slot pool (operator role or above). Its
+    driver makes the change between steps: more slots are the controller's to use when a move
+    pays; fewer are taken at once, or, with ``notice_s``, released once the job has moved off
+    them while they still hold their state (taken whatever at the deadline). The outcome is a
+    ``command.applied`` event; a driver that takes the job over later starts on the new pool.
+    A simulated job (its pool follows its trace) or a supervised one answers 400 on ``slots``;
+    a job that has finished or is being cancelled, 409."""
+
+    parser_classes = [JSONParser]
+
+    @extend_schema(operation_id="jobs_pool", request=PoolInput, responses={202: PoolOutput})
+    def post(self, request, job_id: int):
+        data = PoolInput(data=request.data)
+        data.is_valid(raise_exception=True)
+        event = services.job_resize_for(
+            user=request.user,
+            job_id=job_id,
+            slots=data.validated_data["slots"],
+            notice_s=data.validated_data["notice_s"],
+            token=request_token(request),
+        )
+        body = {"job": job_id, **{k: event.data[k] for k in ("slots", "notice_s")}}
+        return Response(PoolOutput({**body, "event": event.pk}).data, status.HTTP_202_ACCEPTED)
 
 
 class JobEventsApi(APIView):

@@ -16,7 +16,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from webapp.api.authentication import request_token
-from webapp.api.jobs import UNKNOWN_FIELD, _job_or_404, _project_or_field_error
+from webapp.api.jobs import StrictInput, _job_or_404, _project_or_field_error
 from webapp.api.pagination import IdCursorPagination
 from webapp.api.parsers import JSONParser
 from webapp.plans import selectors, services
@@ -106,17 +106,7 @@ class ProposalDetailApi(APIView):
         return Response(ProposalOutput(proposal).data)
 
 
-class _StrictInput(serializers.Serializer):
-    """A body whose every field is declared: any other is refused by name."""
-
-    def validate(self, attrs):
-        unknown = sorted(set(self.initial_data) - set(self.fields))
-        if unknown:
-            raise serializers.ValidationError({name: [UNKNOWN_FIELD] for name in unknown})
-        return attrs
-
-
-class DecisionInput(_StrictInput):
+class DecisionInput(StrictInput):
     comment = serializers.CharField(max_length=4000, help_text="Why; required, not blank.")
 
 
@@ -169,7 +159,7 @@ class ProposalRejectApi(_DecisionApi):
         return super().post(request, proposal_id)
 
 
-class OverrideInput(_StrictInput):
+class OverrideInput(StrictInput):
     plan = serializers.JSONField(
         help_text="The plan to move the job to, as the runtime's Plan.to_json() (a plan of "
         "GET /api/v1/jobs/<id>/plans/, changed)."

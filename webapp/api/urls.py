@@ -7,6 +7,7 @@ urlpatterns = [
     path("jobs/", jobs.JobListCreateApi.as_view(), name="job-list"),
     path("jobs/<int:job_id>/", jobs.JobDetailApi.as_view(), name="job-detail"),
     path("jobs/<int:job_id>/cancel/", jobs.JobCancelApi.as_view(), name="job-cancel"),
+    path("jobs/<int:job_id>/pool/", jobs.JobPoolApi.as_view(), name="job-pool"),
     path("jobs/<int:job_id>/events/", jobs.JobEventsApi.as_view(), name="job-events"),
     path("jobs/<int:job_id>/artifacts/", jobs.JobArtifactsApi.as_view(), name="job-artifacts"),
     path(

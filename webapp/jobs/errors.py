@@ -3,6 +3,10 @@
 ILLEGAL_MOVE = "a job in state {current} cannot move to {target}"
 STALE_EPOCH = "epoch {epoch} is older than the job's current epoch {current}; the write is refused"
 JOB_FINISHED = "job {job_id} has already finished ({state})"
+JOB_STOPPING = "job {job_id} is {state}; its driver takes no more commands"
+RESIZE_SIMULATED = "a simulated job's pool follows its trace; it cannot be resized"
+RESIZE_FIXED = "a job of kind {kind} runs on the slots it started with; it cannot be resized"
+NOTICE_RANGE = "expected a number of seconds from 0 to {most}"
 TOO_MANY_DELIVERIES = (
     "the driver task was delivered {count} times in a row without the job making progress"
 )

@@ -265,3 +265,19 @@ class JobSubmitForm(forms.Form):
             "seed": data["seed"],
             "policy": policy,
         }
+
+
+class PoolForm(forms.Form):
+    """A running PPO job's slot pool, changed by an operator (``services.job_resize_for``
+    checks the rest: the job's kind and ``max_slots``, whether its models fit)."""
+
+    slots = forms.IntegerField(min_value=1, max_value=64, help_text="The job's pool from now on.")
+    notice_s = forms.FloatField(
+        min_value=0.0,
+        max_value=86400.0,
+        initial=0.0,
+        required=False,
+        label="Notice (s)",
+        help_text="For a shrink: how long the slots to go stay while the job moves off them "
+        "(0: taken at once, with what they hold).",
+    )

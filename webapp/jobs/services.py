@@ -283,6 +283,77 @@ def job_cancel_for(*, user, job_id: int, token: ApiToken | None = None) -> Job:
     return job_cancel(job_id=job.pk)
 
 
+RESIZE_NOTICE_MAX_S = 86400.0
+"""The longest notice a pool change may give (a day): a shrink announced further ahead than a
+job would plan for is better sent later."""
+
+
+def job_resize_for(
+    *, user, job_id: int, slots: Any, notice_s: Any = 0.0, token: ApiToken | None = None
+) -> JobEvent:
+    """Change a real PPO job's slot pool on behalf of a person: the job must be visible to them
+    (else ``NotFoundError``) and they need the operator role in its project (else
+    ``RoleError``). See ``job_resize``."""
+    job = selectors.job_get_for(user, job_id=job_id, token=token)
+    require_role(user, job.project, Role.OPERATOR, token=token)
+    return job_resize(job_id=job.pk, slots=slots, notice_s=notice_s, by=user.get_username())
+
+
+@transaction.atomic
+def job_resize(*, job_id: int, slots: Any, notice_s: Any = 0.0, by: str = "") -> JobEvent:
+    """Append a ``command.resize`` to the job's log: its driver makes the pool ``slots`` between
+    steps (``RayEngine.resize``: a shrink with ``notice_s`` lets the job move off the slots to
+    go while they hold their state), and a driver that takes the job over later starts on that
+    pool (``job_pool_slots``). A pending job starts on it.
+
+    Refuses: a job that is not a real PPO job, ``slots`` outside 1 to its ``max_slots`` or too few
+    for its models in any layout (``PpoJobSpec.check_pool``), a ``notice_s`` that is not a number of
+    seconds up to ``RESIZE_NOTICE_MAX_S`` (``ValidationError`` naming the field); a job that has
+    finished or is being cancelled (``JobError``), whose driver will never read the command."""
+    from runtime.jobs.spec import PpoJobSpec, PpoSimJobSpec, spec_from_json
+
+    job = Job.objects.select_for_update().get(pk=job_id)
+    spec = spec_from_json(job.spec)
+    if isinstance(spec, PpoSimJobSpec):
+        raise ValidationError({"slots": [errors.RESIZE_SIMULATED]})
+    if not isinstance(spec, PpoJobSpec):
+        raise ValidationError({"slots": [errors.RESIZE_FIXED.format(kind=spec.kind)]})
+    try:
+        spec.check_pool(slots)
+    except ValueError as exc:
+        raise ValidationError({"slots": [str(exc).partition(": ")[2]]}) from None
+    if (
+        isinstance(notice_s, bool)
+        or not isinstance(notice_s, int | float)
+        or not 0 <= notice_s <= RESIZE_NOTICE_MAX_S  # NaN fails both
+    ):
+        raise ValidationError(
+            {"notice_s": [errors.NOTICE_RANGE.format(most=f"{RESIZE_NOTICE_MAX_S:g}")]}
+        )
+    if job.is_terminal:
+        raise errors.JobError(errors.JOB_FINISHED.format(job_id=job.pk, state=job.state))
+    if job.state == JobState.CANCELLING:
+        raise errors.JobError(errors.JOB_STOPPING.format(job_id=job.pk, state=job.state))
+    return job_event_append(
+        job=job,
+        epoch=job.epoch,
+        kind="command.resize",
+        data={"slots": slots, "notice_s": float(notice_s), "by": by},
+    )
+
+
+def job_pool_slots(job: Job) -> int | None:
+    """The pool the job's last ``command.resize`` asked for, whichever driver it was given to;
+    None if none was given."""
+    last = (
+        JobEvent.objects.filter(job=job, kind="command.resize")
+        .order_by("-pk")
+        .values_list("data", flat=True)
+        .first()
+    )
+    return None if last is None else int(last["slots"])
+
+
 class DatabaseEventSink:
     """Runtime events of one driver epoch into the job's event log."""
 
@@ -720,8 +791,8 @@ class _ControlLink:
     def commands(self) -> list[tuple[str, Any]]:
         """The commands people gave since the last call (``runtime.jobs.driver.Command``): an
         approval or rejection of a controller's proposal, by its controller id; an approved
-        override (a person's proposal: no controller id), with its plan. A rejected override
-        asks nothing of the driver."""
+        override (a person's proposal: no controller id), with its plan; a pool change. A
+        rejected override asks nothing of the driver."""
         new = _retrying_database(
             f"job {self.job_id} commands",
             lambda: list(
@@ -735,6 +806,11 @@ class _ControlLink:
         commands: list[tuple[str, Any]] = []
         for e in new:
             if e.epoch != self.epoch:
+                continue  # a resize given to an older driver: this one started on its pool
+            if e.kind == "command.resize":
+                commands.append(
+                    ("resize", {"slots": e.data["slots"], "notice_s": e.data["notice_s"]})
+                )
                 continue
             decision, proposal = e.kind.partition(".")[2], e.data.get("proposal")
             if proposal is not None:
@@ -745,7 +821,7 @@ class _ControlLink:
         return commands
 
 
-COMMAND_KINDS = ("command.approve", "command.reject")
+COMMAND_KINDS = ("command.approve", "command.reject", "command.resize")
 _PROPOSAL_ENDS = ("control.approved", "control.rejected", "control.expired", "control.stale")
 
 
@@ -782,8 +858,12 @@ def _drive_ppo(job_id: int, epoch: int, spec, sink: DatabaseEventSink):
             )
         )
     link = _ControlLink(job_id, epoch)
+    num_slots = _retrying_database(
+        f"job {job_id} pool", lambda: job_pool_slots(Job.objects.get(pk=job_id))
+    )
     return run_ppo_job(
         spec,
+        num_slots=num_slots,
         sink=sink,
         emit_control=link.emit_control,
         commands=link.commands,

@@ -10,4 +10,5 @@ urlpatterns = [
     path("cancel/", views.job_bulk_cancel, name="bulk-cancel"),
     path("<int:job_id>/", views.job_detail, name="detail"),
     path("<int:job_id>/cancel/", views.job_cancel, name="cancel"),
+    path("<int:job_id>/pool/", views.job_pool, name="pool"),
 ]

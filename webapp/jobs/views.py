@@ -1,5 +1,5 @@
 """Pages: the job list (state filter, bulk cancel), the submit form with its preview, and a job's
-live page."""
+live page (with its cancel and, for a real PPO job, its slot-pool form)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from django.views.decorators.http import require_http_methods, require_POST
 from runtime.control.policy import DEFAULT_THRESHOLD
 from runtime.planner.memory import HEADROOM
 from webapp.jobs import errors, selectors, services
-from webapp.jobs.forms import JobSubmitForm
+from webapp.jobs.forms import JobSubmitForm, PoolForm
 from webapp.jobs.models import JobState
 from webapp.jobs.preview import job_preview
 from webapp.projects import errors as project_errors
@@ -137,6 +137,9 @@ def job_detail(request, job_id: int):
             "simulated": simulated,
         }
         context["artifacts"] = {} if simulated else selectors.job_artifacts(job=job)
+        if not simulated and context["can_cancel"] and not job.is_terminal:
+            slots = services.job_pool_slots(job) or job.spec.get("num_slots")
+            context["pool_form"] = PoolForm(initial={"slots": slots, "notice_s": 0})
         return render(request, "jobs/detail_ppo.html", context)
     return render(request, "jobs/detail.html", context)
 
@@ -152,6 +155,44 @@ def job_cancel(request, job_id: int):
         raise PermissionDenied(str(exc)) from exc
     except errors.JobError as exc:
         messages.error(request, str(exc))
+    return redirect("jobs:detail", job_id=job_id)
+
+
+@login_required
+@require_POST
+def job_pool(request, job_id: int):
+    """An operator changes a running PPO job's slot pool; the driver makes it between steps."""
+    form = PoolForm(request.POST)
+    if not form.is_valid():
+        for field, problems in form.errors.items():
+            for problem in problems:
+                messages.error(request, f"{field}: {problem}")
+        return redirect("jobs:detail", job_id=job_id)
+    notice_s = form.cleaned_data["notice_s"] or 0.0
+    try:
+        services.job_resize_for(
+            user=request.user,
+            job_id=job_id,
+            slots=form.cleaned_data["slots"],
+            notice_s=notice_s,
+        )
+    except project_errors.NotFoundError:
+        raise Http404("no such job") from None
+    except project_errors.RoleError as exc:
+        raise PermissionDenied(str(exc)) from exc
+    except ValidationError as exc:
+        for field, problems in exc.message_dict.items():
+            for problem in problems:
+                messages.error(request, f"{field}: {problem}")
+    except errors.JobError as exc:
+        messages.error(request, str(exc))
+    else:
+        how = f" with {notice_s:g} s notice" if notice_s else ""
+        messages.success(
+            request,
+            f"pool of {form.cleaned_data['slots']} slots asked{how}; the job makes the change "
+            "between steps",
+        )
     return redirect("jobs:detail", job_id=job_id)
 
 

@@ -142,3 +142,22 @@ def test_approvals_and_rejections_still_reach_the_controllers_proposals():
             "outcome": f"ignored: proposal: {proposal} is not waiting",
         },
     ]
+
+
+def test_a_pool_change_on_an_engine_whose_pool_follows_a_trace_is_refused():
+    """The simulated engine's pool is its trace's: a resize reaching it (the web refuses one for
+    a simulated job, so only a stored command from before could) is refused, saying so, and
+    the pool and the plan stay as they are."""
+    controller, engine, _ = _waiting()
+    pool, running = engine.pool_size(), controller.plan
+    sink = Sink()
+    apply_commands(controller, engine, [("resize", {"slots": 8, "notice_s": 0.0})], sink)
+    assert [e.data for e in sink.events] == [
+        {
+            "command": "resize",
+            "slots": 8,
+            "notice_s": 0.0,
+            "outcome": "refused: slots: the simulated engine's pool follows its trace",
+        }
+    ]
+    assert engine.pool_size() == pool and controller.plan is running
