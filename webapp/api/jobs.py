@@ -211,12 +211,30 @@ class JobCancelApi(APIView):
         return Response(JobOutput(job).data)
 
 
+class _WholeNumber(serializers.IntegerField):
+    """A JSON integer, and only that: not ``true``, ``"3"`` or ``3.0`` (DRF's field takes them)."""
+
+    def to_internal_value(self, data):
+        if isinstance(data, bool) or not isinstance(data, int):
+            self.fail("invalid")
+        return super().to_internal_value(data)
+
+
+class _Number(serializers.FloatField):
+    """A JSON number, and only that: not ``true`` or ``"30"`` (DRF's field takes them)."""
+
+    def to_internal_value(self, data):
+        if isinstance(data, bool) or not isinstance(data, int | float):
+            self.fail("invalid")
+        return super().to_internal_value(data)
+
+
 class PoolInput(StrictInput):
-    slots = serializers.IntegerField(
+    slots = _WholeNumber(
         help_text="The job's pool from now on: 1 to its spec's max_slots, and enough for its "
         "models in some layout."
     )
-    notice_s = serializers.FloatField(
+    notice_s = _Number(
         required=False,
         default=0.0,
         help_text="For a shrink: seconds the slots to go stay the job's while it moves off them "

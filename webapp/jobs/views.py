@@ -19,7 +19,7 @@ from webapp.jobs.models import JobState
 from webapp.jobs.preview import job_preview
 from webapp.projects import errors as project_errors
 from webapp.projects.models import Role
-from webapp.projects.selectors import role_of
+from webapp.projects.selectors import require_role, role_of
 
 LIST_LIMIT = 200
 BULK_CANCEL_MAX = 200
@@ -162,6 +162,13 @@ def job_cancel(request, job_id: int):
 @require_POST
 def job_pool(request, job_id: int):
     """An operator changes a running PPO job's slot pool; the driver makes it between steps."""
+    try:
+        job = selectors.job_get_for(request.user, job_id=job_id)
+        require_role(request.user, job.project, Role.OPERATOR)
+    except project_errors.NotFoundError:
+        raise Http404("no such job") from None
+    except project_errors.RoleError as exc:
+        raise PermissionDenied(str(exc)) from exc
     form = PoolForm(request.POST)
     if not form.is_valid():
         for field, problems in form.errors.items():
