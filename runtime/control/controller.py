@@ -469,11 +469,13 @@ class Controller:
         """Slots revoked or failed since the last step: the urgent path, before the plan runs."""
         self.at_step = step
         if self._off_pool(engine):
-            lost, size = sorted(engine.lost_slots()), engine.pool_size()
-            leaving = sorted(
-                {s for ms in self.plan.model_stages for s in ms.slots if s >= size} - set(lost)
+            lost, size = engine.lost_slots(), engine.pool_size()
+            used = {s for ms in self.plan.model_stages for s in ms.slots}
+            gone, leaving = sorted(used & lost), sorted(s for s in used - lost if s >= size)
+            detail = "; ".join(
+                [f"slots {gone} gone"] * bool(gone)
+                + [f"slots {leaving} leave the pool"] * bool(leaving)
             )
-            detail = f"slots {lost} gone" if lost else f"slots {leaving} leave the pool"
             trigger = Trigger(kind="failure", step=step, detail=detail)
             self.emit({"event": "control.trigger", **trigger.to_json()})
             self.replan(trigger, engine)

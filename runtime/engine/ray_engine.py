@@ -43,6 +43,10 @@ from runtime.transition.units import Units, persists, units_not_held, units_of
 logger = logging.getLogger(__name__)
 
 
+def _slots_of(plan: Plan) -> frozenset[int]:
+    return frozenset(s for ms in plan.model_stages for s in ms.slots)
+
+
 def state_seed(model_stage: str) -> int:
     """The deterministic initial state of a model-stage (every replica holds the same)."""
     return zlib.crc32(model_stage.encode()) & 0xFFFF
@@ -80,7 +84,8 @@ class RayEngine:
         with its deadline in engine seconds: they hold their state, and can be moved off, until
         then."""
         self._in_use: frozenset[int] = frozenset()
-        """The slots of the plan the job last stepped on."""
+        """The slots of the plan the job last started, stepped or restarted on (after a
+        transition, until the next step: the plan it left)."""
         self._rebuild = {"generation": 1.0, "inference": 0.5}
         """Seconds one new unit of each derived stage takes to build (groups, modules,
         workspaces): learned from the builds the job reports, first step included."""
@@ -138,8 +143,8 @@ class RayEngine:
         holds. Shrinking without notice takes the slots at once, their processes killed with
         their state (``revoke``). With ``notice_s``, ``pool_size`` reports the smaller pool at
         once while the slots to go live on: the controller moves the job off them before its
-        next step, using what they hold, and each is released (its process ended) as soon as
-        nothing the job runs is on it, or taken, state and all, once its deadline has passed.
+        next step, using what they hold, and each is released as soon as nothing the job runs
+        is on it (``_settle_reclaims``), or taken, state and all, once its deadline has passed.
         Both are settled whenever the engine is asked for its lost slots (before every step);
         a deadline that passes during a step takes its slot when the step ends."""
         num = self.engine.pool.num_slots
@@ -173,7 +178,13 @@ class RayEngine:
 
     def _settle_reclaims(self) -> None:
         """Release each announced slot nothing the job runs is on any more, and take each whose
-        deadline has passed, whatever it holds."""
+        deadline has passed while something still is, with what it holds (as ``revoke``).
+
+        A released slot's process lives on as an idle member of the job's group (the group is
+        made over every process of the pool, and its workspaces are dropped at the job's next
+        step like any unused slot's): ending it would make the group be re-formed on new
+        processes, and a Ray placement group reserves its ``max_slots`` whole anyway, until the
+        job ends or the cluster takes the node."""
         now = self.now()
         for slot, deadline in sorted(self._reclaims.items()):
             held = slot in self._in_use or any(
@@ -182,7 +193,8 @@ class RayEngine:
             if held and now < deadline:
                 continue
             del self._reclaims[slot]
-            self._take(slot)
+            if held:
+                self._take(slot)
             self._event({"event": "engine.reclaimed" if held else "engine.released", "slot": slot})
 
     def grant(self) -> int:
@@ -190,13 +202,14 @@ class RayEngine:
         if self.visible >= self.engine.pool.num_slots:
             raise ValueError(f"grant: all {self.engine.pool.num_slots} slots are in use already")
         slot = self.visible
-        if self._reclaims.pop(slot, None) is not None:
-            # Announced for reclaiming but not taken yet: it stays, with what it holds.
-            self.visible += 1
-            self._event({"event": "engine.reclaim_withdrawn", "slot": slot})
-            return slot
+        announced = self._reclaims.pop(slot, None) is not None
         self.lost_slots()  # a killed process is replaced before the slot is handed out
         self.visible += 1
+        lost = self._renewing["lost"] if self._renewing is not None else self.engine.lost_slots
+        if announced and slot not in lost:
+            # Announced for reclaiming but not taken yet: it stays, with what it holds.
+            self._event({"event": "engine.reclaim_withdrawn", "slot": slot})
+            return slot
         # The slot comes back empty: the units that named it are gone with its old process, and
         # must not look intact once it is no longer lost.
         for unit in [u for u in self.engine.units.values() if slot in u.slots]:
@@ -285,6 +298,7 @@ class RayEngine:
     # --- the interface ----------------------------------------------------------------------------
 
     def start(self, plan: Plan, workload: PpoWorkload) -> None:
+        self._in_use = _slots_of(plan)
         self._release_all()
         if self.job is not None:
             self.job.check_plan(plan, workload)
@@ -307,7 +321,7 @@ class RayEngine:
     def step(self, plan: Plan, workload: PpoWorkload, step: int) -> StepReport:
         if self.job is None:
             raise RuntimeError("step: this engine has no job (RayEngine(pool, job=PpoRuntime))")
-        self._in_use = frozenset(s for ms in plan.model_stages for s in ms.slots)
+        self._in_use = _slots_of(plan)
         out = set(range(self.visible, self.engine.pool.num_slots)) - set(self._reclaims)
         gone = sorted(self._in_use & (set(self.lost_slots()) | out))
         if gone:
@@ -401,6 +415,7 @@ class RayEngine:
         last committed checkpoint instead, and the job goes back to that step."""
         started = time.monotonic()
         self.lost_slots()
+        self._in_use = _slots_of(plan)
         lost = self.engine.lost_slots
         held = {
             name: [u for u in units if not set(u.slots) & lost]

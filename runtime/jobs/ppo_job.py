@@ -105,12 +105,17 @@ def run_ppo_job(
                 time.sleep(spec.pace_s)
             if should_stop():
                 return False
-            if step == spec.revoke_at_step and "revoke" not in played:
-                played.add("revoke")
-                engine.revoke()
-            if step == spec.grant_at_step and "grant" not in played:
-                played.add("grant")
-                engine.grant()
+            for move, at in (("revoke", spec.revoke_at_step), ("grant", spec.grant_at_step)):
+                if step == at and move not in played:
+                    played.add(move)
+                    try:
+                        getattr(engine, move)()
+                    except ValueError as exc:  # an operator's resize left no slot to move
+                        sink.emit(
+                            RuntimeEvent(
+                                kind="scenario.skipped", data={"move": move, "reason": str(exc)}
+                            )
+                        )
             apply_commands(controller, engine, commands(), sink)
             forward_engine_events()
             return True

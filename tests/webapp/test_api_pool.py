@@ -461,6 +461,7 @@ def test_the_page_offers_the_pool_form_to_operators_of_a_running_ppo_job(
         (SFT_SPEC, JobState.RUNNING),
         (PPO_SPEC, JobState.SUCCEEDED),
         (PPO_SPEC, JobState.CANCELLED),
+        (PPO_SPEC, JobState.CANCELLING),
     ],
 )
 def test_no_pool_form_on_a_simulated_supervised_or_finished_job(

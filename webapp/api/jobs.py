@@ -230,13 +230,18 @@ class _Number(serializers.FloatField):
 
 
 class PoolInput(StrictInput):
+    """A job's slot pool from now on, and the notice for the slots to go."""
+
     slots = _WholeNumber(
+        min_value=1,
         help_text="The job's pool from now on: 1 to its spec's max_slots, and enough for its "
-        "models in some layout."
+        "models in some layout.",
     )
     notice_s = _Number(
         required=False,
         default=0.0,
+        min_value=0.0,
+        max_value=services.RESIZE_NOTICE_MAX_S,
         help_text="For a shrink: seconds the slots to go stay the job's while it moves off them "
         "(0: taken at once, with what they hold). At most a day.",
     )

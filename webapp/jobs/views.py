@@ -137,7 +137,8 @@ def job_detail(request, job_id: int):
             "simulated": simulated,
         }
         context["artifacts"] = {} if simulated else selectors.job_artifacts(job=job)
-        if not simulated and context["can_cancel"] and not job.is_terminal:
+        stopping = job.is_terminal or job.state == JobState.CANCELLING
+        if not simulated and context["can_cancel"] and not stopping:
             slots = services.job_pool_slots(job) or job.spec.get("num_slots")
             context["pool_form"] = PoolForm(initial={"slots": slots, "notice_s": 0})
         return render(request, "jobs/detail_ppo.html", context)

@@ -1013,3 +1013,44 @@ def test_fixed_layouts_are_kept_after_losses_on_several_nodes_where_some_packing
     assert not [e for e in controller.events[before:] if e["event"] == "control.relaxed"]
     assert {ms.name: (ms.layout.tp, ms.layout.pp) for ms in chosen.model_stages} == controller.fixed
     assert not _straddling(chosen, ACC.gpus_per_node)
+
+
+class _PoolReport:
+    """What an engine reports between steps: the slots lost, and the pool."""
+
+    def __init__(self, lost: set[int], size: int):
+        self.lost, self.size = frozenset(lost), size
+
+    def lost_slots(self) -> frozenset[int]:
+        return self.lost
+
+    def pool_size(self) -> int:
+        return self.size
+
+
+@pytest.mark.parametrize(
+    ("lost", "size", "detail"),
+    [
+        # Slot 3 went earlier (the plan is off it); an announced shrink takes 2 next.
+        ({3}, 2, "slots [2] leave the pool"),
+        ({1, 3}, 4, "slots [1] gone"),
+        ({1}, 2, "slots [1] gone; slots [2] leave the pool"),
+    ],
+)
+def test_the_urgent_trigger_names_the_plan_s_slots_that_are_gone_or_leaving(lost, size, detail):
+    from runtime.ppo.job import PpoJobConfig, plan_by_hand
+
+    workload = PpoJobConfig().workload()
+    controller = Controller(workload, CATALOG.accelerator("cpu-slot"), JobPolicy())
+    controller.plan = plan_by_hand(  # on slots 0 to 2 (slot 3 is not the plan's any more)
+        workload,
+        {"actor@training": (1, 1, 1)},
+        num_slots=3,
+        slots={"actor@generation": (2,), "critic@training": (1,)},
+    )
+    assert {s for ms in controller.plan.model_stages for s in ms.slots} == {0, 1, 2}
+    triggers = []
+    controller.replan = lambda trigger, engine: triggers.append(trigger)
+    controller.before_step(_PoolReport(lost, size), 5)
+    (trigger,) = triggers
+    assert trigger.kind == "failure" and trigger.detail == detail

@@ -43,21 +43,37 @@ class _Engine:
     def pool_size(self) -> int:
         return 4
 
+    refuse: frozenset[str] = frozenset()
+    """Moves an operator's resize left impossible (the pool at one slot, or at its max)."""
+
     def revoke(self) -> None:
+        if "revoke" in self.refuse:
+            raise ValueError("revoke: the job's last slot cannot be taken")
         self.moves.append(("revoke", self.job.state.next_step))
 
     def grant(self) -> None:
+        if "grant" in self.refuse:
+            raise ValueError("grant: all 5 slots are in use already")
         self.moves.append(("grant", self.job.state.next_step))
 
     def stop(self) -> None:
         pass
 
 
-def _run(monkeypatch, spec: PpoJobSpec, *, fail: set[int], resume: dict[int, int]):
+def _run(
+    monkeypatch,
+    spec: PpoJobSpec,
+    *,
+    fail: set[int],
+    resume: dict[int, int],
+    refuse: frozenset[str] = frozenset(),
+):
     """Run ``spec``: loop steps in ``fail`` fail; before loop step k in ``resume`` the job goes
-    back to step ``resume[k]``. Returns the sink and the engine."""
+    back to step ``resume[k]``; the engine refuses the moves in ``refuse``. Returns the sink and
+    the engine."""
     job = _Job()
     engine = _Engine(job)
+    engine.refuse = refuse
 
     def run_job(engine_, controller, steps, *, between_steps, on_step):
         done = 0
@@ -160,3 +176,17 @@ def test_after_a_resume_the_labels_go_back_with_the_job_and_each_move_is_made_on
     ]
     assert all(step == ppo_step for step, ok, ppo_step in _steps(sink) if ok)
     assert engine.moves == [("grant", 2), ("revoke", 3)]
+
+
+def test_a_scripted_move_an_operator_s_resize_left_impossible_is_skipped_not_fatal(monkeypatch):
+    """An operator shrank the pool to one slot (or grew it to its max) before the spec's
+    revoke (grant): the move is skipped, saying why, and the job runs on."""
+    spec = PpoJobSpec(num_steps=4, revoke_at_step=1, grant_at_step=2)
+    sink, engine = _run(monkeypatch, spec, fail=set(), resume={}, refuse=frozenset({"revoke"}))
+    assert [(s, ok) for s, ok, _ in _steps(sink)] == [(0, True), (1, True), (2, True), (3, True)]
+    assert engine.moves == [("grant", 2)]
+    (skipped,) = sink.of_kind("scenario.skipped")
+    assert skipped.data == {
+        "move": "revoke",
+        "reason": "revoke: the job's last slot cannot be taken",
+    }

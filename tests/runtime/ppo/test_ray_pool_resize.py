@@ -91,7 +91,7 @@ def test_a_shrink_announced_ahead_moves_the_job_off_the_slot_with_no_step_lost(p
         run = run_ppo_steps(
             engine, controller, job, 5, between_steps=between_steps, on_step=on_step
         )
-        after = engine.units()
+        after, lost = engine.units(), engine.lost_slots()
     finally:
         engine.stop()
 
@@ -109,23 +109,29 @@ def test_a_shrink_announced_ahead_moves_the_job_off_the_slot_with_no_step_lost(p
     urgent = [e for e in events if e["event"] == "control.trigger" and e["kind"] == "failure"]
     assert len(urgent) == 1 and urgent[0]["detail"] == "slots [3] leave the pool"
     assert all(3 not in u.slots for units in after.values() for u in units)
-    # Released, not reclaimed: the job was off it before its deadline.
+    # Released, not reclaimed: the job was off it before its deadline. Its process lives on,
+    # idle: the group was not re-formed for it.
     kinds = _kinds(engine)
     assert "engine.reclaim_announced" in kinds and "engine.reclaimed" not in kinds
     assert [e["slot"] for e in engine.events if e["event"] == "engine.released"] == [3]
     assert kinds.index("engine.released") > kinds.index("engine.reclaim_announced")
+    assert "engine.slots_lost" not in kinds and lost == frozenset()
 
 
-def test_a_slot_still_held_at_its_deadline_is_taken_with_its_state(pool, tmp_path, monkeypatch):
+def test_a_slot_the_plan_still_uses_at_its_deadline_is_taken(pool, tmp_path, monkeypatch):
     engine, job = _engine(pool, tmp_path)
     workload = job.workload()
-    plan = plan_by_hand(workload, {"actor@training": (2, 2, 1)}, num_slots=SLOTS)
+    # Slot 3 holds no training state, only the generation unit the plan runs there.
+    plan = plan_by_hand(
+        workload, {"actor@training": (1, 2, 1)}, num_slots=SLOTS, slots={"actor@generation": (3,)}
+    )
     engine.start(plan, workload)
     try:
-        assert engine.step(plan, workload, 0).ok
         engine.resize(3, notice_s=60.0)
+        # Until its deadline the slot is the job's, before the first step too: a step on the
+        # plan that uses it runs.
         assert engine.pool_size() == 3 and engine.lost_slots() == frozenset()
-        # Until its deadline the slot is the job's: a step on the plan that uses it runs.
+        assert engine.step(plan, workload, 0).ok
         assert engine.step(plan, workload, 1).ok
         clock = engine.now()
         monkeypatch.setattr(engine, "now", lambda: clock + 61.0)
@@ -153,6 +159,25 @@ def test_a_grant_before_the_deadline_keeps_the_slot_and_what_it_holds(pool, tmp_
     withdrawn = [e["slot"] for e in engine.events if e["event"] == "engine.reclaim_withdrawn"]
     assert withdrawn == [2, 3]
     assert "engine.released" not in _kinds(engine) and "engine.revoked" not in _kinds(engine)
+
+
+def test_a_slot_that_died_during_its_notice_comes_back_empty_when_granted(pool, tmp_path):
+    engine, job = _engine(pool, tmp_path)
+    workload = job.workload()
+    plan = plan_by_hand(workload, {"actor@training": (2, 2, 1)}, num_slots=SLOTS)
+    engine.start(plan, workload)
+    try:
+        engine.resize(3, notice_s=60.0)
+        engine.engine.pool.kill(3)  # the node failed before the reclaim
+        assert engine.resize(4) == "pool 3 -> 4 slots: slots [3] given"
+        # Not kept as it was: what it held is gone, and the slot is the job's again, empty.
+        assert engine.lost_slots() == frozenset()
+        units = engine.units()
+    finally:
+        engine.stop()
+    assert all(3 not in u.slots for us in units.values() for u in us)
+    kinds = _kinds(engine)
+    assert "engine.granted" in kinds and "engine.reclaim_withdrawn" not in kinds
 
 
 def test_a_shrink_without_notice_takes_the_slots_at_once(pool, tmp_path):
