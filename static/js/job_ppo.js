@@ -352,6 +352,9 @@
         log(what[0], `slot ${d.slot}`, "", what[1], "");
         break;
       }
+      case "scenario.skipped":
+        log("scenario", "", `${d.move} skipped`, d.reason || "", "");
+        break;
       case "command.resize":
         log("resize", "", `by ${d.by}`, `pool of ${d.slots} slots` +
           (d.notice_s ? `, ${num(d.notice_s)} s notice` : ", at once"), "");
