@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import logging
 import math
+import shutil
 import tempfile
 import time
+import uuid
 import zlib
 from pathlib import Path
 
@@ -437,8 +439,11 @@ class RayEngine:
         every = intact + [u for us in targets.values() for u in us]
         pool.run(checkpoint.ensure_unit_groups, units=every)  # collective over every slot
         saved, expected = {}, {}
+        # A folder of this restart's own: another driver of the job (one being taken over) may
+        # be restarting into the same job folder at the same moment.
+        folder = self._checkpoints / uuid.uuid4().hex
         for name, units in held.items():
-            path = self._checkpoints / name.replace("@", "_")
+            path = folder / name.replace("@", "_")
             pool.run(checkpoint.save_unit, on=units[0].slots, unit=units[0], path=str(path))
             saved[name], expected[name] = path, self.engine.checksum(units[0])
         if resume is not None:
@@ -457,6 +462,7 @@ class RayEngine:
                         f"restart: {unit.unit_id} loaded checksum {got:#x} != saved {want:#x}"
                     )
                 self.engine.verified[unit.unit_id] = got
+        shutil.rmtree(folder, ignore_errors=True)  # loaded and verified: no longer needed
         if resume is not None:
             self.job.resume(resume)
             self._event({"event": "engine.resumed", "step": resume.step})

@@ -69,7 +69,7 @@ def _expected(plan: Plan) -> dict:
     }
 
 
-def test_an_engine_places_transitions_and_restarts(engine):
+def test_an_engine_places_transitions_and_restarts(engine, tmp_path):
     engine.start(FIRST, WORKLOAD)
     assert engine.pool_size() == SLOTS and not engine.lost_slots()
     assert _shape(engine.units()) == _expected(FIRST)
@@ -86,6 +86,9 @@ def test_an_engine_places_transitions_and_restarts(engine):
     seconds = engine.restart(THIRD, WORKLOAD)
     assert seconds > 0
     assert _shape(engine.units()) == _expected(THIRD)
+    # The Ray engine saved into a folder of that restart's own, under its checkpoint folder
+    # (``tmp_path``), and removed it once loaded.
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_the_simulated_step_is_labelled_and_calibratable():
