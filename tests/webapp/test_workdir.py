@@ -123,3 +123,24 @@ def test_the_driver_sets_the_old_folder_aside_before_the_job_writes(job, monkeyp
     event = JobEvent.objects.get(job=job, kind="job.workdir_set_aside")
     assert event.data["workdir"] == str(folder)
     assert os.path.isfile(os.path.join(event.data["moved_to"], "checkpoints/step-000040/COMMITTED"))
+
+
+@pytest.mark.django_db
+def test_a_claim_racing_another_driver_of_the_job_that_set_the_folder_aside_first(job, monkeypatch):
+    """Two drivers of one job (one taking over) both find the foreign folder; the other one
+    renames it first. This claim then finds nothing to rename and stamps what is there."""
+    folder = _old_job_folder(job, stamp={"job": job.pk, "created_at": "2000-01-01T00:00:00"})
+    elsewhere = folder.with_name(f"{folder.name}.set-aside-by-the-other-driver")
+    checked = belongs_to
+
+    def other_driver_first(path, of_job):
+        mine = checked(path, of_job)
+        path.rename(elsewhere)  # the other driver's rename lands between the check and ours
+        return mine
+
+    monkeypatch.setattr("webapp.jobs.workdir.belongs_to", other_driver_first)
+    claimed, moved = job_workdir_claim(job)
+    assert (claimed, moved) == (folder, None)
+    assert json.loads((folder / OWNER_FILE).read_text())["job"] == job.pk
+    assert not (folder / "checkpoints").exists()
+    assert (elsewhere / "checkpoints" / "step-000040" / "COMMITTED").is_file()

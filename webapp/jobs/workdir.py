@@ -100,7 +100,12 @@ def job_workdir_claim(job: Job) -> tuple[Path, Path | None]:
     if folder.is_dir() and not belongs_to(folder, job):
         instant = timezone.now().strftime("%Y%m%dT%H%M%S.%fZ")
         moved = folder.with_name(f"{folder.name}.set-aside-{instant}")
-        folder.rename(moved)
+        try:
+            folder.rename(moved)
+        except FileNotFoundError:
+            # Another driver of this job (one taking over) set it aside first; what it made
+            # in its place is checked again below and stamped the same.
+            moved = None
     folder.mkdir(parents=True, exist_ok=True)
     if _stamp(folder) != _identity(job):
         # Written whole or not at all: a torn stamp would make the folder foreign to its job.
