@@ -107,7 +107,7 @@ def run_demo(*, host: str, port: int, num_steps: int, num_slots: int) -> int:
         group.start(
             "ray-head",
             processes.ray_head_argv(ray_port, num_cpus=num_cpus),
-            env={**os.environ, **processes.ray_head_env()},
+            env={**os.environ, **processes.ray_head_env(settings.VAR_DIR)},
         )
         # The worker checks RAY_ADDRESS when it starts: the head must answer first.
         processes.wait_until(
@@ -116,7 +116,7 @@ def run_demo(*, host: str, port: int, num_steps: int, num_slots: int) -> int:
         child_env = {
             **os.environ,
             "RAY_ADDRESS": f"127.0.0.1:{ray_port}",
-            **processes.ray_head_env(),
+            **processes.ray_head_env(settings.VAR_DIR),
         }
         group.start(
             "celery-worker",

@@ -14,6 +14,7 @@ import ctypes
 import dataclasses
 import functools
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -185,16 +186,45 @@ def ray_head_argv(port: int, *, num_cpus: int) -> list[str]:
     ]
 
 
-def ray_head_env() -> dict[str, str]:
+def ray_head_env(var_dir: Path) -> dict[str, str]:
     """Environment for the head and for every process that joins it: loopback, token auth on
-    (Ray's default for clusters; drivers must ask for it too), no usage reporting."""
+    (Ray's default for clusters; drivers must ask for it too) with the token of
+    ``ray_auth_token_env``, no usage reporting."""
     return {
         **loopback_environment(None),
         "RAY_AUTH_MODE": "token",
+        **ray_auth_token_env(var_dir),
         "RAY_USAGE_STATS_ENABLED": "0",
         # One machine: nothing to drain to, so stop at once instead of waiting 30 s.
         "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
     }
+
+
+RAY_AUTH_TOKEN_FILE = "ray-auth-token"
+
+
+def ray_auth_token_env(var_dir: Path) -> dict[str, str]:
+    """Where the processes of a head this machine starts find its token: the one the
+    environment names (``RAY_AUTH_TOKEN`` or ``RAY_AUTH_TOKEN_PATH``), else a file of the
+    service's own under ``var_dir``, made once (readable by its owner only). Ray's own default,
+    ``~/.ray/auth_token``, exists only where something made it, and ``ray start`` with token
+    authentication refuses to start without one."""
+    if os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH"):
+        return {}
+    path = Path(var_dir) / RAY_AUTH_TOKEN_FILE
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f".{path.name}.{os.getpid()}")
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(secrets.token_hex(32))
+        try:  # whole or not at all, and the first one made stays (another demo may use it)
+            os.link(partial, path)
+        except FileExistsError:
+            pass
+        finally:
+            partial.unlink()
+    return {"RAY_AUTH_TOKEN_PATH": str(path)}
 
 
 # Celery's SIGTERM is a warm shutdown that waits for running tasks, which for a job driver can be

@@ -104,7 +104,11 @@ def _alive(pid: int) -> bool:
 @pytest.mark.ray
 def test_demo_serves_and_ctrl_c_leaves_no_process_behind(tmp_path):
     port = free_port()
-    env = live.service_env(tmp_path)
+    # A fresh machine's: no ~/.ray/auth_token, which Ray makes only when something asks it to
+    # (the demo's token-authenticated head then refused to start).
+    env = live.service_env(
+        tmp_path, HOME=str(tmp_path / "home"), RAY_AUTH_TOKEN=None, RAY_AUTH_TOKEN_PATH=None
+    )
     proc = subprocess.Popen(
         [NEREUS, "demo", "--port", str(port), "--steps", "5", "--slots", "1"],
         env=env,
