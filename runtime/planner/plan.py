@@ -302,31 +302,87 @@ class Plan:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Plan:
+        """The plan ``to_json`` wrote; a malformed part is refused naming where it is
+        (``model_stages[2].layout.tp: ...``). Fields a model-stage entry or the plan has beside
+        those it reads are ignored (the service refuses them in a plan a person sends)."""
+        top = _object(data, "plan")
         try:
             return cls(
-                accelerator=data["accelerator"],
-                num_slots=data["num_slots"],
-                predicted_step_s=_as_float(data["predicted_step_s"], "predicted_step_s"),
-                models=tuple(sorted(data.get("models", {}).items())),
-                job=str(data.get("job", "")),
-                training_state=tuple(sorted(data.get("training_state", {}).items())),
-                stages=tuple(StagePlan(**s) for s in data["stages"]),
+                accelerator=_key(top, "accelerator", ""),
+                num_slots=_key(top, "num_slots", ""),
+                predicted_step_s=_as_float(_key(top, "predicted_step_s", ""), "predicted_step_s"),
+                models=tuple(sorted(_object(top.get("models", {}), "models").items())),
+                job=_text(top.get("job", ""), "job"),
+                training_state=tuple(
+                    sorted(_object(top.get("training_state", {}), "training_state").items())
+                ),
+                stages=tuple(
+                    _build(StagePlan, s, f"stages[{i}]")
+                    for i, s in enumerate(_array(_key(top, "stages", ""), "stages"))
+                ),
                 model_stages=tuple(
-                    ModelStagePlan(
-                        name=ms["name"],
-                        layout=Layout(**ms["layout"]),
-                        units=tuple(tuple(u) for u in ms["units"]),
-                        predicted_s=_as_float(ms["predicted_s"], f"{ms['name']}.predicted_s"),
-                        breakdown=tuple(ms["breakdown"].items()),
-                        memory_per_slot=tuple(ms["memory_per_slot"].items()),
-                        micro_batch=ms.get("micro_batch", 0),
-                    )
-                    for ms in data["model_stages"]
+                    _model_stage_from_json(ms, f"model_stages[{i}]")
+                    for i, ms in enumerate(_array(_key(top, "model_stages", ""), "model_stages"))
                 ),
             )
-        except KeyError as exc:
-            raise PlanError(f"{exc.args[0]}: missing from the plan JSON") from None
         except PlanError:
             raise
         except (TypeError, ValueError, AttributeError, OverflowError) as exc:
             raise PlanError(f"plan: malformed JSON ({exc})") from None
+
+
+def _object(value: Any, where: str) -> dict:
+    if not isinstance(value, dict):
+        raise PlanError(f"{where}: expected an object, got {shown(value)}")
+    return value
+
+
+def _array(value: Any, where: str) -> list:
+    if not isinstance(value, list | tuple):
+        raise PlanError(f"{where}: expected a list, got {shown(value)}")
+    return list(value)
+
+
+def _text(value: Any, where: str) -> str:
+    if not isinstance(value, str):
+        raise PlanError(f"{where}: expected text, got {shown(value)}")
+    return value
+
+
+def _key(obj: dict, key: str, where: str) -> Any:
+    try:
+        return obj[key]
+    except KeyError:
+        raise PlanError(f"{where}{'.' if where else ''}{key}: missing from the plan JSON") from None
+
+
+def _build(kind: type, fields: Any, where: str) -> Any:
+    """``kind(**fields)`` for a dataclass of this module, naming a field it has not."""
+    fields = _object(fields, where)
+    known = {f.name for f in dataclasses.fields(kind)}
+    for name in fields:
+        if name not in known:
+            raise PlanError(f"{where}.{name}: unknown field")
+    for f in dataclasses.fields(kind):
+        if f.name not in fields and f.default is dataclasses.MISSING:
+            raise PlanError(f"{where}.{f.name}: missing from the plan JSON")
+    return kind(**fields)
+
+
+def _model_stage_from_json(data: Any, where: str) -> ModelStagePlan:
+    ms = _object(data, where)
+    name = _key(ms, "name", where)
+    return ModelStagePlan(
+        name=name,
+        layout=_build(Layout, _key(ms, "layout", where), f"{where}.layout"),
+        units=tuple(
+            tuple(_array(u, f"{where}.units[{i}]"))
+            for i, u in enumerate(_array(_key(ms, "units", where), f"{where}.units"))
+        ),
+        predicted_s=_as_float(_key(ms, "predicted_s", where), f"{name}.predicted_s"),
+        breakdown=tuple(_object(_key(ms, "breakdown", where), f"{where}.breakdown").items()),
+        memory_per_slot=tuple(
+            _object(_key(ms, "memory_per_slot", where), f"{where}.memory_per_slot").items()
+        ),
+        micro_batch=ms.get("micro_batch", 0),
+    )

@@ -90,6 +90,16 @@ def test_admins_issue_tokens_whose_secret_is_shown_once(api, project, member):
     assert api(secret=secret).get(JOBS).status_code == 200
     bad = api(user=admin).post(_tokens("ml"), {"name": "", "role": "god"}, format="json")
     assert bad.status_code == 400 and set(bad.json()["fields"]) == {"name", "role"}
+    # A misspelt field is refused, not dropped for the default role (operator, above what was
+    # asked for); a name is text, not a number made into one.
+    for body, field in (
+        ({"name": "t", "rol": "viewer"}, "rol"),
+        ({"name": "t", "project": "other"}, "project"),
+        ({"name": 1.5}, "name"),
+    ):
+        refused = api(user=admin).post(_tokens("ml"), body, format="json")
+        assert refused.status_code == 400 and list(refused.json()["fields"]) == [field], body
+    assert len(api(user=admin).get(_tokens("ml")).json()) == 1
 
 
 def test_token_endpoints_need_an_admin_session(api, project, other_project, member, token_for):

@@ -12,7 +12,8 @@ from django.db import connection
 
 from tests.support.jobs import make_job
 from webapp.api.exceptions import INVALID_INPUT
-from webapp.api.jobs import BAD_IDEMPOTENCY_KEY, NO_SUCH_PROJECT, SPEC_NOT_OBJECT, UNKNOWN_FIELD
+from webapp.api.inputs import UNKNOWN_FIELD
+from webapp.api.jobs import BAD_IDEMPOTENCY_KEY, NO_SUCH_PROJECT, SPEC_NOT_OBJECT
 from webapp.api.pagination import BAD_CURSOR
 from webapp.jobs import errors, services
 from webapp.jobs.models import Job, JobState

@@ -14,7 +14,7 @@ from django.core.exceptions import ValidationError
 from runtime.jobs.spec import PpoJobSpec, PpoSimJobSpec, SftJobSpec
 from tests.support.jobs import make_job
 from webapp.api.exceptions import INVALID_INPUT
-from webapp.api.jobs import UNKNOWN_FIELD
+from webapp.api.inputs import UNKNOWN_FIELD
 from webapp.jobs import errors, services
 from webapp.jobs.models import Job, JobEvent, JobState
 from webapp.projects.models import Role

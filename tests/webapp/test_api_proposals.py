@@ -13,7 +13,8 @@ from django.utils import timezone
 from tests.support import plans as events
 from tests.support.jobs import make_job
 from webapp.api.exceptions import INVALID_INPUT
-from webapp.api.jobs import NO_SUCH_PROJECT, UNKNOWN_FIELD
+from webapp.api.inputs import UNKNOWN_FIELD
+from webapp.api.jobs import NO_SUCH_PROJECT
 from webapp.jobs import services as job_services
 from webapp.jobs.models import Job, JobState
 from webapp.plans import errors, services
@@ -210,6 +211,8 @@ def test_another_project_gets_404_and_a_revoked_token_401(
         ({"comment": None}, "comment"),
         ({"comment": ["a"]}, "comment"),
         ({"comment": "x" * 4001}, "comment"),
+        ({"comment": 1.5}, "comment"),
+        ({"comment": True}, "comment"),
         ({"comment": "ok", "plan": {}}, "plan"),
         ([{"comment": "ok"}], "non_field_errors"),
     ],
@@ -387,6 +390,7 @@ def test_a_rejected_override_asks_nothing_of_the_driver(api, project, member, ru
         ({"plan": events.plan_json(8)}, "reason"),
         ({"plan": events.plan_json(8), "reason": "  "}, "reason"),
         ({"plan": events.plan_json(8), "reason": "x", "urgent": True}, "urgent"),
+        ({"plan": events.plan_json(8), "reason": 7}, "reason"),
     ],
 )
 def test_bad_override_bodies_name_the_field(api, project, member, running, body, field):
@@ -436,6 +440,44 @@ def test_an_override_plan_with_values_of_the_wrong_kind_is_refused_naming_them(
     assert response.status_code == 400, response.content
     (message,) = _fields(response)["plan"]
     assert f"{named}:" in message and len(message) < 300, message
+    assert not Proposal.objects.exists()
+
+
+def _nested(depth: int):
+    value = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda plan: plan.__setitem__("note", "keep tp=2"), "plan.note: unknown field"),
+        (
+            _set_first_stage("layuot", {"dp": 1, "tp": 1, "pp": 1}),
+            "plan.model_stages[0].layuot: unknown field",
+        ),
+        (
+            lambda plan: plan["stages"][1].__setitem__("overlap", True),
+            "not a plan: stages[1].overlap: unknown field",
+        ),
+        (_set_first_stage("breakdown", []), "not a plan: model_stages[0].breakdown: expected an"),
+        (lambda plan: plan.__setitem__("models", None), "not a plan: models: expected an object"),
+        (lambda plan: plan.__setitem__("note", _nested(600)), "plan.note: unknown field"),
+        (lambda plan: plan.__setitem__("job", _nested(600)), "not a plan: job: expected text"),
+    ],
+)
+def test_an_override_plan_with_a_field_the_runtime_does_not_read_is_refused_naming_it(
+    api, project, member, running, change, message
+):
+    """Found by review: such fields were dropped without a word or stored as sent, and one
+    nested some 500 deep made a 500 (a recursion error while storing it)."""
+    body = {"plan": _tampered(change), "reason": "try it"}
+    response = _override(api(user=member(project, Role.OPERATOR, "pat")), running.pk, body)
+    assert response.status_code == 400, response.content
+    (said,) = _fields(response)["plan"]
+    assert said.startswith(message), said
     assert not Proposal.objects.exists()
 
 

@@ -440,6 +440,7 @@ def test_a_viewer_or_operator_cannot_approve_through_the_page(client, waiting, v
         ({"decision": "approve", "comment": "   "}, "comment"),
         ({"decision": "maybe", "comment": "hmm"}, "decision"),
         ({"decision": "reject", "comment": "a\x00b"}, "comment"),  # PostgreSQL's text refuses NUL
+        ({"decision": "approve", "comment": "x" * 4001}, "comment"),  # the API's limit too
     ],
 )
 def test_deciding_without_a_comment_or_decision_is_a_field_error(

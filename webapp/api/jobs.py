@@ -23,6 +23,7 @@ from rest_framework.views import APIView
 
 from runtime.jobs.spec import spec_from_json
 from webapp.api.authentication import request_token
+from webapp.api.inputs import Number, StrictInput, Text, WholeNumber
 from webapp.api.pagination import MAX_ID, IdCursorPagination
 from webapp.api.parsers import JSONParser
 from webapp.jobs import selectors, services
@@ -32,7 +33,6 @@ from webapp.projects.selectors import project_get_for
 
 IDEMPOTENCY_HEADER = "Idempotency-Key"
 BAD_IDEMPOTENCY_KEY = "expected 1 to 255 printable ASCII characters"
-UNKNOWN_FIELD = "unknown field"
 NO_SUCH_PROJECT = "no such project"
 SPEC_NOT_OBJECT = "expected a JSON object"
 EVENTS_PAGE = 100
@@ -86,16 +86,6 @@ def _job_or_404(request, job_id: int) -> Job:
     return selectors.job_get_for(request.user, job_id=job_id, token=request_token(request))
 
 
-class StrictInput(serializers.Serializer):
-    """A body whose every field is declared: any other is refused by name."""
-
-    def validate(self, attrs):
-        unknown = sorted(set(self.initial_data) - set(self.fields))
-        if unknown:
-            raise serializers.ValidationError({name: [UNKNOWN_FIELD] for name in unknown})
-        return attrs
-
-
 class JobListCreateApi(APIView):
     """List the jobs you can see, or submit one."""
 
@@ -106,7 +96,7 @@ class JobListCreateApi(APIView):
             required=False,
             help_text="Project slug; default: the token's project, or your personal project.",
         )
-        name = serializers.CharField(max_length=200)
+        name = Text(max_length=200)
         spec = serializers.JSONField(
             help_text="The job spec (see runtime/jobs/spec.py); missing fields take defaults."
         )
@@ -211,33 +201,15 @@ class JobCancelApi(APIView):
         return Response(JobOutput(job).data)
 
 
-class _WholeNumber(serializers.IntegerField):
-    """A JSON integer, and only that: not ``true``, ``"3"`` or ``3.0`` (DRF's field takes them)."""
-
-    def to_internal_value(self, data):
-        if isinstance(data, bool) or not isinstance(data, int):
-            self.fail("invalid")
-        return super().to_internal_value(data)
-
-
-class _Number(serializers.FloatField):
-    """A JSON number, and only that: not ``true`` or ``"30"`` (DRF's field takes them)."""
-
-    def to_internal_value(self, data):
-        if isinstance(data, bool) or not isinstance(data, int | float):
-            self.fail("invalid")
-        return super().to_internal_value(data)
-
-
 class PoolInput(StrictInput):
     """A job's slot pool from now on, and the notice for the slots to go."""
 
-    slots = _WholeNumber(
+    slots = WholeNumber(
         min_value=1,
         help_text="The job's pool from now on: 1 to its spec's max_slots, and enough for its "
         "models in some layout.",
     )
-    notice_s = _Number(
+    notice_s = Number(
         required=False,
         default=0.0,
         min_value=0.0,

@@ -13,6 +13,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from webapp.api.authentication import request_token
+from webapp.api.inputs import StrictInput, Text
 from webapp.api.parsers import JSONParser
 from webapp.projects import selectors, services
 from webapp.projects.models import ApiToken, Role
@@ -80,8 +81,8 @@ class TokenListCreateApi(APIView):
 
     parser_classes = [JSONParser]
 
-    class CreateInput(serializers.Serializer):
-        name = serializers.CharField(max_length=200)
+    class CreateInput(StrictInput):
+        name = Text(max_length=200)
         role = serializers.ChoiceField(choices=Role.choices, default=Role.OPERATOR)
 
     @extend_schema(operation_id="tokens_list", responses={200: TokenOutput(many=True)})

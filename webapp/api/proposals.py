@@ -16,7 +16,8 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from webapp.api.authentication import request_token
-from webapp.api.jobs import StrictInput, _job_or_404, _project_or_field_error
+from webapp.api.inputs import StrictInput, Text
+from webapp.api.jobs import _job_or_404, _project_or_field_error
 from webapp.api.pagination import IdCursorPagination
 from webapp.api.parsers import JSONParser
 from webapp.plans import selectors, services
@@ -107,7 +108,7 @@ class ProposalDetailApi(APIView):
 
 
 class DecisionInput(StrictInput):
-    comment = serializers.CharField(max_length=4000, help_text="Why; required, not blank.")
+    comment = Text(max_length=services.COMMENT_MAX_CHARS, help_text="Why; required, not blank.")
 
 
 class _DecisionApi(APIView):
@@ -164,7 +165,7 @@ class OverrideInput(StrictInput):
         help_text="The plan to move the job to, as the runtime's Plan.to_json() (a plan of "
         "GET /api/v1/jobs/<id>/plans/, changed)."
     )
-    reason = serializers.CharField(max_length=4000, help_text="Why; required, not blank.")
+    reason = Text(max_length=4000, help_text="Why; required, not blank.")
 
 
 class JobOverrideApi(APIView):

@@ -10,6 +10,8 @@ OVERRIDE_JOB_STOPPED = "job {job_id} is {state}: there is no running plan to ove
 SELF_APPROVAL = "you proposed this change; another approver must approve it"
 COMMENT_REQUIRED = "a comment is required: say why"
 COMMENT_NUL = "must not contain NUL characters"
+COMMENT_TOO_LONG = "at most {most} characters, got {got}"
+PLAN_UNKNOWN_FIELD = "{path}: unknown field"
 BAD_DECISION = "expected 'approve' or 'reject', got {decision!r}"
 BAD_EVENT = "event.{field}: {problem}"
 

@@ -48,6 +48,9 @@ OUTCOMES = {
     "control.stale": ProposalState.STALE,
 }
 
+COMMENT_MAX_CHARS = 4000
+"""The longest comment on a decision (the API's, the page's and the command line's)."""
+
 
 # --- the controller's events -----------------------------------------------------------------
 
@@ -286,12 +289,7 @@ def proposal_override(
     (``ValidationError`` on ``plan``); a job that has finished or is being cancelled
     (``JobError``), whose driver will never read the approval."""
     require_role(user, job.project, Role.OPERATOR, token=token)
-    if not isinstance(plan, dict):
-        raise ValidationError({"plan": ["expected a plan object"]})
-    try:
-        RuntimePlan.from_json(plan)
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ValidationError({"plan": [f"not a plan: {exc}"]}) from None
+    plan = _plan_sent(plan)
     job = Job.objects.select_for_update().get(pk=job.pk)
     if job.is_terminal or job.state == JobState.CANCELLING:
         raise job_errors.JobError(
@@ -300,7 +298,7 @@ def proposal_override(
     proposal = Proposal.objects.create(
         job=job,
         epoch=job.epoch,
-        plan=finite(plan),
+        plan=plan,
         reason=reason,
         proposed_by=user,
         expires_at=timezone.now() + approval_timeout(job),
@@ -312,6 +310,43 @@ def proposal_override(
         data={"proposal_row": proposal.pk, "by": user.get_username(), "reason": reason},
     )
     return proposal
+
+
+def _plan_sent(plan: Any) -> dict[str, Any]:
+    """A plan a person sent, as the runtime reads it (``Plan.to_json`` of what it parsed), or
+    ``ValidationError`` on ``plan``: not a plan, or with a field the runtime does not read (a
+    misspelt one would otherwise be dropped without a word; what is kept is what the driver
+    will run)."""
+    if not isinstance(plan, dict):
+        raise ValidationError({"plan": ["expected a plan object"]})
+    try:
+        parsed = RuntimePlan.from_json(plan)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValidationError({"plan": [f"not a plan: {exc}"]}) from None
+    read = parsed.to_json()
+    unknown = _unknown_fields(plan, read, "plan")
+    if unknown:
+        raise ValidationError({"plan": [errors.PLAN_UNKNOWN_FIELD.format(path=unknown)]})
+    return finite(read)
+
+
+def _unknown_fields(sent: Any, read: Any, path: str) -> str:
+    """The first field of ``sent`` that ``read`` (what was parsed from it) does not have, as a
+    dotted path, or ``""``. Walks no deeper than ``read`` goes, so however deep ``sent`` is
+    nested this is bounded by the plan's own shape."""
+    if isinstance(sent, dict) and isinstance(read, dict):
+        for key in sent:
+            if key not in read:
+                return f"{path}.{key}"
+            found = _unknown_fields(sent[key], read[key], f"{path}.{key}")
+            if found:
+                return found
+    elif isinstance(sent, list) and isinstance(read, list) and len(sent) == len(read):
+        for i, (one, other) in enumerate(zip(sent, read, strict=True)):
+            found = _unknown_fields(one, other, f"{path}[{i}]")
+            if found:
+                return found
+    return ""
 
 
 def proposal_decide(
@@ -341,6 +376,10 @@ def proposal_decide(
         raise ValidationError({"comment": [errors.COMMENT_REQUIRED]})
     if "\x00" in comment:  # PostgreSQL's text cannot hold it (SQLite would store it)
         raise ValidationError({"comment": [errors.COMMENT_NUL]})
+    if len(comment) > COMMENT_MAX_CHARS:  # the API's limit, for the page's form too
+        raise ValidationError(
+            {"comment": [errors.COMMENT_TOO_LONG.format(most=COMMENT_MAX_CHARS, got=len(comment))]}
+        )
     decided, refusal = _decide(
         user=user,
         job_id=proposal.job_id,
