@@ -110,13 +110,13 @@ def write_hf_folder(
     if dtype not in DTYPES:
         raise ExportError(f"dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}")
     folder = Path(folder).resolve()
-    if folder.exists() and not (
-        folder.is_dir() and (read_manifest(folder) is not None or not any(folder.iterdir()))
-    ):
-        raise ExportError(f"out: {folder} exists and is not an export folder (nothing was changed)")
-    sweep_leftovers(folder)
+    _check_replaceable(folder)
     partial = folder.with_name(f".{folder.name}.partial-{uuid.uuid4().hex[:8]}")
-    partial.mkdir(parents=True)
+    try:
+        sweep_leftovers(folder)
+        partial.mkdir(parents=True)
+    except OSError as exc:
+        raise ExportError(f"out: cannot write beside {folder} ({exc.strerror or exc})") from None
     try:
         cfg = hf_config(config, scalar_head=scalar_head, dtype=dtype, **config_fields)
         (partial / "config.json").write_text(json.dumps(cfg, indent=2))
@@ -143,10 +143,40 @@ def write_hf_folder(
                 os.fsync(handle.fileno())
         before_replace()
         replace_folder(partial, folder)
+    except OSError as exc:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise ExportError(f"out: cannot write {folder} ({exc.strerror or exc})") from None
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
     return folder
+
+
+def _check_replaceable(folder: Path) -> None:
+    """Refuse (``ExportError``, nothing changed) to replace ``folder`` unless it is missing,
+    empty, or an earlier export holding only what its manifest lists: a folder that holds
+    anything else (a file someone put beside the weights, a tokenizer) is not the export's to
+    remove."""
+    try:
+        if not folder.exists():
+            return
+        if not folder.is_dir():
+            raise ExportError(f"out: {folder} exists and is not a folder (nothing was changed)")
+        held = {p.name for p in folder.iterdir()}
+    except OSError as exc:
+        raise ExportError(f"out: cannot read {folder} ({exc.strerror or exc})") from None
+    if not held:
+        return
+    manifest = read_manifest(folder)
+    if manifest is None or manifest.get("format") != FORMAT:
+        raise ExportError(f"out: {folder} exists and is not an export folder (nothing was changed)")
+    others = sorted(held - {f["name"] for f in manifest["files"]} - {MANIFEST})
+    if others:
+        shown = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
+        raise ExportError(
+            f"out: {folder} holds what no export wrote ({shown}): move it, or export to another "
+            "folder (nothing was changed)"
+        )
 
 
 def _sha256(path: Path) -> str:
@@ -216,13 +246,16 @@ def params_from_checkpoint(unit_dir: str | Path) -> dict[str, torch.Tensor]:
     """The parameters (not the optimizer's state) saved in one training unit's DCP checkpoint,
     whole, read on this process alone."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     reader = dcp.FileSystemReader(str(unit_dir))
     try:
         metadata = reader.read_metadata()
-    except (OSError, ValueError, RuntimeError) as exc:
-        raise ExportError(f"checkpoint: {unit_dir} is not a DCP checkpoint ({exc})") from None
+    except Exception as exc:  # a damaged file raises whatever its unpickler does
+        raise ExportError(
+            f"checkpoint: {unit_dir} is not a DCP checkpoint ({type(exc).__name__}: {exc})"
+        ) from None
     state = {
         key: torch.empty(meta.size, dtype=meta.properties.dtype)
         for key, meta in metadata.state_dict_metadata.items()
@@ -232,7 +265,14 @@ def params_from_checkpoint(unit_dir: str | Path) -> dict[str, torch.Tensor]:
         raise ExportError(f"checkpoint: {unit_dir} holds no parameters")
     with warnings.catch_warnings():  # one process on purpose: no process group to wait for
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, storage_reader=reader, no_dist=True)
+        try:
+            dcp.load(state, storage_reader=reader, no_dist=True)
+        except (Exception, CheckpointException) as exc:  # a truncated or missing shard file
+            if isinstance(exc, CheckpointException):  # DCP's wrapper of each rank's failure
+                exc = next(iter(exc.failures.values()))[0]
+            raise ExportError(
+                f"checkpoint: {unit_dir} cannot be read ({type(exc).__name__}: {exc})"
+            ) from None
     return state
 
 
@@ -354,6 +394,13 @@ def export_job_checkpoint(
         ) from None
     except (ValueError, KeyError, TypeError) as exc:
         raise ExportError(f"job_dir: {path} is not readable ({exc})") from None
+    generation = info.get("generation")
+    if generation is not None and not isinstance(generation, dict):
+        raise ExportError(f"job_dir: {path}: generation must be an object, got {generation!r:.60}")
+    for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        value = info.get(key, 0)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ExportError(f"job_dir: {path}: {key} must be a token id, got {value!r:.60}")
     return export_checkpoint(
         job_dir,
         out,
@@ -361,7 +408,7 @@ def export_job_checkpoint(
         role=role,
         step=step,
         dtype=dtype,
-        generation=info.get("generation"),
+        generation=generation,
         **{k: info[k] for k in ("pad_token_id", "bos_token_id", "eos_token_id") if k in info},
     )
 

@@ -146,7 +146,7 @@ def test_a_failed_write_leaves_the_previous_export_in_place(tmp_path, monkeypatc
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(export, "write_safetensors", full_disk)
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(export.ExportError, match=r"out: cannot write .*No space left"):
         export.write_hf_folder(
             folder, TINY, build_model(TINY, scalar_head=False, seed=2).state_dict()
         )
@@ -278,6 +278,68 @@ def test_an_export_never_replaces_a_folder_that_is_not_one(tmp_path, monkeypatch
     assert export.read_manifest(here) is not None
 
 
+def test_an_export_never_removes_what_it_did_not_write(tmp_path):
+    """Found by review: a folder whose manifest listed no files counted as an earlier export,
+    and replacing one took whatever else was in it (a thesis, a tokenizer put beside the
+    weights) with it."""
+    state = build_model(TINY, scalar_head=False, seed=1).state_dict()
+    posing = tmp_path / "posing"
+    posing.mkdir()
+    (posing / "manifest.json").write_text(json.dumps({"files": []}))
+    (posing / "thesis.tex").write_text("years of work")
+    with pytest.raises(export.ExportError, match=r"out: .* is not an export folder"):
+        export.write_hf_folder(posing, TINY, state)
+    assert (posing / "thesis.tex").read_text() == "years of work"
+    folder = export.write_hf_folder(tmp_path / "actor", TINY, state)
+    (folder / "tokenizer.json").write_text("{}")
+    before = export.read_manifest(folder)
+    with pytest.raises(export.ExportError, match=r"holds what no export wrote \(tokenizer\.json\)"):
+        export.write_hf_folder(
+            folder, TINY, build_model(TINY, scalar_head=False, seed=2).state_dict()
+        )
+    assert export.read_manifest(folder) == before and (folder / "tokenizer.json").is_file()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(export.ExportError, match=r"out: cannot write beside .*file/sub"):
+        export.write_hf_folder(tmp_path / "file" / "sub", TINY, state)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["actor", "file", "posing"]
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda unit: (unit / ".metadata").write_bytes(b""),
+        lambda unit: (unit / ".metadata").write_bytes(b"not a pickle at all"),
+        lambda unit: [p.write_bytes(p.read_bytes()[:100]) for p in unit.glob("*.distcp")],
+        lambda unit: [p.unlink() for p in unit.glob("*.distcp")],
+    ],
+    ids=["empty metadata", "garbage metadata", "truncated shards", "missing shards"],
+)
+def test_a_damaged_checkpoint_is_named_not_a_traceback(tmp_path, damage):
+    job_dir, _ = _job_dir(tmp_path, TINY, steps=(4,))
+    damage(job_dir / "checkpoints" / "step-000004" / "actor_training")
+    with pytest.raises(export.ExportError, match=r"checkpoint: .*actor_training"):
+        export.export_job_checkpoint(job_dir, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"generation": 5}, "generation must be an object"),
+        ({"pad_token_id": "zero"}, "pad_token_id must be a token id"),
+        ({"eos_token_id": True}, "eos_token_id must be a token id"),
+        ({"bos_token_id": -1}, "bos_token_id must be a token id"),
+    ],
+)
+def test_a_job_file_with_bad_fields_is_named(tmp_path, fields, message):
+    job_dir, _ = _job_dir(tmp_path, TINY, steps=(4,))
+    info = json.loads((job_dir / "job.json").read_text())
+    (job_dir / "job.json").write_text(json.dumps({**info, **fields}))
+    with pytest.raises(export.ExportError, match=rf"job_dir: .*job\.json: {message}"):
+        export.export_job_checkpoint(job_dir, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_failed_swap_puts_the_previous_export_back(tmp_path, monkeypatch):
     folder = export.write_hf_folder(
         tmp_path / "actor", TINY, build_model(TINY, scalar_head=False, seed=1).state_dict()
@@ -291,7 +353,7 @@ def test_a_failed_swap_puts_the_previous_export_back(tmp_path, monkeypatch):
         return rename(self, target)
 
     monkeypatch.setattr(type(folder), "rename", failing)
-    with pytest.raises(OSError, match="Stale file handle"):
+    with pytest.raises(export.ExportError, match=r"out: cannot write .*Stale file handle"):
         export.write_hf_folder(
             folder, TINY, build_model(TINY, scalar_head=False, seed=2).state_dict()
         )
