@@ -30,7 +30,9 @@ def run_plan(
 ) -> int:
     try:
         catalog = default_catalog()
-        if catalog_file:
+        if catalog_file is not None:
+            if not catalog_file.strip():
+                raise CatalogError("--catalog: empty; give a file name")
             catalog = catalog.extended(catalog_file)
         accelerator = catalog.accelerator(gpu)
         workload = PpoWorkload.for_model(

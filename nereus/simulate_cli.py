@@ -15,10 +15,17 @@ import typer
 from nereus.client import loads_strict
 from runtime.control import Controller, JobPolicy, PolicyError, run_job
 from runtime.engine.sim import SimulatedEngine, TrueModel
-from runtime.engine.traces import MAX_STEPS, SHAPES, TraceError, generate, load, min_steps
+from runtime.engine.traces import (
+    MAX_GPUS,
+    MAX_STEPS,
+    SHAPES,
+    TraceError,
+    generate,
+    load,
+    min_steps,
+)
 from runtime.planner import PlanningError, PpoWorkload, default_catalog
 from runtime.planner.catalog import CatalogError
-from runtime.planner.search import MAX_SLOTS
 
 POLICIES = {
     "nereus": {"admission": "payback"},
@@ -27,6 +34,10 @@ POLICIES = {
     "restart": {"admission": "restart"},
     "dp-only": {"admission": "payback", "fixed_layouts": True},
 }
+
+
+MAX_SEED = 2**31 - 1
+"""The largest seed, as a simulated job's spec takes."""
 
 
 class SimulateError(ValueError):
@@ -55,6 +66,8 @@ def load_trace(spec: str, *, steps: int | None, gpus: int | None, seed: int, acc
         )
     if not Path(spec).exists():
         raise SimulateError(f"--trace: no such file {spec!r} (or use gen:<shape>)")
+    if not Path(spec).is_file():
+        raise SimulateError(f"--trace: {spec!r} is not a file")
     trace = load(spec)  # the file as written: its errors name its lines
     if gpus:
         try:  # its failures must still leave a slot on the smaller pool
@@ -82,11 +95,17 @@ def simulate(
             raise SimulateError(
                 f"--policy: unknown {policy!r}; choose one of {', '.join(POLICIES)}"
             )
-        if gpus is not None and not 1 <= gpus <= MAX_SLOTS:
+        if gpus is not None and not 1 <= gpus <= MAX_GPUS:
             raise SimulateError(
-                f"--gpus: must be from 1 to {MAX_SLOTS} (the most slots the planner plans for), "
-                f"got {gpus}"
+                f"--gpus: must be from 1 to {MAX_GPUS} (the simulated cluster's most), got {gpus}"
             )
+        if not 0 <= seed <= MAX_SEED:
+            raise SimulateError(f"--seed: must be from 0 to {MAX_SEED}, got {seed}")
+        for option, value in (("--trace", trace_spec), ("--events", events_file)):
+            if value is not None and not value.strip():
+                raise SimulateError(f"{option}: empty; give a file name")
+        if policy_file is not None and not policy_file.strip():
+            raise SimulateError("--policy-file: empty; give a file name")
         if steps is not None and not 1 <= steps <= MAX_STEPS:
             raise SimulateError(f"--steps: must be from 1 to {MAX_STEPS}, got {steps}")
         if events_file and not Path(events_file).resolve().parent.is_dir():
@@ -101,6 +120,12 @@ def simulate(
                 raise SimulateError(
                     f"--policy-file: expected a JSON object of policy fields, got "
                     f"{type(extra).__name__}"
+                )
+            clashing = sorted(k for k in extra if k in settings and extra[k] != settings[k])
+            if clashing:
+                raise SimulateError(
+                    f"--policy-file: {clashing[0]} is {settings[clashing[0]]!r} under --policy "
+                    f"{policy}; leave it out of the file or choose another --policy"
                 )
             settings = {**extra, **settings}
         job_policy = JobPolicy.from_json(settings)

@@ -19,7 +19,7 @@ traces of the shapes the experiments use; ``load`` reads a file and names the li
 anything malformed.
 
 Bounds: ``steps`` and ``at_step`` at most ``MAX_STEPS`` (a job's most), ``gen_len`` at most
-``MAX_GEN_LEN`` tokens, ``gpus`` at most ``MAX_SLOTS`` (the planner's most), and the failures
+``MAX_GEN_LEN`` tokens, ``gpus`` at most ``MAX_GPUS``, and the failures
 since the last ``gpus`` record (or the start) must leave the pool at least one slot to run on.
 """
 
@@ -33,13 +33,15 @@ import random
 import reprlib
 from pathlib import Path
 
-from runtime.planner.search import MAX_SLOTS
-
 FORMAT_VERSION = 1
 SPOT_NOTICE_S = 120.0
 """How long before reclaiming them a generated spot-like pool announces it: EC2 Spot's
 interruption notice (the seed's availability traces are AWS's)."""
 MAX_NOTICE_S = 3600.0
+MAX_GPUS = 4096
+"""The largest pool a trace gives: four times the seed's largest run. Planning and compiling
+transitions over many more slots takes the simulated engine minutes a step (65,536 slots, the
+planner's most, over a minute and a half for the first)."""
 MAX_STEPS = 1_000_000
 """The most steps a trace runs (or places a ``gen_len`` point at): a job's most."""
 MAX_GEN_LEN = 10_000_000
@@ -220,7 +222,7 @@ def parse(lines: list[str], *, source: str = "trace", gpus: int | None = None) -
     where = f"{source}:{number}"
     if "trace" not in header:
         raise TraceError(f"{where}: field 'trace': the first line must be the header")
-    if header.get("version") != FORMAT_VERSION:
+    if type(header.get("version")) is not int or header["version"] != FORMAT_VERSION:
         raise TraceError(
             f"{where}: field 'version': expected {FORMAT_VERSION}, "
             f"got {_shown(header.get('version'))}"
@@ -230,6 +232,8 @@ def parse(lines: list[str], *, source: str = "trace", gpus: int | None = None) -
             raise TraceError(f"{where}: field '{field}': missing from the header")
     if not isinstance(header["accelerator"], str):
         raise TraceError(f"{where}: field 'accelerator': must be a name")
+    if not isinstance(header["trace"], str):
+        raise TraceError(f"{where}: field 'trace': must be a name")
     unknown = set(header) - {"trace", "version", "steps", "accelerator", "gpus", "notice_s"}
     if unknown:
         raise TraceError(f"{where}: field '{sorted(unknown)[0]}': unknown in the header")
@@ -237,11 +241,11 @@ def parse(lines: list[str], *, source: str = "trace", gpus: int | None = None) -
         header.get("notice_s", 0.0), f"{where}: field 'notice_s'", maximum=MAX_NOTICE_S
     )
     steps = _int(header["steps"], f"{where}: field 'steps'", minimum=1, maximum=MAX_STEPS)
-    written = _int(header["gpus"], f"{where}: field 'gpus'", minimum=1, maximum=MAX_SLOTS)
+    written = _int(header["gpus"], f"{where}: field 'gpus'", minimum=1, maximum=MAX_GPUS)
     if gpus is None:
         gpus = written
     else:
-        _int(gpus, "gpus", minimum=1, maximum=MAX_SLOTS)
+        _int(gpus, "gpus", minimum=1, maximum=MAX_GPUS)
     gen_len, pool, failures = [], [], []
     for number, record in records[1:]:
         where = f"{source}:{number}"
@@ -268,7 +272,7 @@ def parse(lines: list[str], *, source: str = "trace", gpus: int | None = None) -
             raise TraceError(f"{where}: field 'at_s': a {kind} record needs it")
         at_s = _number(record["at_s"], f"{where}: field 'at_s'")
         if kind == "gpus":
-            size = _int(record["gpus"], f"{where}: field 'gpus'", minimum=1, maximum=MAX_SLOTS)
+            size = _int(record["gpus"], f"{where}: field 'gpus'", minimum=1, maximum=MAX_GPUS)
             pool.append((at_s, size, number))
             continue
         if not at_s > 0:
@@ -295,9 +299,9 @@ def parse(lines: list[str], *, source: str = "trace", gpus: int | None = None) -
             f"slots {sorted(failed)})"
         )
     return Trace(
-        name=str(header["trace"]),
+        name=header["trace"],
         steps=steps,
-        accelerator=header["accelerator"],
+        accelerator=header["accelerator"].lower(),  # the catalog's names ignore case
         gpus=gpus,
         gen_len=tuple((at, value) for at, value, _ in sorted(gen_len)),
         pool=tuple((at, value) for at, value, _ in sorted(pool)),
@@ -356,7 +360,9 @@ def load(path: str | Path, *, gpus: int | None = None) -> Trace:
     except UnicodeDecodeError as exc:
         line = path.read_bytes()[: exc.start].count(b"\n") + 1
         raise TraceError(f"{path}:{line}: not UTF-8 text (byte {exc.start})") from None
-    return parse(text.splitlines(), source=str(path), gpus=gpus)
+    # Lines end at "\n" only: str.splitlines also splits at U+2028 and the like, which JSON
+    # strings may hold as they are.
+    return parse(text.split("\n"), source=str(path), gpus=gpus)
 
 
 def generate(
@@ -375,7 +381,7 @@ def generate(
     notice_s: float | None = None,
 ) -> Trace:
     """A seeded trace of one of ``SHAPES``; ``spot`` adds a spot-like pool (over a dozen changes in
-    ``hours``, never above ``MAX_SLOTS``), announcing each shrink ``notice_s`` before it
+    ``hours``, never above ``MAX_GPUS``), announcing each shrink ``notice_s`` before it
     (``SPOT_NOTICE_S`` unless given), ``grow_to`` a pool that doubles towards that size,
     ``failures`` slot failures (less any that would leave the pool no slot to run on)."""
     if notice_s is None:
@@ -383,10 +389,10 @@ def generate(
     _number(notice_s, "notice_s", maximum=MAX_NOTICE_S)
     if shape not in SHAPES:
         raise TraceError(f"shape: expected one of {', '.join(SHAPES)}, got {shape!r}")
-    _int(gpus, "gpus", minimum=1, maximum=MAX_SLOTS)
+    _int(gpus, "gpus", minimum=1, maximum=MAX_GPUS)
     _int(steps, "steps", minimum=min_steps(shape), maximum=MAX_STEPS)
     if grow_to is not None:
-        _int(grow_to, "grow_to", minimum=0, maximum=MAX_SLOTS)
+        _int(grow_to, "grow_to", minimum=0, maximum=MAX_GPUS)
     rng = random.Random(seed)
     points: list[tuple[int, float]]
     if shape == "growth":  # the seed's: 500 -> 8,000 tokens over 1,000 steps, roughly exponential
@@ -427,7 +433,7 @@ def generate(
         count, unit = gpus, max(1, gpus // 8)
         for t in sorted(rng.uniform(0, hours * 3600) for _ in range(14)):
             delta = unit * rng.choice((1, 2)) * (1 if rng.random() < 0.5 else -1)
-            count = min(2 * gpus, MAX_SLOTS, max(1, gpus // 2, count + delta))
+            count = min(2 * gpus, MAX_GPUS, max(1, gpus // 2, count + delta))
             pool.append((round(t, 1), count))
     if grow_to:
         t, count = 0.0, gpus

@@ -82,7 +82,7 @@ class PpoSimJobSpec:
     """The controller policy (``runtime/control/policy.py``): thresholds, gamma, approval, ..."""
 
     def __post_init__(self) -> None:
-        from runtime.engine.traces import SHAPES, min_steps
+        from runtime.engine.traces import MAX_GPUS, SHAPES, min_steps
         from runtime.planner.catalog import CatalogError, default_catalog
 
         if self.kind != "ppo-sim":
@@ -95,7 +95,7 @@ class PpoSimJobSpec:
                 raise ValueError(f"{field}: {exc}") from None
         if self.trace not in SHAPES:
             raise ValueError(f"trace: expected one of {', '.join(SHAPES)}, got {self.trace!r}")
-        _require_range("gpus", self.gpus, 1, 4096)
+        _require_range("gpus", self.gpus, 1, MAX_GPUS)
         _require_range("num_steps", self.num_steps, min_steps(self.trace), 100_000)
         _require_range("seed", self.seed, 0, 2**31 - 1)
         if not 0 <= self.pace_s <= 60:

@@ -443,11 +443,11 @@ def load_catalog_file(path: str | Path) -> tuple[dict[str, Accelerator], dict[st
         ) from None
     try:
         if path.suffix.lower() in {".yaml", ".yml"}:
-            import yaml
-
-            data = yaml.safe_load(text)
+            data = _yaml_load(text)
         else:
-            data = json.loads(text)
+            data = json.loads(text, object_pairs_hook=_json_object)
+    except CatalogError:
+        raise
     except Exception as exc:  # yaml.YAMLError and json.JSONDecodeError have no common base
         raise CatalogError(
             f"catalog: {path.name} is not valid {path.suffix[1:].upper()}: {exc}"
@@ -462,14 +462,69 @@ def load_catalog_file(path: str | Path) -> tuple[dict[str, Accelerator], dict[st
             f"catalog.{unknown[0]}: unknown section; expected 'accelerators' or 'models'"
         )
     accelerators = {
-        str(name).lower(): _build(Accelerator, f"accelerators.{name}", name, entry)
-        for name, entry in _section(data, "accelerators").items()
+        key: _build(Accelerator, f"accelerators.{name}", name, entry)
+        for key, name, entry in _named(data, "accelerators")
     }
     models = {
-        str(name).lower(): _build(ModelConfig, f"models.{name}", name, entry)
-        for name, entry in _section(data, "models").items()
+        key: _build(ModelConfig, f"models.{name}", name, entry)
+        for key, name, entry in _named(data, "models")
     }
     return accelerators, models
+
+
+def _named(data: dict, key: str) -> list[tuple[str, Any, Any]]:
+    """A section's entries as (lookup name, name, entry): names are looked up whatever their
+    case, so two that differ only in case are the same name, refused rather than one silently
+    taking the other's place."""
+    seen: dict[str, Any] = {}
+    out = []
+    for name, entry in _section(data, key).items():
+        lookup = str(name).lower()
+        if lookup in seen:
+            raise CatalogError(
+                f"catalog.{key}.{name}: the same name as {seen[lookup]!s} (names ignore case)"
+            )
+        seen[lookup] = name
+        out.append((lookup, name, entry))
+    return out
+
+
+def _json_object(pairs: list[tuple[str, Any]]) -> dict:
+    """A JSON object, refusing a key given twice (``json`` keeps the last without a word)."""
+    out: dict = {}
+    for key, value in pairs:
+        if key in out:
+            raise CatalogError(f"catalog: {key!r} is given twice in one object")
+        out[key] = value
+    return out
+
+
+def _yaml_load(text: str) -> Any:
+    """``yaml.safe_load``, refusing a mapping key given twice (PyYAML keeps the last)."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    def mapping(loader, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = loader.construct_object(key_node, deep=deep)
+            try:
+                duplicate = key in seen
+            except TypeError:  # an unhashable key: the constructor below says so
+                continue
+            if duplicate:
+                raise CatalogError(
+                    f"catalog: {key!r} is given twice (line {key_node.start_mark.line + 1})"
+                )
+            seen.add(key)
+        return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
+
+    Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
+    return yaml.load(text, Loader=Loader)  # a SafeLoader
 
 
 def _section(data: dict, key: str) -> dict:

@@ -247,7 +247,7 @@ _POINT = '{"at_step": 0, "gen_len": 500}'
         (
             [_TRACE_HEADER % 16, _POINT, '{"at_s": 1, "gpus": 100000000}'],
             [],
-            "{trace}:3: field 'gpus': must be an integer from 1 to 65,536, got 100000000",
+            "{trace}:3: field 'gpus': must be an integer from 1 to 4,096, got 100000000",
         ),
         (
             [_TRACE_HEADER % 1, _POINT, '{"at_s": 1, "fail_slot": 0}'],
@@ -259,7 +259,14 @@ _POINT = '{"at_step": 0, "gen_len": 500}'
             ["--model", "tiny-llama", "--gpus", "1"],
             "--gpus 1: {trace}:3: field 'fail_slot': slot 0 failing at 1 s leaves no slot",
         ),
-        (None, ["--steps", "5", "--gpus", "70000"], "--gpus: must be from 1 to 65536"),
+        (None, ["--steps", "5", "--gpus", "4097"], "--gpus: must be from 1 to 4096"),
+        (None, ["--steps", "5", "--seed", "-1"], "--seed: must be from 0 to 2147483647, got -1"),
+        (None, ["--steps", "5", "--events", ""], "--events: empty; give a file name"),
+        (
+            None,
+            ["--steps", "5", "--policy", "dynarl", "--policy-file", "{policy}"],
+            "--policy-file: admission is 'always_faster' under --policy dynarl",
+        ),
         (None, ["--steps", "2000000"], "--steps: must be from 1 to 1000000, got 2000000"),
     ],
 )
@@ -270,6 +277,9 @@ def test_simulate_refuses_what_crashed_it_in_one_line_with_exit_code_2(
     if lines is not None:
         trace.write_text("\n".join(lines) + "\n")
     spec = str(trace) if lines is not None else "gen:growth"
+    policy = tmp_path / "policy.json"
+    policy.write_text('{"admission": "payback"}')  # a file that --policy dynarl contradicts
+    args = [arg.format(policy=policy) for arg in args]
     done = _run(["simulate", "--trace", spec, *args], live.service_env(tmp_path), timeout=120)
     assert done.returncode == 2, done.stderr[-2000:]
     assert "Traceback" not in done.stderr and "Error" not in done.stderr, done.stderr[-2000:]

@@ -202,3 +202,29 @@ def test_gpus_per_node_must_be_a_power_of_two(tmp_path):
         CatalogError, match=r"accelerators\.odd\.gpus_per_node: must be a power of two"
     ):
         default_catalog().extended(path)
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "message"),
+    [
+        (
+            "twice.yaml",
+            "models:\n  mymod: {layers: 2}\n  mymod: {layers: 80}\n",
+            "'mymod' is given twice (line 3)",
+        ),
+        ("twice.json", '{"models": {"m": {}, "m": {}}}', "'m' is given twice"),
+        (
+            "cased.yaml",
+            "models:\n  mymod: {layers: 2}\n  MyMod: {layers: 80}\n",
+            "catalog.models.MyMod: the same name as mymod (names ignore case)",
+        ),
+    ],
+)
+def test_a_name_given_twice_is_refused_not_silently_replaced(tmp_path, name, text, message):
+    """Found by review: YAML and JSON readers keep the last of two equal keys, and names are
+    looked up whatever their case, so one entry silently took another's place."""
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(CatalogError) as info:
+        default_catalog().extended(path)
+    assert message in str(info.value)
