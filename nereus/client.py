@@ -156,7 +156,12 @@ class ClientConfig:
             parts.port  # noqa: B018 - parsed on access: a port out of range raises here
         except ValueError as exc:
             raise usage_error(f"{URL_VARIABLE} (or --url)", f"{exc}: {url!r}") from None
-        if parts.scheme not in ("http", "https") or not parts.netloc:
+        host = parts.hostname or ""
+        if (
+            parts.scheme not in ("http", "https")
+            or not host
+            or any(c.isspace() or not c.isprintable() or c in '<>"{}|\\^`' for c in host)
+        ):
             raise usage_error(
                 f"{URL_VARIABLE} (or --url)", f"expected http(s)://host[:port], got {url!r}"
             )

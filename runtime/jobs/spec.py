@@ -91,8 +91,8 @@ class PpoSimJobSpec:
         for field, lookup in (("model", catalog.model), ("gpu", catalog.accelerator)):
             try:
                 lookup(getattr(self, field))
-            except CatalogError as exc:
-                raise ValueError(f"{field}: {exc}") from None
+            except CatalogError as exc:  # it names the field already ("model: unknown ...")
+                raise ValueError(str(exc)) from None
         if self.trace not in SHAPES:
             raise ValueError(f"trace: expected one of {', '.join(SHAPES)}, got {self.trace!r}")
         _require_range("gpus", self.gpus, 1, MAX_GPUS)

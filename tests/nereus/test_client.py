@@ -323,7 +323,14 @@ def test_a_bad_spec_field_is_named_and_exits_2(service, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "url", ["http://[::1", "http://127.0.0.1:99999", "ftp://example.org", "http://"]
+    "url",
+    [
+        "http://[::1",
+        "http://127.0.0.1:99999",
+        "ftp://example.org",
+        "http://",
+        "http://exa mple.com",
+    ],
 )
 def test_a_malformed_service_url_names_the_variable(url):
     with pytest.raises(client.ApiError) as info:
