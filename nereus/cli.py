@@ -471,7 +471,12 @@ def export_command(
     job_dir: Annotated[
         str, typer.Argument(help="The job's working directory ($NEREUS_JOBS_DIR/<id>).")
     ],
-    out: Annotated[str, typer.Option(help="The folder to write (replaced if it exists).")],
+    out: Annotated[
+        str,
+        typer.Option(
+            help="The folder to write: a new or empty one, or an earlier export (replaced)."
+        ),
+    ],
     role: Annotated[str, typer.Option(help="actor or critic.")] = "actor",
     step: Annotated[
         int | None,

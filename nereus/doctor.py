@@ -212,6 +212,9 @@ def run_all() -> list[Finding]:
     findings = [check_python(), check_torch()]
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "webapp.settings")
     try:
+        from webapp import config
+
+        config.load()  # first: the settings would stop the process on a bad variable
         import django
 
         django.setup()

@@ -17,9 +17,11 @@ from webapp import config as _config
 try:
     CONFIG = _config.load()
 except _config.ConfigError as _exc:
-    # A bad variable must stop the process with a line naming it, not a traceback deep in Django.
+    # A bad variable stops the process with a line naming it, not a traceback deep in Django
+    # (manage.py, Daphne and Celery alike exit with status 2, as webapp/startup.py's checks do).
     sys.stderr.write(f"nereus: configuration error: {_exc}\n")
-    raise
+    sys.stderr.flush()
+    raise SystemExit(2) from None
 
 BASE_DIR = _config.REPO_ROOT
 VAR_DIR: Path = CONFIG.var_dir

@@ -7,7 +7,7 @@ approval, watches the drift chart grow without reloading, approves the controlle
 sees the transition's DAG complete, and cancels the job. Screenshots go to
 ``test-artifacts/e2e/`` (gitignored; CI keeps them as artifacts).
 
-Chromium missing is a failure, never a skip: ``make install`` installs it.
+Chromium missing is a failure, never a skip: ``make test`` installs it (its ``browser`` step).
 """
 
 from __future__ import annotations
