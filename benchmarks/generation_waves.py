@@ -12,6 +12,7 @@ and writes benchmarks/results/generation_waves.json; every figure is from the si
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import sys
 from pathlib import Path
@@ -68,6 +69,9 @@ def run(gpus: int, batch: int, start: int, end: int, *, planned: bool) -> dict:
 
 
 def main() -> None:
+    argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    ).parse_args()  # no options: --help says what it does instead of running it
     rows, table = [], []
     for gpus, batch, start, end in SCENARIOS:
         planned = run(gpus, batch, start, end, planned=True)

@@ -15,6 +15,7 @@ has them.
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -35,6 +36,9 @@ def _layouts(found) -> dict[str, tuple[int, int]]:
 
 
 def main() -> None:
+    argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    ).parse_args()  # no options: --help says what it does instead of running it
     acc = CATALOG.accelerator("h100-sxm")
     truth = TrueModel.draw(7)  # exp1's world
     rows, records = [], []
