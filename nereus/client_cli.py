@@ -420,12 +420,34 @@ def _clock(at: Any) -> str:
         return str(at or "")
 
 
+SHOWN_CHARS = 120
+"""The most of one value an event line shows (``--json`` gives everything)."""
+
+
 def _summary(data: Mapping[str, Any]) -> str:
     parts = []
     for key in sorted(data):
         value = data[key]
         if value == "":
             continue
-        shown = value if isinstance(value, str | int | float) else json.dumps(value)
-        parts.append(f"{key}={shown}")
+        parts.append(f"{key}={_shown(value)}")
     return " ".join(parts)
+
+
+def _shown(value: Any) -> str:
+    """A value as one event line shows it: a plan by its size and prediction, anything long cut
+    (a decision's two plans were 10 kB of JSON on one line of a CI log)."""
+    if isinstance(value, str | int | float):
+        text = str(value)
+    elif isinstance(value, Mapping) and "model_stages" in value and "num_slots" in value:
+        stages = value.get("model_stages")
+        count = len(stages) if isinstance(stages, list) else "?"
+        text = (
+            f"<plan: {value.get('num_slots')} slots, {count} model-stages, predicted "
+            f"{value.get('predicted_step_s')} s/step>"
+        )
+    else:
+        text = json.dumps(value)
+    if len(text) > SHOWN_CHARS:
+        text = f"{text[: SHOWN_CHARS - 1]}… ({len(text)} chars; --json for all)"
+    return text

@@ -47,6 +47,11 @@ OUTLOOK_WINDOW = 64
 """Steps of generated-length history behind a move's outlook and the memory envelope."""
 
 
+CALIBRATION_EVERY = 10
+"""Steps between two ``control.calibration`` events at most (one each step would drown the
+job's log)."""
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Outlook:
     """The signals whose horizon a candidate's saving lasts for, and why."""
@@ -233,6 +238,8 @@ class Controller:
         self.events: list[Event] = []
         self._emit_to = emit
         self._ids = itertools.count(1)
+        self._calibration_shown: tuple[int, dict[str, float]] | None = None
+        """The step and efficiencies of the last ``control.calibration`` event."""
         self.transitions = 0
         self.rebatches = 0
         self.restarts = 0
@@ -268,6 +275,30 @@ class Controller:
                 "stage_seconds": report.stage_seconds,
                 "peak_memory": report.peak_memory,
                 "failure": report.failure,
+                "simulated": report.simulated,
+            }
+        )
+
+    def _emit_calibration(self, report: StepReport) -> None:
+        """Say what the cost model has learned of this job (``control.calibration``: the
+        efficiency of each operation class, 1 being the catalog's peak): at the first step that
+        measured something, then at most every ``CALIBRATION_EVERY`` steps while any class moves
+        by more than 2%."""
+        efficiency = self.calibrator.efficiency()
+        shown = self._calibration_shown
+        if shown is not None:
+            since, before = shown
+            moved = any(
+                abs(value / before[c] - 1) > 0.02 for c, value in efficiency.items() if before[c]
+            )
+            if report.step - since < CALIBRATION_EVERY or not moved:
+                return
+        self._calibration_shown = (report.step, efficiency)
+        self.emit(
+            {
+                "event": "control.calibration",
+                "step": report.step,
+                "efficiency": efficiency,
                 "simulated": report.simulated,
             }
         )
@@ -423,6 +454,8 @@ class Controller:
                 self.calibrator.observe(op_class, ideal_s=ideal, measured_s=measured)
             except ValueError as exc:
                 logger.info("calibration sample dropped: %s", exc)
+        if report.op_times:
+            self._emit_calibration(report)
         triggers: list[Trigger] = []
         # The first step after a transition whose new units joined during it generated on part
         # of its units while they built: its time, efficiency and peak are not the plan's, and

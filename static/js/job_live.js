@@ -8,6 +8,7 @@ window.NereusLive = (function () {
   const TERMINAL = ["succeeded", "failed", "cancelled"];
   const themeHandlers = [];
   let retryMs = 500;
+  let ended = false;  // the job reached a final state: nothing more will come
 
   function theme() {
     const dark = window.matchMedia("(prefers-color-scheme: dark)").matches;
@@ -49,6 +50,10 @@ window.NereusLive = (function () {
       badge.className = "state state-" + event.data.state;
       const cancel = document.getElementById("cancel-form");
       if (cancel && TERMINAL.includes(event.data.state)) cancel.hidden = true;
+      const pool = document.getElementById("pool-form");
+      if (pool && TERMINAL.includes(event.data.state)) pool.hidden = true;
+      ended = TERMINAL.includes(event.data.state);
+      if (ended) document.getElementById("live-status").textContent = "ended";
     }
     for (const h of handlers) {
       try { h(event); } catch (err) { console.error("panel failed on event", event.id, err); }
@@ -60,7 +65,7 @@ window.NereusLive = (function () {
     const jobId = document.getElementById("job").dataset.jobId;
     const scheme = location.protocol === "https:" ? "wss" : "ws";
     const ws = new WebSocket(`${scheme}://${location.host}/ws/jobs/${jobId}/?after=${lastId}`);
-    ws.onopen = () => { status.textContent = "live"; retryMs = 500; };
+    ws.onopen = () => { status.textContent = ended ? "ended" : "live"; retryMs = 500; };
     ws.onmessage = (msg) => {
       const frame = JSON.parse(msg.data);
       if (frame.type === "event") handle(frame.event);

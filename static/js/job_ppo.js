@@ -69,6 +69,7 @@
     S.genLen.push(d.gen_len);
     S.memory.push(d.peak_memory);
     S.pool.push(d.num_slots);
+    if ($("pool-now") && d.num_slots != null) $("pool-now").textContent = d.num_slots;  // after resizes
     for (const [signal, band] of Object.entries(S.band)) {
       band.push([S.ref[signal] * (1 - cfg.thresholds[signal]), S.ref[signal] * (1 + cfg.thresholds[signal])]);
     }
@@ -102,15 +103,21 @@
     if (!$("chart-reward")) return;
     const x = S.ppo.steps;
     const line = (y, name, extra) => ({ x, y, name, mode: "lines+markers", type: "scatter", ...extra });
-    const layout = (title, extra) => NereusLive.layout(title, { xaxis: { title: { text: "PPO step" } }, ...extra });
+    // The series grow in place: datarevision makes Plotly.react recompute every axis's range
+    // (the right-hand axes otherwise kept the empty chart's).
+    const layout = (title, extra) => NereusLive.layout(title, {
+      xaxis: { title: { text: "PPO step" }, autorange: true }, datarevision: x.length, ...extra });
+    const right = (text) => ({
+      yaxis2: { overlaying: "y", side: "right", title: { text, standoff: 8 }, showgrid: false, autorange: true },
+      margin: { t: 10, r: 70, b: 70, l: 55 } });
     Plotly.react("chart-reward", [line(S.ppo.reward, "mean reward")], layout("reward"), plotConfig);
     Plotly.react("chart-kl", [line(S.ppo.kl, "KL(actor ‖ reference)"),
       line(S.ppo.klCoef, "KL coefficient", { yaxis: "y2", line: { dash: "dot" } })],
-    layout("KL", { yaxis2: { overlaying: "y", side: "right", title: { text: "coefficient" }, showgrid: false } }), plotConfig);
+    layout("KL", right("coefficient")), plotConfig);
     Plotly.react("chart-length", [line(S.ppo.length, "mean response length")], layout("tokens"), plotConfig);
     Plotly.react("chart-clip", [line(S.ppo.clip, "clip fraction"),
       line(S.ppo.entropy, "entropy", { yaxis: "y2", line: { dash: "dot" } })],
-    layout("clip fraction", { yaxis2: { overlaying: "y", side: "right", title: { text: "entropy (nats)" }, showgrid: false } }), plotConfig);
+    layout("clip fraction", right("entropy (nats)")), plotConfig);
   }
 
   function onTrigger(d) {
@@ -164,6 +171,10 @@
   }
 
   // --- plans and proposals ------------------------------------------------------------------
+  // The proposal's number as the inbox, the API and nereus approve give it (its row), not the
+  // controller's own count.
+  const pid = (id) => (S.proposals[id] && S.proposals[id].row) || id;
+
   function drawMaps() {
     if (S.current) {
       NereusPlanMap.render($("map-current"), S.current);
@@ -174,7 +185,7 @@
     if (proposed) {
       NereusPlanMap.render($("map-proposed"), proposed, { compareTo: S.current });
       $("map-proposed-label").textContent = waiting
-        ? `proposal ${S.waiting}, waiting: predicted ${num(proposed.predicted_step_s)} s/step`
+        ? `proposal ${pid(S.waiting)}, waiting: predicted ${num(proposed.predicted_step_s)} s/step`
         : `last candidate (${S.candidate.reason}): predicted ${num(proposed.predicted_step_s)} s/step`;
     }
   }
@@ -187,8 +198,11 @@
     const v = p.verdict || {};
     $("proposal-body").replaceChildren();
     const text = document.createElement("p");
-    text.textContent = `Proposal ${S.waiting}: ${v.reason || "plan change"} — predicted ` +
-      `${num(S.current && S.current.predicted_step_s)} → ${num(p.plan.predicted_step_s)} s/step; ` +
+    // Both sides as the controller predicted them when it proposed, with what the job had
+    // measured by then (the running plan's own prediction dates from when it was chosen).
+    const now = v.saving_s != null ? p.plan.predicted_step_s + v.saving_s : null;
+    text.textContent = `Proposal ${pid(S.waiting)}: ${v.reason || "plan change"} — predicted ` +
+      `${num(now)} → ${num(p.plan.predicted_step_s)} s/step; ` +
       `transition cost ${num(v.cost_s)} s, saving ${num(v.saving_s)} s/step, payback ` +
       `${num(v.payback_steps)} steps against a horizon of ${num(v.horizon_steps)} steps (gamma ${v.gamma}).` +
       (p.route === "restart"
@@ -317,9 +331,12 @@
   const triggerText = (t) => (t ? `${t.kind}${t.signal ? " " + t.signal : ""}: ${t.detail}` : "");
   // H's source: the trigger's signal, and the pool's too when the saving holds at every recent
   // length (the controller's outlook).
-  const economics = (v, outlook) => (v ? `${num(v.cost_s)} s / ${num(v.saving_s)} s per step / ` +
-    `${num(v.payback_steps)} steps (H ${num(v.horizon_steps)}` +
-    (outlook && outlook.signals && outlook.signals.length ? ` from ${outlook.signals.join(", ")})` : ")") : "");
+  const economics = (v, outlook) => {
+    if (!v) return "";
+    const signals = ((outlook && outlook.signals) || []).filter(Boolean);  // none for a failed step
+    return `${num(v.cost_s)} s / ${num(v.saving_s)} s per step / ${num(v.payback_steps)} steps ` +
+      `(H ${num(v.horizon_steps)}${signals.length ? ` from ${signals.join(", ")}` : ""})`;
+  };
 
   // --- dispatch -----------------------------------------------------------------------------
   NereusLive.on((event) => {
@@ -383,13 +400,14 @@
       case "control.proposal":
         S.proposals[d.proposal] = { plan: d.plan, verdict: d.verdict, row: record.proposal, route: d.route };
         S.waiting = d.proposal;
-        log("proposal", "", "waiting for approval", (d.verdict || {}).reason || "", economics(d.verdict));
+        log("proposal", "", `proposal ${pid(d.proposal)}: waiting for approval`, (d.verdict || {}).reason || "",
+          economics(d.verdict, d.outlook));
         drawProposal(); drawMaps();
         break;
       case "command.approve": case "command.reject": {
         const p = S.proposals[d.proposal];
         if (p) { p.decidedBy = d.by; p.decision = event.kind === "command.approve" ? "approved" : "rejected"; }
-        log(event.kind.replace("command.", ""), "", `by ${d.by}`, d.comment || "", "");
+        log(event.kind.replace("command.", ""), "", `proposal ${pid(d.proposal)} by ${d.by}`, d.comment || "", "");
         drawProposal();
         break;
       }
@@ -397,13 +415,23 @@
         const outcome = event.kind.replace("control.", "");
         if (outcome === "approved" && S.proposals[d.proposal]) S.target = S.proposals[d.proposal].plan;
         if (S.waiting === d.proposal) S.waiting = null;
-        log(outcome, "", `proposal ${d.proposal}`, d.reason || "", "");
+        log(outcome, "", `proposal ${pid(d.proposal)}`, d.reason || "", "");
         drawProposal(); drawMaps();
         break;
       }
+      case "proposals.stale":  // by the service: the job ended, or a new driver took it over
+        for (const [id, p] of Object.entries(S.proposals)) {
+          if ((d.proposals || []).includes(p.row) && String(S.waiting) === id) S.waiting = null;
+        }
+        log("stale", "", `proposals ${(d.proposals || []).join(", ")}`, d.reason || "", "");
+        drawProposal(); drawMaps();
+        break;
+      case "job.state":
+        if (["succeeded", "failed", "cancelled"].includes(d.state)) { S.waiting = null; drawProposal(); }
+        break;
       case "command.applied":
         log("command", "", d.command === "resize" ? `resize: ${d.outcome}`
-          : `${d.command} ${d.proposal}: ${d.outcome}`, "", "");
+          : `${d.command} ${pid(d.proposal)}: ${d.outcome}`, "", "");
         break;
       case "control.override_refused":
         log("override refused", d.step != null ? `at step ${d.step}` : "", "kept the running plan",

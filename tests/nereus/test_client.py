@@ -19,7 +19,7 @@ import pytest
 from nereus import client
 from nereus.client_cli import EventPrinter
 from nereus.processes import free_port
-from tests.support import live
+from tests.support import live, plans
 
 NEREUS = str(Path(sys.executable).with_name("nereus"))
 PROXY_VARIABLES = ("http_proxy", "https_proxy", "all_proxy", "HTTP_PROXY", "HTTPS_PROXY")
@@ -516,3 +516,23 @@ def test_download_writes_nothing_for_file_names_that_are_paths(tmp_path, monkeyp
     assert "not plain names" in capsys.readouterr().err
     assert not victim.exists() and not (tmp_path / "job-1-actor").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_an_event_line_shows_a_plan_by_its_size_and_cuts_long_values():
+    """Found by review: a decision's two plans made one line of some 10 kB in a CI log."""
+    plan = plans.plan_json(8)
+    event = {
+        "id": 7,
+        "kind": "control.decision",
+        "at": "2026-01-01T10:00:00+00:00",
+        "data": {"candidate": plan, "reason": "r" * 500, "admit": True},
+    }
+    printer = EventPrinter(total_steps=None, as_json=False, tty=False, out=(out := io.StringIO()))
+    printer.event(event)
+    line = out.getvalue()
+    assert line.count("\n") == 1 and len(line) < 400, line
+    assert f"candidate=<plan: 8 slots, {len(plan['model_stages'])} model-stages, predicted" in line
+    assert "(500 chars; --json for all)" in line and "admit=True" in line
+    printer = EventPrinter(total_steps=None, as_json=True, tty=False, out=(whole := io.StringIO()))
+    printer.event(event)
+    assert json.loads(whole.getvalue())["event"]["data"]["candidate"] == plan

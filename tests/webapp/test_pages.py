@@ -101,6 +101,17 @@ def test_the_list_filters_by_state_and_refuses_an_unknown_state(client, project,
     assert response.status_code == 400 and "state: expected one of" in response.content.decode()
 
 
+def test_the_list_names_each_job_s_kind(client, project, operator):
+    """Found by review: every job that was not a simulated one was listed as SFT."""
+    kinds = {"ppo": "PPO", "ppo-sim": 'PPO <span class="sim">simulated</span>', "sft": "SFT"}
+    for kind in kinds:
+        make_job(owner=operator, project=project, name=kind, spec={"kind": kind, "num_slots": 1})
+    client.force_login(operator)
+    page = client.get("/jobs/").content.decode()
+    for kind, shown in kinds.items():
+        assert f"<td>{kind}</td>\n        <td>{shown}</td>" in page, kind
+
+
 def test_bulk_cancel_cancels_what_one_may_and_reports_the_rest(
     client, project, other_project, operator, viewer, outsider
 ):

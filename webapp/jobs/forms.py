@@ -281,3 +281,8 @@ class PoolForm(forms.Form):
         help_text="For a shrink: how long the slots to go stay while the job moves off them "
         "(0: taken at once, with what they hold).",
     )
+
+    def __init__(self, *args, max_slots: int | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        if max_slots:  # the browser stops what the service would refuse (its spec's max_slots)
+            self.fields["slots"].widget.attrs["max"] = max_slots

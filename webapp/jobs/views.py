@@ -140,7 +140,9 @@ def job_detail(request, job_id: int):
         stopping = job.is_terminal or job.state == JobState.CANCELLING
         if not simulated and context["can_cancel"] and not stopping:
             slots = services.job_pool_slots(job) or job.spec.get("num_slots")
-            context["pool_form"] = PoolForm(initial={"slots": slots, "notice_s": 0})
+            context["pool_form"] = PoolForm(
+                initial={"slots": slots, "notice_s": 0}, max_slots=job.spec.get("max_slots")
+            )
         return render(request, "jobs/detail_ppo.html", context)
     return render(request, "jobs/detail.html", context)
 

@@ -1,6 +1,7 @@
 """The controller on the simulated cluster: the approval gate, the urgent path, the step loop."""
 
 import dataclasses
+import itertools
 import math
 
 import pytest
@@ -1054,3 +1055,22 @@ def test_the_urgent_trigger_names_the_plan_s_slots_that_are_gone_or_leaving(lost
     controller.before_step(_PoolReport(lost, size), 5)
     (trigger,) = triggers
     assert trigger.kind == "failure" and trigger.detail == detail
+
+
+def test_what_the_cost_model_learns_is_said_at_first_and_then_only_when_it_moves():
+    """``control.calibration`` (the job page's calibration chart): the efficiencies learned at
+    the first step that measured something, then at most every CALIBRATION_EVERY steps while
+    they move by more than 2% (not once a step)."""
+    trace = Trace(name="t", steps=40, accelerator=ACC.name, gpus=16, gen_len=((0, 1024.0),))
+    engine = SimulatedEngine(trace, ACC, truth=TrueModel.draw(3, noise=0.05), seed=1)
+    controller = Controller(WORKLOAD, ACC, JobPolicy())
+    run_job(engine, controller, 40)
+    said = [e for e in controller.events if e["event"] == "control.calibration"]
+    assert said and said[0]["step"] == 0 and said[0]["simulated"]
+    assert said[0]["efficiency"] != controller_module.Calibrator().efficiency()  # learned
+    steps = [e["step"] for e in said]
+    assert all(b - a >= controller_module.CALIBRATION_EVERY for a, b in itertools.pairwise(steps))
+    assert len(said) <= 1 + 40 // controller_module.CALIBRATION_EVERY
+    for before, after in itertools.pairwise(said):
+        moved = [abs(after["efficiency"][c] / v - 1) for c, v in before["efficiency"].items()]
+        assert max(moved) > 0.02
