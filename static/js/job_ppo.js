@@ -173,6 +173,7 @@
   // --- plans and proposals ------------------------------------------------------------------
   // The proposal's number as the inbox, the API and nereus approve give it (its row), not the
   // controller's own count.
+  const plural = (n, word) => `${n} ${word}${n === 1 ? "" : "s"}`;
   const pid = (id) => (S.proposals[id] && S.proposals[id].row) || id;
 
   function drawMaps() {
@@ -276,7 +277,7 @@
     const states = nodeStates(t);
     const perNode = t.dag.nodes.some((n) => t.reported[n.id] || n.state !== "pending");
     $("dag-summary").textContent = `Transition ${t.index} (${t.simulated ? "simulated" : "real"}): ` +
-      `${t.ok ? "complete" : "failed"} — ${t.nodes} nodes, predicted ${num(t.predicted_s)} s, actual ` +
+      `${t.ok ? "complete" : "failed"} — ${plural(t.nodes, "node")}, predicted ${num(t.predicted_s)} s, actual ` +
       `${num(t.actual_s)} s; critical path (thick) ${num(t.dag.critical_path_s)} s.` +
       (t.nodes === 0
         ? ` No state moved: only units rebuilt every step anyway (inference, generation) took ` +
@@ -495,9 +496,9 @@
       case "job.finished":
         $("job-summary").textContent = d.simulated
           ? `Finished (${d.status}): ${d.steps} steps in ${num(d.simulated_s, 4)} simulated seconds, ` +
-            `${d.transitions} transitions, ${d.restarts} restarts.`
+            `${plural(d.transitions, "transition")}, ${plural(d.restarts, "restart")}.`
           : `Finished (${d.status}): ${d.steps} steps in ${num(d.wall_s, 4)} s, ${d.transitions} ` +
-            `transitions (${num(d.transition_s)} s), ${d.restarts} restarts, final mean reward ` +
+            `transitions (${num(d.transition_s)} s), ${plural(d.restarts, "restart")}, final mean reward ` +
             `${num(d.mean_reward)}.`;
         break;
       default:
