@@ -278,7 +278,8 @@
     const perNode = t.dag.nodes.some((n) => t.reported[n.id] || n.state !== "pending");
     $("dag-summary").textContent = `Transition ${t.index} (${t.simulated ? "simulated" : "real"}): ` +
       `${t.ok ? "complete" : "failed"} — ${plural(t.nodes, "node")}, predicted ${num(t.predicted_s)} s, actual ` +
-      `${num(t.actual_s)} s; critical path (thick) ${num(t.dag.critical_path_s)} s.` +
+      `${num(t.actual_s)} s; critical path (thick) ${num(t.dag.critical_path_s)} s of moving state` +
+      (t.rebuild_s && t.nodes ? `, then ${num(t.rebuild_s)} s rebuilding engines in their new layouts.` : ".") +
       (t.nodes === 0
         ? ` No state moved: only units rebuilt every step anyway (inference, generation) took ` +
           `their new layouts, in ${num(t.rebuild_s)} s.`
