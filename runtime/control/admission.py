@@ -29,6 +29,11 @@ class Verdict:
     payback_steps: float
     horizon_steps: float
     gamma: float
+    current_s: float = math.nan
+    """The running plan's step as priced for this decision (with what the job has measured,
+    at the length and pool decided for): ``saving_s`` is ``current_s - candidate_s``."""
+    candidate_s: float = math.nan
+    """The candidate's step, priced the same way."""
 
     def to_json(self) -> dict:
         out = dataclasses.asdict(self)
@@ -67,6 +72,8 @@ def decide(
             payback_steps=payback,
             horizon_steps=horizon_steps,
             gamma=gamma,
+            current_s=current_s,
+            candidate_s=candidate_s,
         )
 
     if infeasible:

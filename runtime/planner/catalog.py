@@ -500,31 +500,35 @@ def _json_object(pairs: list[tuple[str, Any]]) -> dict:
 
 
 def _yaml_load(text: str) -> Any:
-    """``yaml.safe_load``, refusing a mapping key given twice (PyYAML keeps the last)."""
+    """``yaml.safe_load``, refusing a mapping key written twice (PyYAML keeps the last). The
+    keys are checked as written, on the composed document, before merge keys (``<<``) copy
+    any: a key a merge brings in and the mapping then sets is an override, not a repeat."""
     import yaml
 
-    class Loader(yaml.SafeLoader):
-        pass
-
-    def mapping(loader, node, deep=False):
-        seen = set()
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":
-                continue
-            key = loader.construct_object(key_node, deep=deep)
-            try:
-                duplicate = key in seen
-            except TypeError:  # an unhashable key: the constructor below says so
-                continue
-            if duplicate:
-                raise CatalogError(
-                    f"catalog: {key!r} is given twice (line {key_node.start_mark.line + 1})"
-                )
-            seen.add(key)
-        return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
-
-    Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
-    return yaml.load(text, Loader=Loader)  # a SafeLoader
+    root = yaml.compose(text, Loader=yaml.SafeLoader)
+    seen_nodes: set[int] = set()
+    stack = [root] if root is not None else []
+    while stack:  # iterative, each node once: aliases share nodes (and may nest deeply)
+        node = stack.pop()
+        if id(node) in seen_nodes:
+            continue
+        seen_nodes.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            keys: set[tuple[str, str]] = set()
+            for key_node, value_node in node.value:
+                stack.extend((key_node, value_node))
+                if not isinstance(key_node, yaml.ScalarNode) or key_node.tag.endswith(":merge"):
+                    continue
+                key = (key_node.tag, key_node.value)
+                if key in keys:
+                    raise CatalogError(
+                        f"catalog: {key_node.value!r} is given twice "
+                        f"(line {key_node.start_mark.line + 1})"
+                    )
+                keys.add(key)
+        elif isinstance(node, yaml.SequenceNode):
+            stack.extend(node.value)
+    return yaml.safe_load(text)
 
 
 def _section(data: dict, key: str) -> dict:

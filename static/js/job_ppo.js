@@ -199,11 +199,13 @@
     const v = p.verdict || {};
     $("proposal-body").replaceChildren();
     const text = document.createElement("p");
-    // Both sides as the controller predicted them when it proposed, with what the job had
-    // measured by then (the running plan's own prediction dates from when it was chosen).
-    const now = v.saving_s != null ? p.plan.predicted_step_s + v.saving_s : null;
+    // Both sides as admission priced them, with what the job had measured by then (the running
+    // plan's own prediction dates from when it was chosen, a deferred candidate's from when it
+    // was planned).
+    const before = v.current_s ?? (v.saving_s != null ? p.plan.predicted_step_s + v.saving_s : null);
+    const after = v.candidate_s ?? p.plan.predicted_step_s;
     text.textContent = `Proposal ${pid(S.waiting)}: ${v.reason || "plan change"} — predicted ` +
-      `${num(now)} → ${num(p.plan.predicted_step_s)} s/step; ` +
+      `${num(before)} → ${num(after)} s/step; ` +
       `transition cost ${num(v.cost_s)} s, saving ${num(v.saving_s)} s/step, payback ` +
       `${num(v.payback_steps)} steps against a horizon of ${num(v.horizon_steps)} steps (gamma ${v.gamma}).` +
       (p.route === "restart"
@@ -409,7 +411,9 @@
       case "command.approve": case "command.reject": {
         const p = S.proposals[d.proposal];
         if (p) { p.decidedBy = d.by; p.decision = event.kind === "command.approve" ? "approved" : "rejected"; }
-        log(event.kind.replace("command.", ""), "", `proposal ${pid(d.proposal)} by ${d.by}`, d.comment || "", "");
+        // An override (a person's plan) has no controller id: its row is the number people use.
+        log(event.kind.replace("command.", ""), "", `proposal ${d.proposal_row ?? pid(d.proposal)} by ${d.by}`,
+          d.comment || "", "");
         drawProposal();
         break;
       }
@@ -433,7 +437,7 @@
         break;
       case "command.applied":
         log("command", "", d.command === "resize" ? `resize: ${d.outcome}`
-          : `${d.command} ${pid(d.proposal)}: ${d.outcome}`, "", "");
+          : `${d.command} ${d.command === "override" ? d.proposal : pid(d.proposal)}: ${d.outcome}`, "", "");
         break;
       case "control.override_refused":
         log("override refused", d.step != null ? `at step ${d.step}` : "", "kept the running plan",
@@ -498,8 +502,8 @@
         $("job-summary").textContent = d.simulated
           ? `Finished (${d.status}): ${d.steps} steps in ${num(d.simulated_s, 4)} simulated seconds, ` +
             `${plural(d.transitions, "transition")}, ${plural(d.restarts, "restart")}.`
-          : `Finished (${d.status}): ${d.steps} steps in ${num(d.wall_s, 4)} s, ${d.transitions} ` +
-            `transitions (${num(d.transition_s)} s), ${plural(d.restarts, "restart")}, final mean reward ` +
+          : `Finished (${d.status}): ${d.steps} steps in ${num(d.wall_s, 4)} s, ` +
+            `${plural(d.transitions, "transition")} (${num(d.transition_s)} s), ${plural(d.restarts, "restart")}, final mean reward ` +
             `${num(d.mean_reward)}.`;
         break;
       default:

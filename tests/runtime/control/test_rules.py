@@ -69,6 +69,10 @@ def test_payback_admits_exactly_when_cost_over_saving_is_within_gamma_h():
     # saving 2 s/step, cost 6 s: pays back in 3 steps; gamma 0.5
     at = decide(admission="payback", horizon_steps=6.0, **ARGS)  # 3 <= 0.5 × 6
     assert at.admit and at.payback_steps == 3.0 and at.saving_s == 2.0
+    # Both sides as priced for the decision (the page shows them, not the plans' own older
+    # predictions), in the verdict's JSON too.
+    assert (at.current_s, at.candidate_s) == (ARGS["current_s"], ARGS["candidate_s"])
+    assert at.to_json()["current_s"] - at.to_json()["candidate_s"] == at.saving_s
     assert at.reason == "pays back in 3.00 steps <= gamma 0.5 × H 6.00"
     under = decide(admission="payback", horizon_steps=5.99, **ARGS)
     assert not under.admit and "> gamma 0.5 × H 5.99" in under.reason

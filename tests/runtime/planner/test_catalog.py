@@ -228,3 +228,23 @@ def test_a_name_given_twice_is_refused_not_silently_replaced(tmp_path, name, tex
     with pytest.raises(CatalogError) as info:
         default_catalog().extended(path)
     assert message in str(info.value)
+
+
+def test_a_key_a_merge_brings_in_and_the_entry_then_sets_is_an_override_not_a_repeat(tmp_path):
+    """Found by review: the first duplicate check read mappings after PyYAML's merge had copied
+    keys into them, and refused such files."""
+    entry = json.dumps(TINY_ENTRY)
+    path = tmp_path / "merged.yaml"
+    path.write_text(
+        f"models:\n  small: &small {entry}\n  deeper: {{<<: *small, num_layers: 4}}\n"
+        "  nested: {<<: [*small, {num_layers: 6}], num_layers: 8}\n"
+    )
+    catalog = default_catalog().extended(path)
+    assert catalog.model("small").num_layers == 2 and catalog.model("deeper").num_layers == 4
+    assert catalog.model("nested").num_layers == 8
+    # A mapping merged (and so rewritten by PyYAML) before it is itself read: not a repeat
+    # either; what is wrong with this file is its unknown section.
+    odd = tmp_path / "odd.yaml"
+    odd.write_text("m: &M {<<: {x: 1}, x: 2}\n<<: *M\n")
+    with pytest.raises(CatalogError, match=r"catalog\.m: unknown section"):
+        default_catalog().extended(odd)
