@@ -16,6 +16,7 @@ urlpatterns = [
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("jobs/", include("webapp.jobs.urls")),
     path("approvals/", include("webapp.plans.urls")),
+    path("projects/", include("webapp.projects.urls")),
     path("admin/", admin.site.urls),
     path("api/v1/", include("webapp.api.urls")),
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),

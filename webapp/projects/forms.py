@@ -1,0 +1,15 @@
+"""The project page's form: a new API token."""
+
+from __future__ import annotations
+
+from django import forms
+
+from webapp.projects.models import Role
+
+
+class TokenForm(forms.Form):
+    """A token for a CI pipeline: a name to know it by, and the role it acts with (never above
+    its creator's current role, whatever is chosen here)."""
+
+    name = forms.CharField(max_length=200, help_text="What uses it, e.g. the pipeline's name.")
+    role = forms.ChoiceField(choices=Role.choices, initial=Role.OPERATOR)
