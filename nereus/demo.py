@@ -12,6 +12,7 @@ changes that are not urgent wait for a person on the job's page.
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import signal
@@ -172,6 +173,9 @@ def _submit_demo_job(*, num_steps: int, num_slots: int):
     from webapp.jobs import services
 
     user = get_user_model().objects.get(username=DEMO_USER)
+    # The embedded broker's URL (filesystem://) has no host, which kombu warns of on every
+    # connection: not news to someone starting the demo.
+    logging.getLogger("kombu.connection").setLevel(logging.ERROR)
     return services.job_submit(
         user=user,
         name="demo: PPO on CPU slots (length grows, a slot revoked and one granted)",

@@ -179,6 +179,8 @@ class JobSubmitForm(forms.Form):
     def __init__(self, *args, user, **kwargs):
         super().__init__(*args, **kwargs)
         self.fields["project"].queryset = projects_visible_to(user, min_role=Role.OPERATOR)
+        # As the job list and the project pages name it, with the slug the API and CLI use.
+        self.fields["project"].label_from_instance = lambda p: f"{p.name} ({p.slug})"
         catalog = default_catalog()
         self.fields["model"].choices = _choices(catalog.models)
         self.fields["ppo_model"].choices = _choices(catalog.models)
