@@ -80,6 +80,13 @@ window.NereusLive = (function () {
   }
 
   window.addEventListener("DOMContentLoaded", connect);
+  // Cancelling cannot be undone (the job stops at its next step): ask first.
+  window.addEventListener("DOMContentLoaded", () => {
+    const cancel = document.getElementById("cancel-form");
+    if (cancel) cancel.addEventListener("submit", (e) => {
+      if (!window.confirm("Cancel this job? It stops at its next step; this cannot be undone.")) e.preventDefault();
+    });
+  });
   // Dark mode follows the system setting, live: charts are redrawn with the new colours.
   window.matchMedia("(prefers-color-scheme: dark)").addEventListener("change", () => {
     for (const h of themeHandlers) h();

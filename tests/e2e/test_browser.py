@@ -195,13 +195,17 @@ def test_submit_watch_approve_and_see_the_dag_complete(browser, service, shots):
         page.locator("#dag").scroll_into_view_if_needed()
         page.screenshot(path=shots / "4-dag-complete.png", full_page=True)
 
-        # Cancel from the page; the job stops at its next step.
+        # Cancel from the page, saying yes to the question it asks; the job stops at its next
+        # step.
+        asked = []
+        page.once("dialog", lambda dialog: (asked.append(dialog.message), dialog.accept()))
         page.click("button.danger:has-text('Cancel')")
         page.wait_for_url(job_url)
         page.wait_for_function(
             "['cancelled', 'cancelling'].includes("
             "(document.getElementById('job-state') || {}).textContent)"
         )
+        assert asked and asked[0].startswith("Cancel this job?")
 
         # Dark mode follows the system setting.
         page.emulate_media(color_scheme="dark")
