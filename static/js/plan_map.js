@@ -1,5 +1,6 @@
 // The plan map: one row per model-stage, one column per slot. A cell's hue is its data-parallel
-// replica, its shade its pipeline stage, and its label the (dp, pp, tp) position in the unit
+// replica, its shade its pipeline stage, and its label its (replica, tensor rank, pipeline stage),
+// in the order of the row's (dp, tp, pp) layout
 // (a unit's slots are listed pipeline-stage-major: slots [p*tp, (p+1)*tp) form stage p).
 "use strict";
 window.NereusPlanMap = (function () {
@@ -43,7 +44,7 @@ window.NereusPlanMap = (function () {
       grid.appendChild(cell("th", `${ms.name} (${l.dp},${l.tp},${l.pp})${mb}`));
       for (let s = 0; s < slots; s++) {
         const p = pos[ms.name][s];
-        const c = cell("td", p ? `${p.d}·${p.p}·${p.t}` : "");
+        const c = cell("td", p ? `${p.d}·${p.t}·${p.p}` : "");
         c.dataset.slot = s;
         if (p) {
           c.style.background = colour(p);
@@ -61,7 +62,8 @@ window.NereusPlanMap = (function () {
     container.appendChild(grid);
     const legend = document.createElement("p");
     legend.className = "muted small";
-    legend.textContent = "cell: replica·pipeline stage·tensor rank; hue = data-parallel replica, " +
+    legend.textContent = "cell: replica·tensor rank·pipeline stage, in the order of a row's (dp,tp,pp); " +
+      "hue = data-parallel replica, " +
       "shade = pipeline stage" + (other ? "; outlined = differs from the current plan" : "");
     container.appendChild(legend);
   }
