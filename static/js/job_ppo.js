@@ -8,7 +8,9 @@
 (function () {
   const cfg = JSON.parse(document.getElementById("job-config").textContent);
   const STAGES = ["generation", "inference", "training"];
-  const plotConfig = { displaylogo: false, responsive: true };
+  // On a phone the mode bar would sit over the top of every chart (touch shows it always).
+  const plotConfig = { displaylogo: false, responsive: true,
+    displayModeBar: window.matchMedia("(max-width: 600px)").matches ? false : "hover" };
   const S = {
     steps: [], genLen: [], memory: [], pool: [], stage: { generation: [], inference: [], training: [] },
     predicted: { generation: [], inference: [], training: [] }, band: { gen_len: [], peak_memory: [] },
@@ -108,7 +110,8 @@
     const layout = (title, extra) => NereusLive.layout(title, {
       xaxis: { title: { text: "PPO step" }, autorange: true }, datarevision: x.length, ...extra });
     const right = (text) => ({
-      yaxis2: { overlaying: "y", side: "right", title: { text, standoff: 8 }, showgrid: false, autorange: true },
+      yaxis2: { overlaying: "y", side: "right", title: { text, standoff: 8 }, showgrid: false, autorange: true,
+        rangemode: "tozero", zeroline: false },  // a constant coefficient is not drawn about 0 ± 1
       margin: { t: 10, r: 70, b: 70, l: 55 } });
     Plotly.react("chart-reward", [line(S.ppo.reward, "mean reward")], layout("reward"), plotConfig);
     Plotly.react("chart-kl", [line(S.ppo.kl, "KL(actor ‖ reference)"),
@@ -332,7 +335,8 @@
     const step = S.lastStep ? S.lastStep.step : "–";
     body.prepend(row(body, [step, event, trigger, outcome, reason, economics]));
   }
-  const triggerText = (t) => (t ? `${t.kind}${t.signal ? " " + t.signal : ""}: ${t.detail}` : "");
+  const triggerText = (t) => (t ? `${t.kind}${t.signal ? " " + t.signal : ""}: ` +
+    `${String(t.detail || "").replaceAll(" -> ", " → ")}` : "");  // "->" broke across lines
   // H's source: the trigger's signal, and the pool's too when the saving holds at every recent
   // length (the controller's outlook).
   const economics = (v, outlook) => {

@@ -42,6 +42,10 @@ def test_an_admin_issues_a_token_whose_secret_is_shown_once_and_works(client, ap
     assert api(secret=secret).get("/api/v1/jobs/").status_code == 200
     again = client.get("/projects/ml/").content.decode()
     assert secret not in again and token.prefix in again and "nightly" in again  # once only
+    # A reload of the answer sends the form again: refused, not a second token.
+    reloaded = client.post("/projects/ml/tokens/", {"name": "nightly", "role": "viewer"})
+    assert reloaded.status_code == 409 and 'data-field="name"' in reloaded.content.decode()
+    assert ApiToken.objects.filter(name="nightly").count() == 1
 
 
 @pytest.mark.parametrize(

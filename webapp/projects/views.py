@@ -68,11 +68,20 @@ def token_create_view(request, slug: str):
     form = TokenForm(request.POST)
     if not form.is_valid():
         return _page(request, project, form=form, status=400)
+    name = form.cleaned_data["name"]
+    # The page that shows a new secret answers this POST (the secret is kept nowhere for a
+    # redirect to show), so a reload sends the form again: one active token per name here
+    # keeps that from making a second token.
+    if selectors.tokens_of(project).filter(name=name, revoked_at__isnull=True).exists():
+        form.add_error(
+            "name", f"a token named {name!r} is active already: revoke it or choose another name"
+        )
+        return _page(request, project, form=form, status=409)
     try:
         token, secret = services.token_create(
             user=request.user,
             project=project,
-            name=form.cleaned_data["name"],
+            name=name,
             role=form.cleaned_data["role"],
         )
     except errors.RoleError as exc:
