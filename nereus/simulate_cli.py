@@ -101,11 +101,13 @@ def simulate(
             )
         if not 0 <= seed <= MAX_SEED:
             raise SimulateError(f"--seed: must be from 0 to {MAX_SEED}, got {seed}")
-        for option, value in (("--trace", trace_spec), ("--events", events_file)):
+        for option, value in (
+            ("--trace", trace_spec),
+            ("--events", events_file),
+            ("--policy-file", policy_file),
+        ):
             if value is not None and not value.strip():
                 raise SimulateError(f"{option}: empty; give a file name")
-        if policy_file is not None and not policy_file.strip():
-            raise SimulateError("--policy-file: empty; give a file name")
         if steps is not None and not 1 <= steps <= MAX_STEPS:
             raise SimulateError(f"--steps: must be from 1 to {MAX_STEPS}, got {steps}")
         if events_file and not Path(events_file).resolve().parent.is_dir():

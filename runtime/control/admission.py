@@ -29,10 +29,10 @@ class Verdict:
     payback_steps: float
     horizon_steps: float
     gamma: float
-    current_s: float = math.nan
+    current_s: float
     """The running plan's step as priced for this decision (with what the job has measured,
     at the length and pool decided for): ``saving_s`` is ``current_s - candidate_s``."""
-    candidate_s: float = math.nan
+    candidate_s: float
     """The candidate's step, priced the same way."""
 
     def to_json(self) -> dict:

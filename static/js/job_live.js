@@ -91,5 +91,5 @@ window.NereusLive = (function () {
   window.matchMedia("(prefers-color-scheme: dark)").addEventListener("change", () => {
     for (const h of themeHandlers) h();
   });
-  return { on: (h) => handlers.push(h), onTheme: (h) => themeHandlers.push(h), layout, theme };
+  return { on: (h) => handlers.push(h), onTheme: (h) => themeHandlers.push(h), layout, theme, TERMINAL };
 })();

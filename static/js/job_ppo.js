@@ -437,7 +437,7 @@
         drawProposal(); drawMaps();
         break;
       case "job.state":
-        if (["succeeded", "failed", "cancelled"].includes(d.state)) { S.waiting = null; drawProposal(); }
+        if (NereusLive.TERMINAL.includes(d.state)) { S.waiting = null; drawProposal(); }
         break;
       case "command.applied":
         log("command", "", d.command === "resize" ? `resize: ${d.outcome}`
