@@ -9,10 +9,17 @@
     const summary = document.getElementById("preview-summary");
     const problems = document.getElementById("preview-errors");
 
+    // A job's name starts as "<kind>-demo"; it follows the kind until the user types their own.
+    const defaultName = (value) => `${value || "sft"}-demo`;
+    let shownKind = kind.value;
+
     function showKind() {
       for (const set of form.querySelectorAll("fieldset[data-kind]")) {
         set.hidden = !set.dataset.kind.split(" ").includes(kind.value || "sft");
       }
+      const name = form.elements.name;
+      if (name && name.value === defaultName(shownKind)) name.value = defaultName(kind.value);
+      shownKind = kind.value;
     }
     kind.addEventListener("change", showKind);
     showKind();

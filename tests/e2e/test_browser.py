@@ -115,7 +115,10 @@ def test_submit_watch_approve_and_see_the_dag_complete(browser, service, shots):
 
         # The submit form: field errors, then the preview, then submit.
         page.goto("/jobs/new/")
+        assert page.input_value("input[name=name]") == "sft-demo"
         page.select_option("select[name=kind]", "ppo-sim")
+        # The default name follows the kind until the user types one.
+        assert page.input_value("input[name=name]") == "ppo-sim-demo"
         for name, value in JOB.items():
             selector = f"[name={name}]"
             if page.locator(f"select{selector}").count():

@@ -16,6 +16,7 @@ from webapp.plans import errors as plan_errors
 from webapp.plans import services as plan_services
 from webapp.plans.models import Proposal, ProposalState
 from webapp.projects.models import Role
+from webapp.projects.services import project_personal_for
 
 pytestmark = pytest.mark.django_db
 
@@ -170,6 +171,21 @@ def test_the_submit_page_submits_a_simulated_job_with_its_policy(client, operato
     assert job.spec["policy"]["thresholds"]["gen_len"] == 0.5
     assert job.spec["policy"]["memory_runway"] == "amortized"
     assert job.spec["policy"]["min_saving"] == 0.02
+
+
+def test_the_submit_form_lists_the_personal_project_once_as_its_empty_choice(
+    client, project, operator
+):
+    client.force_login(operator)
+    personal = project_personal_for(operator)
+    page = client.get("/jobs/new/").content.decode()
+    options = page[page.index('name="project"') :]
+    options = options[: options.index("</select>")]
+    assert options.count(f"({personal.slug})") == 1  # the empty choice names it
+    assert '<option value="" selected>' in options and f'value="{personal.pk}"' not in options
+    assert f'value="{project.pk}"' in options
+    client.post("/jobs/new/", {**SIM_FORM, "project": ""})
+    assert Job.objects.get(name="sim").project == personal
 
 
 @pytest.mark.parametrize(

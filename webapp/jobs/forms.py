@@ -15,7 +15,7 @@ from runtime.jobs.spec import PpoJobSpec, PpoSimJobSpec, SftJobSpec, spec_from_j
 from runtime.planner.catalog import default_catalog
 from runtime.ppo.job import REWARDS
 from runtime.ppo.tasks import TASK_NAMES
-from webapp.projects.models import Role
+from webapp.projects.models import Project, Role
 from webapp.projects.selectors import projects_visible_to
 
 _SFT = SftJobSpec()
@@ -178,9 +178,17 @@ class JobSubmitForm(forms.Form):
 
     def __init__(self, *args, user, **kwargs):
         super().__init__(*args, **kwargs)
-        self.fields["project"].queryset = projects_visible_to(user, min_role=Role.OPERATOR)
+        # The empty choice is the user's personal project (made on their first job), so it is
+        # not listed a second time under its own name.
+        project = self.fields["project"]
+        project.queryset = projects_visible_to(user, min_role=Role.OPERATOR).exclude(
+            personal_for=user
+        )
         # As the job list and the project pages name it, with the slug the API and CLI use.
-        self.fields["project"].label_from_instance = lambda p: f"{p.name} ({p.slug})"
+        project.label_from_instance = lambda p: f"{p.name} ({p.slug})"
+        personal = Project.objects.filter(personal_for=user).first()
+        if personal is not None:
+            project.empty_label = f"{project.label_from_instance(personal)}: personal"
         catalog = default_catalog()
         self.fields["model"].choices = _choices(catalog.models)
         self.fields["ppo_model"].choices = _choices(catalog.models)
