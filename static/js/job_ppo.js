@@ -325,7 +325,7 @@
       $("chart-calibration").hidden = false;
       const eff = S.calibration.efficiency || {};
       Plotly.react("chart-calibration", [{ type: "bar", x: Object.keys(eff), y: Object.values(eff), name: "efficiency" }],
-        NereusLive.layout("efficiency (achieved ÷ peak)", { xaxis: { title: { text: "operation class" } } }), plotConfig);
+        NereusLive.layout("efficiency (achieved ÷ peak)", { xaxis: { title: { text: "operation class" }, tickangle: -35, automargin: true } }), plotConfig);
     }
   }
 
