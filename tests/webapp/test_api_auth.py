@@ -11,7 +11,8 @@ from tests.support.jobs import make_job
 from webapp.api.authentication import MALFORMED_HEADER
 from webapp.api.projects import SESSION_ONLY
 from webapp.projects import errors
-from webapp.projects.models import ApiToken, Role
+from webapp.projects import services as project_services
+from webapp.projects.models import ApiToken, Membership, Role
 
 pytestmark = pytest.mark.django_db
 
@@ -64,6 +65,38 @@ def test_a_revoked_token_is_401_even_on_a_job_it_could_see(api, project, member,
     for response in (client.get(f"{JOBS}{job.pk}/"), client.post(f"{JOBS}{job.pk}/cancel/")):
         assert response.status_code == 401
         assert response.json()["message"] == errors.TOKEN_INVALID
+
+
+def test_a_removed_member_s_tokens_stay_ended_when_they_are_added_back(api, project, member):
+    ada = member(project, Role.ADMIN, "ada")
+    job = make_job(owner=ada, project=project)
+    kept = member(project, Role.ADMIN, "kim")
+    _, secret = project_services.token_create(user=ada, project=project, name="ci", role="admin")
+    _, other = project_services.token_create(user=kept, project=project, name="ci", role="admin")
+    assert api(secret=secret).get(f"{JOBS}{job.pk}/").status_code == 200
+    Membership.objects.filter(user=ada, project=project).delete()  # as the admin site does
+    project_services.membership_set(project=project, user=ada, role=Role.VIEWER)
+    assert api(secret=secret).get(f"{JOBS}{job.pk}/").status_code == 401
+    assert api(secret=other).get(f"{JOBS}{job.pk}/").status_code == 200  # another member's
+
+
+def test_a_demotion_ends_the_member_s_tokens_above_their_new_role(api, project, member):
+    ada = member(project, Role.ADMIN, "ada")
+    job = make_job(owner=ada, project=project)
+    made = {
+        role: project_services.token_create(user=ada, project=project, name=role, role=role)[1]
+        for role in (Role.ADMIN, Role.OPERATOR, Role.VIEWER)
+    }
+    project_services.membership_set(project=project, user=ada, role=Role.OPERATOR)
+    project_services.membership_set(project=project, user=ada, role=Role.ADMIN)  # promoted again
+    seen = {role: api(secret=s).get(f"{JOBS}{job.pk}/").status_code for role, s in made.items()}
+    assert seen == {Role.ADMIN: 401, Role.OPERATOR: 200, Role.VIEWER: 200}
+
+
+def test_the_answer_that_carries_a_new_secret_is_not_cached(api, project, member):
+    admin = member(project, Role.ADMIN)
+    response = api(user=admin).post(_tokens("ml"), {"name": "ci"}, format="json")
+    assert response.status_code == 201 and response["Cache-Control"] == "no-store"
 
 
 def test_session_login_works_beside_tokens(client, project, member):

@@ -75,6 +75,9 @@ def test_members_below_admin_see_their_own_tokens_only_and_cannot_issue(
     assert theirs.prefix not in page and f'id="token-{theirs.pk}"' not in page
     refused = client.post("/projects/ml/tokens/", {"name": "mine", "role": "viewer"})
     assert refused.status_code == 403 and ApiToken.objects.count() == 2
+    # Nor does the form tell them whether a name they cannot see is taken.
+    taken = client.post("/projects/ml/tokens/", {"name": theirs.name, "role": "viewer"})
+    assert taken.status_code == 403 and theirs.name not in taken.content.decode()
 
 
 def test_revoking_a_token_ends_it_and_another_project_s_is_not_found(

@@ -104,7 +104,13 @@ class TokenListCreateApi(APIView):
             user=request.user, project=project, **data.validated_data
         )
         token.secret = secret
-        return Response(TokenCreatedOutput(token).data, status=status.HTTP_201_CREATED)
+        # The one answer that carries the secret: no cache (a browser's, or the browsable
+        # API's page) may keep it.
+        return Response(
+            TokenCreatedOutput(token).data,
+            status=status.HTTP_201_CREATED,
+            headers={"Cache-Control": "no-store"},
+        )
 
 
 class TokenRevokeApi(APIView):

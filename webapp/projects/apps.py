@@ -6,3 +6,6 @@ class ProjectsConfig(AppConfig):
 
     name = "webapp.projects"
     label = "projects"
+
+    def ready(self) -> None:
+        from webapp.projects import signals  # noqa: F401  (connects the membership receivers)

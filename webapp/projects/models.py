@@ -71,7 +71,8 @@ class ApiToken(models.Model):
     """A revocable bearer token for one project. Only a hash of the secret is stored.
 
     A token acts for the user who created it, limited to its project and to the lower of its own
-    role and that user's current role there, so removing the member disarms their tokens too.
+    role and that user's current role there; removing the member, or lowering their role, also
+    revokes their tokens that the change leaves above it (``signals``).
     """
 
     project = models.ForeignKey(Project, on_delete=models.CASCADE, related_name="api_tokens")

@@ -65,6 +65,12 @@ def project_detail(request, slug: str):
 @require_POST
 def token_create_view(request, slug: str):
     project = _project_or_404(request.user, slug)
+    # The role first: what the form says next (a name in use) must not tell a member who may not
+    # see the project's tokens which names its admins gave theirs.
+    try:
+        selectors.require_role(request.user, project, Role.ADMIN)
+    except errors.RoleError as exc:
+        raise PermissionDenied(str(exc)) from exc
     form = TokenForm(request.POST)
     if not form.is_valid():
         return _page(request, project, form=form, status=400)
