@@ -121,7 +121,13 @@ def run_demo(*, host: str, port: int, num_steps: int, num_slots: int) -> int:
         }
         group.start(
             "celery-worker",
-            processes.celery_worker_argv(concurrency=2, beat=True),
+            processes.celery_worker_argv(concurrency=2),
+            env=child_env,
+            stop_signal=processes.CELERY_STOP_SIGNAL,
+        )
+        group.start(
+            "celery-maintenance",
+            processes.celery_maintenance_argv(),
             env=child_env,
             stop_signal=processes.CELERY_STOP_SIGNAL,
         )

@@ -26,6 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from runtime.engine.ray_cluster import loopback_environment
+from webapp import queues
 
 
 @dataclasses.dataclass
@@ -229,16 +230,35 @@ def ray_auth_token_env(var_dir: Path) -> dict[str, str]:
 
 # Celery's SIGTERM is a warm shutdown that waits for running tasks, which for a job driver can be
 # hours; SIGQUIT is its cold shutdown. The job's driver stops writing its heartbeat, and the
-# periodic check (``jobs.reap``, in a worker started with ``--beat``) hands the job to a new driver
+# periodic check (``jobs.reap``, on the maintenance worker) hands the job to a new driver
 # with a new epoch, which resumes from the job's last checkpoint.
 CELERY_STOP_SIGNAL = signal.SIGQUIT
 
 
-def celery_worker_argv(
-    *, concurrency: int = 1, hostname: str = "worker@%h", beat: bool = False
-) -> list[str]:
-    """A Celery worker; with ``beat``, it also runs the periodic schedule (the check for lost job
-    drivers, ``jobs.reap``): one such worker per deployment is enough."""
+def celery_worker_argv(*, concurrency: int = 1, hostname: str = "worker@%h") -> list[str]:
+    """A Celery worker that drives jobs: one job per pool process, ``concurrency`` at once."""
+    return _celery_worker(
+        "--pool=prefork",
+        f"--concurrency={concurrency}",
+        f"--hostname={hostname}",
+        f"--queues={queues.DRIVERS}",
+    )
+
+
+def celery_maintenance_argv(*, hostname: str = "maintenance@%h", beat: bool = True) -> list[str]:
+    """The maintenance worker: it runs the periodic tasks that rescue jobs (a lost driver's
+    takeover, a lost task sent again, overdue proposals) and never a job's driver, so that busy
+    drivers cannot hold them up; with ``beat``, it also sends the schedule (one per deployment
+    is enough). The tasks are short database work: the solo pool runs them in its one process."""
+    return _celery_worker(
+        "--pool=solo",
+        f"--hostname={hostname}",
+        f"--queues={queues.MAINTENANCE}",
+        *(["--beat"] if beat else []),
+    )
+
+
+def _celery_worker(*options: str) -> list[str]:
     celery_bin = Path(sys.executable).with_name("celery")
     return [
         str(celery_bin),
@@ -246,12 +266,9 @@ def celery_worker_argv(
         "webapp.celery",
         "worker",
         "--loglevel=INFO",
-        "--pool=prefork",
-        f"--concurrency={concurrency}",
         "--without-gossip",
         "--without-mingle",
-        f"--hostname={hostname}",
-        *(["--beat"] if beat else []),
+        *options,
     ]
 
 

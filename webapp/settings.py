@@ -13,6 +13,7 @@ from pathlib import Path
 import plotly
 
 from webapp import config as _config
+from webapp import queues
 
 try:
     CONFIG = _config.load()
@@ -170,8 +171,14 @@ CELERY_RESULT_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]
 CELERY_RESULT_EXPIRES = 24 * 3600
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
-# The periodic check for lost drivers (a worker started with --beat runs the schedule; one per
-# deployment is enough, more are harmless: a job is taken over under its row lock).
+# The periodic tasks have a queue of their own, away from the job drivers (see webapp/queues.py).
+CELERY_TASK_DEFAULT_QUEUE = queues.DRIVERS
+CELERY_TASK_ROUTES = {
+    "jobs.reap": {"queue": queues.MAINTENANCE},
+    "plans.expire": {"queue": queues.MAINTENANCE},
+}
+# The periodic schedule (the maintenance worker runs it with --beat; one per deployment is
+# enough, more are harmless: a job is taken over under its row lock).
 CELERY_BEAT_SCHEDULE = {
     "jobs-reap-lost-drivers": {
         "task": "jobs.reap",

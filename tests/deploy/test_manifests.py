@@ -14,6 +14,9 @@ from pathlib import Path
 import jsonschema
 import pytest
 import yaml
+from django.conf import settings
+
+from webapp import queues
 
 REPO = Path(__file__).resolve().parents[2]
 DOCKER = REPO / "docker"
@@ -78,6 +81,31 @@ def test_the_manifests_render_with_every_part_of_the_deployment(gpu_docs):
         "migrate",
         "--noinput",
     ]
+
+
+def _queues(command: list[str]) -> set[str]:
+    (option,) = [c for c in command if c.startswith("--queues=")]
+    return set(option.removeprefix("--queues=").split(","))
+
+
+def test_the_periodic_checks_have_a_worker_that_drives_no_job(gpu_docs):
+    """The drivers hold their worker's processes for hours: the check for lost drivers must not
+    wait behind them (webapp/queues.py). Compose and Kubernetes each run one worker on the
+    maintenance queue, with the beat, and the job workers consume the drivers' queue only."""
+    deployments = {d["metadata"]["name"]: d for d in by_kind(gpu_docs)["Deployment"]}
+    k8s = {
+        name: pod_specs(deployments[name])[0]["containers"][0]["command"]
+        for name in ("nereus-worker", "nereus-beat")
+    }
+    services = load(COMPOSE)["services"]
+    compose = {name: services[name]["command"] for name in ("worker", "maintenance")}
+    for drivers, maintenance in (k8s.values(), compose.values()):
+        assert _queues(drivers) == {queues.DRIVERS} and "--beat" not in drivers
+        assert _queues(maintenance) == {queues.MAINTENANCE} and "--beat" in maintenance
+        assert "--pool=solo" in maintenance
+    routes = settings.CELERY_TASK_ROUTES
+    assert {routes[t]["queue"] for t in ("jobs.reap", "plans.expire")} == {queues.MAINTENANCE}
+    assert {e["task"] for e in settings.CELERY_BEAT_SCHEDULE.values()} <= set(routes)
 
 
 def test_the_ray_cluster_has_a_head_and_a_gpu_worker_group(gpu_docs):

@@ -92,16 +92,24 @@ def web_server(env: dict[str, str], log_dir: Path) -> Iterator[str]:
 def celery_worker(
     env: dict[str, str], log_dir: Path, *, beat: bool = False
 ) -> Iterator[processes.ProcessGroup]:
-    """A Celery worker process (prefork, one child) consuming the service's broker; with
-    ``beat``, it runs the periodic schedule too (the check for lost job drivers)."""
+    """A Celery worker process (prefork, one child) driving the service's jobs; with ``beat``,
+    the maintenance worker too, which runs the periodic schedule (the check for lost job
+    drivers)."""
     group = processes.ProcessGroup(log_dir=log_dir)
     try:
         group.start(
             "celery",
-            processes.celery_worker_argv(concurrency=1, beat=beat),
+            processes.celery_worker_argv(concurrency=1),
             env=env,
             stop_signal=processes.CELERY_STOP_SIGNAL,
         )
+        if beat:
+            group.start(
+                "celery-maintenance",
+                processes.celery_maintenance_argv(),
+                env=env,
+                stop_signal=processes.CELERY_STOP_SIGNAL,
+            )
         yield group
     finally:
         left = group.stop(grace_s=10)

@@ -209,7 +209,13 @@ print(json.dumps(job.pk))
     try:
         worker = first.start(
             "celery",
-            processes.celery_worker_argv(concurrency=1, beat=True),
+            processes.celery_worker_argv(concurrency=1),
+            env=env,
+            stop_signal=processes.CELERY_STOP_SIGNAL,
+        )
+        maintenance = first.start(
+            "celery-maintenance",
+            processes.celery_maintenance_argv(),
             env=env,
             stop_signal=processes.CELERY_STOP_SIGNAL,
         )
@@ -221,20 +227,28 @@ print(json.dumps(job.pk))
             return steps and max(steps) >= 4
 
         _wait(past_a_checkpoint, timeout_s=240, what="the job never passed step 4", group=first)
-        # The machine is lost: the worker, its pool, its beat and its Ray processes, at once.
-        os.killpg(worker.popen.pid, signal.SIGKILL)
-        worker.popen.wait(timeout=30)
-        _wait(
-            lambda: not processes._group_members(worker.popen.pid),
-            timeout_s=30,
-            what="the killed worker's processes never went",
-        )
+        # The machine is lost: the workers, their pool, the beat and the Ray processes, at once.
+        for lost in (worker, maintenance):
+            os.killpg(lost.popen.pid, signal.SIGKILL)
+        for lost in (worker, maintenance):
+            lost.popen.wait(timeout=30)
+            _wait(
+                lambda lost=lost: not processes._group_members(lost.popen.pid),
+                timeout_s=30,
+                what="the killed worker's processes never went",
+            )
         killed_at = _events(db_path, job_id)[-1]["id"]
         assert _job(db_path, job_id)["state"] == "running"
 
         second.start(
             "celery",
-            processes.celery_worker_argv(concurrency=1, beat=True),
+            processes.celery_worker_argv(concurrency=1),
+            env=env,
+            stop_signal=processes.CELERY_STOP_SIGNAL,
+        )
+        second.start(
+            "celery-maintenance",
+            processes.celery_maintenance_argv(),
             env=env,
             stop_signal=processes.CELERY_STOP_SIGNAL,
         )
@@ -281,3 +295,71 @@ print(json.dumps(job.pk))
     assert 0 < checkpoint <= max(old_steps) + 1
     assert new_steps == list(range(checkpoint, checkpoint + len(new_steps)))
     assert new_steps[-1] >= PPO_SPEC["num_steps"] - 1
+
+
+def test_a_lost_driver_is_taken_over_while_every_worker_process_drives_a_job(tmp_path):
+    """A job's driver holds its pool process for hours, and a worker whose processes all drive
+    jobs takes no other message. The check for lost drivers runs on the maintenance worker, on
+    a queue of its own: here the one driver process runs a long (simulated) job, and another
+    job whose driver was lost an hour ago is still taken over."""
+    var = tmp_path / "var"
+    env = live.service_env(var, NEREUS_DRIVER_LOST_S="3")
+    db_path = var / "db.sqlite3"
+    live.manage(env, "migrate", "--no-input")
+    live.create_user_session(env)
+    submit = """
+import json
+from datetime import timedelta
+from django.contrib.auth import get_user_model
+from django.utils import timezone
+from webapp.jobs import services
+from webapp.jobs.models import Job, JobState
+from webapp.projects.services import project_personal_for
+alice = get_user_model().objects.get(username="alice")
+spec = {"kind": "ppo-sim", "gpus": 16, "num_steps": 400, "trace": "growth", "pace_s": 1.0}
+"""
+    busy = live.django_shell(
+        env,
+        submit + 'print(json.dumps(services.job_submit(user=alice, name="busy", spec=spec).pk))',
+    )
+    group = processes.ProcessGroup(log_dir=tmp_path / "logs")
+    try:
+        group.start(
+            "celery",
+            processes.celery_worker_argv(concurrency=1),
+            env=env,
+            stop_signal=processes.CELERY_STOP_SIGNAL,
+        )
+        group.start(
+            "celery-maintenance",
+            processes.celery_maintenance_argv(),
+            env=env,
+            stop_signal=processes.CELERY_STOP_SIGNAL,
+        )
+        _wait(
+            lambda: _job(db_path, busy)["state"] == "running",
+            timeout_s=120,
+            what="the long job never started",
+            group=group,
+        )
+        # A job whose driver died with its machine an hour ago (a row as a lost driver leaves it).
+        lost = live.django_shell(
+            env,
+            submit
+            + """
+job = Job.objects.create(name="lost", owner=alice, project=project_personal_for(alice),
+                         spec=spec, state=JobState.RUNNING, epoch=1,
+                         heartbeat_at=timezone.now() - timedelta(hours=1))
+print(json.dumps(job.pk))
+""",
+        )
+        _wait(
+            lambda: any(e["kind"] == "job.driver_lost" for e in _events(db_path, lost)),
+            timeout_s=60,
+            what="the lost driver was never taken over while the worker's one process was busy",
+            group=group,
+        )
+        assert _job(db_path, busy)["state"] == "running"  # the busy driver was left alone
+    finally:
+        left = group.stop(grace_s=10)
+    assert not left, f"processes left behind: {left}"
