@@ -76,7 +76,16 @@ def token_create(*, user, project: Project, name: str, role: str = Role.OPERATOR
     Needs the admin role, so any role may be given; a token never acts above its creator's
     current role anyway (see ``selectors.role_of``).
     """
-    selectors.require_role(user, project, Role.ADMIN)
+    with transaction.atomic():
+        # The creator's membership row, locked until the token is stored: a removal or demotion
+        # of the creator at the same moment waits for it, and then revokes it (``signals``);
+        # one that came first has already taken the role this checks.
+        Membership.objects.select_for_update().filter(user=user, project=project).first()
+        selectors.require_role(user, project, Role.ADMIN)
+        return _token_insert(user=user, project=project, name=name, role=role)
+
+
+def _token_insert(*, user, project: Project, name: str, role: str):
     secret = TOKEN_PREFIX + secrets.token_urlsafe(32)
     token = ApiToken.objects.create(
         project=project,

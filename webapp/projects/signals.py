@@ -10,6 +10,7 @@ service, because memberships also change on the admin site and through cascades.
 
 from __future__ import annotations
 
+from django.db import transaction
 from django.db.models.signals import post_delete, pre_save
 from django.dispatch import receiver
 from django.utils import timezone
@@ -36,9 +37,17 @@ def revoke_tokens_on_removal(sender, instance: Membership, **kwargs) -> None:
 def revoke_tokens_on_demotion(sender, instance: Membership, raw: bool = False, **kwargs) -> None:
     if raw or instance.pk is None:
         return  # a fixture being loaded, or a new member (who has no tokens here yet)
-    before = Membership.objects.filter(pk=instance.pk).values_list("role", flat=True).first()
-    if before is None:
-        return
-    new = Role(instance.role)
-    if new.rank < Role(before).rank:
-        _revoke(user_id=instance.user_id, project_id=instance.project_id, above=new)
+    with transaction.atomic():
+        # Locked as ``services.token_create`` locks it: a token being made now is stored before
+        # this reads the tokens, and so is revoked with the others.
+        before = (
+            Membership.objects.select_for_update()
+            .filter(pk=instance.pk)
+            .values_list("role", flat=True)
+            .first()
+        )
+        if before is None:
+            return
+        new = Role(instance.role)
+        if new.rank < Role(before).rank:
+            _revoke(user_id=instance.user_id, project_id=instance.project_id, above=new)
