@@ -1474,9 +1474,6 @@ class Controller:
                 f" GiB of a slot's {budget / 2**30:.1f} GiB at gen_len {self._gen_len:.0f}"
             )
         moves = not candidate.places_like(self.plan)
-        if not moves and self._same_plan(candidate, self.plan):
-            self.emit(self._decision(trigger, candidate, None, "override: the job runs it already"))
-            return "unchanged"
         dag = None
         if moves:
             try:
@@ -1489,7 +1486,8 @@ class Controller:
                 ArithmeticError,
             ) as exc:
                 return refuse(f"no live transition reaches it: {exc}")
-        # The person's plan wins over whatever the controller had in hand.
+        # The person's plan wins over whatever the controller had in hand, the running plan
+        # too: a move staged (or deferred, or waiting for approval) is not made after it.
         if self.pending is not None or self.staged is not None:
             engine.drop_ahead()  # units built ahead for a move that will not be made
         if self.pending is not None:
@@ -1503,6 +1501,9 @@ class Controller:
         self.pending, self.staged, self.deferred = None, None, None
         if self.policy.fixed_layouts:
             self.fixed = _layouts(candidate)  # the layouts a person chose are the ones to keep
+        if not moves and self._same_plan(candidate, self.plan):
+            self.emit(self._decision(trigger, candidate, None, "override: the job runs it already"))
+            return "unchanged"
         decision = self._decision(trigger, candidate, None, "override approved by a person", dag)
         decision["admit"] = True
         self.emit(decision)

@@ -10,6 +10,7 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
+from runtime.jobs.spec import PpoSimJobSpec
 from tests.support import plans as events
 from tests.support.jobs import make_job
 from webapp.api.exceptions import INVALID_INPUT
@@ -40,7 +41,9 @@ def _propose(job, controller_id: int = 1, target: int = 8) -> Proposal:
 
 @pytest.fixture
 def job(project, member):
-    return make_job(owner=member(project, Role.OPERATOR, "owner"), project=project, epoch=1)
+    """A PPO job (on the simulated cluster): the kind a controller drives."""
+    owner = member(project, Role.OPERATOR, "owner")
+    return make_job(owner=owner, project=project, epoch=1, spec=PpoSimJobSpec().to_json())
 
 
 @pytest.fixture
@@ -506,6 +509,41 @@ def test_an_override_of_a_stopping_or_finished_job_is_a_409(api, project, member
     assert not Proposal.objects.exists()
 
 
+def test_an_override_of_a_job_no_controller_drives_is_refused_naming_the_plan(api, project, member):
+    owner = member(project, Role.OPERATOR, "owner")
+    sft = make_job(owner=owner, project=project, state=JobState.RUNNING, spec={"num_slots": 2})
+    response = _override(api(user=owner), sft.pk, {"plan": events.plan_json(8), "reason": "x"})
+    assert response.status_code == 400
+    assert _fields(response) == {"plan": [errors.OVERRIDE_FIXED.format(kind="sft")]}
+    assert not Proposal.objects.exists()
+
+
+@pytest.mark.parametrize("approved", [False, True], ids=["waiting", "approved"])
+def test_an_override_given_before_a_driver_claims_the_job_reaches_that_driver(
+    api, project, member, job, approver, approved
+):
+    """Given while the job waits in the queue (or between a lost driver and the next): the new
+    driver's epoch takes it, where it went stale without a word."""
+    proposer = member(project, Role.OPERATOR, "pat")
+    made = _override(api(user=proposer), job.pk, {"plan": events.plan_json(8), "reason": "x"})
+    row = Proposal.objects.get(pk=made.json()["id"])
+    if approved:
+        assert _decide(api(user=approver), row).status_code == 200
+    _, epoch = job_services._claim_driver(job.pk)
+    row.refresh_from_db()
+    assert row.epoch == epoch and row.state == ("approved" if approved else "waiting")
+    if not approved:
+        assert _decide(api(user=approver), row).status_code == 200
+    link = job_services._ControlLink(job.pk, epoch)
+    assert link.commands() == [("override", {"plan": events.plan_json(8), "proposal": row.pk})]
+    # A controller's own proposal from before is stale: its ids were the old driver's.
+    stale = _propose(job, controller_id=3)
+    Job.objects.filter(pk=job.pk).update(heartbeat_at=None)
+    job_services._claim_driver(job.pk)
+    stale.refresh_from_db()
+    assert stale.state == ProposalState.STALE
+
+
 def test_nereus_override_posts_the_plan_file_and_names_bad_input(
     api, project, member, running, monkeypatch, tmp_path, capsys
 ):
@@ -582,6 +620,7 @@ def test_an_approval_the_driver_never_took_goes_stale_when_the_job_ends(
         project=project,
         epoch=1,
         state=JobState.PENDING if pending else JobState.RUNNING,
+        spec=PpoSimJobSpec().to_json(),
     )
     if pending:
         proposal = services.proposal_override(

@@ -187,14 +187,16 @@ def test_a_new_driver_stales_what_the_lost_one_left_waiting(project, owner, memb
         taken.pk: ProposalState.APPROVED,
         override.pk: ProposalState.APPROVED,
         unapplied.pk: ProposalState.STALE,
-        unapplied_override.pk: ProposalState.STALE,
+        unapplied_override.pk: ProposalState.APPROVED,  # a person's: the new driver takes it
         waiting.pk: ProposalState.STALE,
     }
     event = JobEvent.objects.get(job=job, kind="proposals.stale")
-    assert sorted(event.data["proposals"]) == sorted(
-        [unapplied.pk, unapplied_override.pk, waiting.pk]
-    )
+    assert sorted(event.data["proposals"]) == sorted([unapplied.pk, waiting.pk])
     assert f"epoch {epoch}" in event.data["reason"] and "lost" in event.data["reason"]
+    assert Proposal.objects.get(pk=unapplied_override.pk).epoch == new_epoch
+    assert services._ControlLink(job.pk, new_epoch).commands() == [
+        ("override", {"plan": plan, "proposal": unapplied_override.pk})
+    ]
 
 
 @pytest.mark.django_db

@@ -10,9 +10,12 @@ import pytest
 from django.core.exceptions import ValidationError
 from django.utils import timezone
 
+from runtime.jobs.driver import apply_commands
+from runtime.jobs.spec import PpoSimJobSpec
 from tests.support import plans as events
 from tests.support.jobs import make_job
 from webapp.jobs import errors as job_errors
+from webapp.jobs import services as job_services
 from webapp.jobs.models import JobEvent, JobState
 from webapp.plans import errors, services
 from webapp.plans.models import (
@@ -36,7 +39,9 @@ def owner(project, member):
 
 @pytest.fixture
 def job(owner, project):
-    return make_job(owner=owner, project=project, state=JobState.RUNNING, epoch=1)
+    """A PPO job (on the simulated cluster): the kind a controller drives."""
+    spec = PpoSimJobSpec().to_json()
+    return make_job(owner=owner, project=project, state=JobState.RUNNING, epoch=1, spec=spec)
 
 
 @pytest.fixture
@@ -354,3 +359,29 @@ def test_the_beat_schedule_runs_registered_tasks_and_expires_overdue_proposals(w
     assert expire.apply().get() == 1
     waiting.refresh_from_db()
     assert waiting.state == ProposalState.EXPIRED
+
+
+def test_an_override_to_the_running_plan_cancels_a_move_staged_meanwhile(
+    owner, approver, project, no_live_delivery
+):
+    """The controller (approval auto) staged a move after step 0; a person's override to stay
+    on the running plan, approved, is handed over between steps: the staged move is not made
+    after the next step, and the job's current plan in the database is the one it runs."""
+    job = make_job(
+        owner=owner, project=project, state=JobState.RUNNING, epoch=1, spec={"kind": "ppo-sim"}
+    )
+    link = job_services._ControlLink(job.pk, 1)
+    sink = job_services.DatabaseEventSink(job_id=job.pk, epoch=1)
+    controller, engine = events.simulated_controller(link.emit_control, approval="auto")
+    events.run_steps(controller, engine, range(1))
+    assert controller.staged is not None  # a move in hand, to run after the next step
+    running = controller.plan.to_json()
+    stay = services.proposal_override(user=owner, job=job, plan=running, reason="stay")
+    services.proposal_decide(user=approver, proposal=stay, decision="approve", comment="ok")
+    apply_commands(controller, engine, link.commands(), sink)  # the driver, between steps
+    applied = JobEvent.objects.get(job=job, kind="command.applied")
+    assert applied.data["outcome"] == "unchanged"
+    events.run_steps(controller, engine, range(1, 2))
+    assert controller.plan.to_json() == running and controller.staged is None
+    assert not Transition.objects.filter(job=job).exists()
+    assert Plan.objects.get(job=job, current=True).plan == running

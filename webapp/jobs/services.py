@@ -480,11 +480,46 @@ def _claim_driver(
 
 
 def _stale_older_proposals(job: Job, *, why: str) -> list[int]:
-    """The job has a new epoch: what older drivers' proposals wait for (a decision, or an
-    approval their controller never took) will never happen, as commands are for the epoch they
-    were given in. Marks them stale (``_stale_proposals``); returns their ids."""
+    """The job has a new epoch: what older drivers' controllers proposed (waiting for a
+    decision, or approved and never taken) will never happen, as a controller's proposal ids are
+    its own and commands are for the epoch they were given in. Marks them stale
+    (``_stale_proposals``); returns their ids. A person's overrides are for the job, not for a
+    driver: they go on to the new one (``_carry_overrides``)."""
     older = Proposal.objects.filter(job=job, epoch__lt=job.epoch)
-    return _stale_proposals(job, older, why=why, untaken=True)
+    carried = _carry_overrides(job, older.filter(proposed_by__isnull=False))
+    return _stale_proposals(job, older.exclude(pk__in=carried), why=why, untaken=True)
+
+
+def _carry_overrides(job: Job, overrides) -> list[int]:
+    """Give the job's new epoch the overrides given before it that no driver took: one waiting
+    for its approval is decided for the new driver, and an approved one is given to it again
+    (its ``command.approve`` at the new epoch). An override approved while the job waited in the
+    queue, or between a lost driver and its successor, was otherwise lost without a word.
+    Returns their ids; the caller holds the job's row lock."""
+    carried = []
+    for row in overrides.filter(state__in=(ProposalState.WAITING, ProposalState.APPROVED)).order_by(
+        "pk"
+    ):
+        if row.state == ProposalState.APPROVED and _proposal_taken(job, row):
+            continue
+        row.epoch = job.epoch
+        row.save(update_fields=["epoch"])
+        if row.state == ProposalState.APPROVED:
+            job_event_append(
+                job=job,
+                epoch=job.epoch,
+                kind="command.approve",
+                data={
+                    "proposal": None,
+                    "proposal_row": row.pk,
+                    "plan": row.plan,
+                    "by": row.decided_by.get_username() if row.decided_by else "",
+                    "comment": row.comment,
+                    "carried": True,
+                },
+            )
+        carried.append(row.pk)
+    return carried
 
 
 def _stale_proposals(job: Job, proposals, *, why: str, untaken: bool = False) -> list[int]:

@@ -7,6 +7,9 @@ SUPERSEDED_EPOCH = (
 )
 JOB_FINISHED = "proposal {proposal_id}: its job has finished or is stopping ({state})"
 OVERRIDE_JOB_STOPPED = "job {job_id} is {state}: there is no running plan to override"
+OVERRIDE_FIXED = (
+    "a job of kind {kind} runs the layout it started with; it takes no plan (only PPO jobs do)"
+)
 SELF_APPROVAL = "you proposed this change; another approver must approve it"
 COMMENT_REQUIRED = "a comment is required: say why"
 COMMENT_NUL = "must not contain NUL characters"

@@ -278,6 +278,10 @@ def approval_timeout(job: Job) -> timedelta:
 # --- people's proposals and decisions ----------------------------------------------------------
 
 
+PLANNED_KINDS = ("ppo", "ppo-sim")
+"""The job kinds a controller drives, which take a person's plan."""
+
+
 @transaction.atomic
 def proposal_override(
     *, user, job: Job, plan: dict[str, Any], reason: str, token: ApiToken | None = None
@@ -285,10 +289,13 @@ def proposal_override(
     """A person proposes a plan for a job (operator role or above); another person approves it,
     and the job's driver moves to it (``Controller.override``), or refuses it saying why.
 
-    Refuses: a caller below operator (``RoleError``); a plan that is not one
-    (``ValidationError`` on ``plan``); a job that has finished or is being cancelled
-    (``JobError``), whose driver will never read the approval."""
+    Refuses: a caller below operator (``RoleError``); a plan that is not one, or a job no
+    controller drives (SFT) (``ValidationError`` on ``plan``); a job that has finished or is
+    being cancelled (``JobError``), whose driver will never read the approval."""
     require_role(user, job.project, Role.OPERATOR, token=token)
+    kind = job.spec.get("kind", "sft") if isinstance(job.spec, dict) else "sft"
+    if kind not in PLANNED_KINDS:  # no controller reads its commands
+        raise ValidationError({"plan": [errors.OVERRIDE_FIXED.format(kind=kind)]})
     plan = _plan_sent(plan)
     job = Job.objects.select_for_update().get(pk=job.pk)
     if job.is_terminal or job.state == JobState.CANCELLING:
