@@ -345,17 +345,19 @@ class RayEngine:
             self._learn_rebuild(report)
             return report
         except SlotError as exc:
-            # A slot failed during the step: the survivors' collectives time out and the group
-            # is re-formed. Before the training stage began, no unit's state changed: the
-            # units no lost slot touches are kept, at the step's start, and the controller
-            # moves the job off the lost slots as after a failure between steps. Once training
-            # began, no unit's state can be trusted to be at a step boundary any more.
-            renewed = False
+            # A call on a slot failed during the step: the slot died (the survivors'
+            # collectives time out and the group is re-formed), or a function raised on a live
+            # one (a disk full under a checkpoint). Outside the update, no unit's state is
+            # between two steps: the units no lost slot touches are kept, and the controller
+            # moves the job off the lost slots (if any) as after a failure between steps.
+            # During the update, no unit's state can be trusted to be at a step boundary.
+            probed = False
             try:
-                renewed = self._probe()
+                self._probe()
+                probed = True
             except Exception as probe_exc:  # the failed report must still come back
                 logger.warning("probing the slots after a failed step failed: %s", probe_exc)
-            kept = renewed and not self.job.updating
+            kept = probed and not self.job.updating
             if not kept:
                 self._release_all()
                 self.job.lost_state()
@@ -484,10 +486,15 @@ class RayEngine:
             self.on_event(event)
 
     def stop(self) -> None:
-        """Free the job's units and workspaces; the pool stays for another job."""
+        """Free the job's units and workspaces; the pool stays for another job. Best effort: a
+        slot that died after the job's last step costs what it held, never the job's outcome
+        (its steps are made and its model exported by now)."""
         self._release_all()
         if self.job is not None:
-            self.job.release(self.engine)
+            try:
+                self.job.release(self.engine)
+            except SlotError as exc:
+                logger.warning("dropping the job's workspaces failed: %s", exc)
 
     def _release_all(self) -> None:
         for unit in list(self.engine.units.values()):

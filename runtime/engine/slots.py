@@ -387,8 +387,11 @@ class SlotPool:
 
     def close(self) -> None:
         """Leave the group and end the actors; best effort, never raises."""
+        # Slots already known to be hung are not waited for, the others for at most the call
+        # timeout: a job's end must not wait longer on a slot than any of its calls does.
+        asked = [a for i, a in enumerate(self._actors) if i not in self._overdue]
         try:
-            ray.get([a.leave_group.remote() for a in self._actors], timeout=30)
+            ray.get([a.leave_group.remote() for a in asked], timeout=min(30, self.call_timeout_s))
         except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as exc:
             # A dead or hung slot must not stop the others from being released.
             logger.warning("leaving the slot group failed (%s); killing the slots", exc)
@@ -415,7 +418,28 @@ class SlotPool:
             which = f"slots {silent}" if silent else "a slot"
             raise SlotError(f"{which} did not answer within {self.call_timeout_s:.0f} s") from exc
         except ray.exceptions.RayError as exc:
-            raise SlotError(f"a slot failed: {exc}") from exc
+            which = "a slot"
+            if slots is not None:
+                failed = self._failed(refs, slots)
+                if failed:
+                    which = f"slot {failed[0]}" if len(failed) == 1 else f"slots {failed}"
+            how = "died" if isinstance(exc, ray.exceptions.RayActorError) else "failed"
+            raise SlotError(f"{which} {how}: {exc}") from exc
+
+    @staticmethod
+    def _failed(refs: list[Any], slots: Sequence[int]) -> list[int]:
+        """The slots whose call has ended in an error (those still running are not counted)."""
+        done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
+        ended = {id(r) for r in done}
+        failed = []
+        for slot, ref in zip(slots, refs, strict=True):
+            if id(ref) not in ended:
+                continue
+            try:
+                ray.get(ref, timeout=0)
+            except ray.exceptions.RayError:
+                failed.append(slot)
+        return failed
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,6 +8,7 @@ its slots. ``should_stop`` is polled between steps: cancellation takes effect at
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -128,6 +129,12 @@ def _train(
         step_s = time.perf_counter() - started
         memory = pool.memory()
         loss = statistics.fmean(r["loss"] for r in results)
+        if not all(r["finite"] for r in results) or not math.isfinite(loss):
+            losses = [r["loss"] for r in results]
+            raise ArithmeticError(
+                f"step {step}: the loss or its gradients are not finite (losses per replica "
+                f"{losses}); the update was not made"
+            )
         tokens = sum(r["tokens"] for r in results)
         sink.emit(
             RuntimeEvent(

@@ -57,6 +57,9 @@ def run_ppo_job(
     accelerator = default_catalog().accelerator("cpu-slot")
     sink.emit(RuntimeEvent(kind="job.started", data={"spec": spec.to_json(), "simulated": False}))
     workdir = Path(workdir or tempfile.mkdtemp(prefix="nereus-ppo-"))
+    # The job (its folder) before the slots: a folder it cannot use fails the job before any
+    # slot is reserved.
+    job = PpoRuntime(config, workdir=workdir, still_current=still_current)
     with ray_connection(ray_address, num_cpus=spec.max_slots) as connection:
         pool = SlotPool.create(
             spec.max_slots,
@@ -64,7 +67,6 @@ def run_ppo_job(
             spread=ray_address is not None,
             master_addr=None if ray_address is not None else "127.0.0.1",
         )
-        job = PpoRuntime(config, workdir=workdir, still_current=still_current)
         seen = {"engine": 0}
 
         def forward_engine_events() -> None:

@@ -109,8 +109,13 @@ def train_step(ctx: SlotContext, *, step: int) -> dict:
         offset += grad.numel()
     comm_s = time.perf_counter() - started
 
-    optimizer.step()
+    # The same all-reduced gradients on every replica: a NaN or an infinity in them (from any
+    # replica's loss) skips the update on all of them alike, and the driver fails the job.
+    finite = bool(torch.isfinite(flat).all())
+    if finite:
+        optimizer.step()
     return {
+        "finite": finite,
         "loss": loss.item(),
         "tokens": tokens.numel(),
         "compute_s": compute_s,

@@ -24,6 +24,7 @@ import copy
 import dataclasses
 import json
 import logging
+import math
 import shutil
 import time
 import uuid
@@ -292,7 +293,10 @@ class PpoRuntime:
             else reward_function(config.reward, max_new_tokens=config.max_new_tokens)
         )
         self.workdir = Path(workdir)
-        self.workdir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.workdir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # a file in its place, a folder the driver may not write
+            raise OSError(exc.errno, f"workdir: {exc.strerror}", str(self.workdir)) from exc
         self.kl = ppo.kl_controller(config.ppo)
         self.shuffle = torch.Generator().manual_seed(config.seed)
         self.state = JobState(kl_coef=self.kl.value)
@@ -705,6 +709,15 @@ class PpoRuntime:
         )
         if c.ppo.whiten_advantages:
             advantages = ppo.masked_whiten(advantages, mask)
+        _check_finite(step, None, rewards=scores)
+        _check_finite(
+            step,
+            mask,
+            actor_logprobs=scored["actor"],
+            ref_logprobs=scored["ref"],
+            values=scored["critic"],
+            advantages=advantages,
+        )
         stage_s["inference"] = time.perf_counter() - t0
 
         # 3. training
@@ -726,6 +739,11 @@ class PpoRuntime:
         for name in ("actor@training", "critic@training"):
             for unit in units[name]:
                 engine.verified.pop(unit.unit_id, None)  # its state changed
+        if totals.pop("nonfinite_updates", 0.0) or not all(map(math.isfinite, totals.values())):
+            raise NonFiniteError(
+                f"step {step}: the training loss is not finite ({_shown(totals)}); the updates "
+                "it reached were not made, and nothing of this step is saved"
+            )
         stage_s["training"] = time.perf_counter() - t0
 
         mean_kl = float(kl.sum(dim=1).mean())
@@ -744,9 +762,11 @@ class PpoRuntime:
         self.state.next_step = step + 1
         self.state.kl_coef = self.kl.value
         peak = max(m["peak_bytes"] for m in self._memory(engine))
+        # The update is whole: the units are at the next step's boundary, and a failure while
+        # they are saved (a slot lost, a disk full) leaves them so.
+        self.updating = False
         if c.checkpoint_every and (step + 1) % c.checkpoint_every == 0:
             self.save_checkpoint(engine)
-        self.updating = False
         return StepReport(
             step=reported,
             ok=True,
@@ -977,6 +997,9 @@ class PpoRuntime:
             files.write_file(partial / export.COMMITTED, json.dumps(mark))
             self.fence()  # a driver superseded while it saved leaves the folder unused
             files.replace_folder(partial, root)
+        except SlotError as exc:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise SlotError(f"saving checkpoint {root}: {exc}") from exc
         except BaseException:
             shutil.rmtree(partial, ignore_errors=True)
             raise
@@ -1090,3 +1113,27 @@ def plan_by_hand(
         units = tuple(tuple(chosen[i * width : (i + 1) * width]) for i in range(dp))
         out[ms.name] = (Layout(dp=dp, tp=tp, pp=pp), units)
     return Plan.of_units(accelerator=accelerator, num_slots=num_slots, layouts=out)
+
+
+class NonFiniteError(ArithmeticError):
+    """A NaN or an infinity in what a step trains on, or in its loss: the job stops before it
+    trains on it or saves it (a checkpoint of NaN weights would be resumed from)."""
+
+
+def _check_finite(step: int, mask: torch.Tensor | None, **tensors: torch.Tensor) -> None:
+    """``NonFiniteError`` naming the first of ``tensors`` (per sequence, or per response token
+    where ``mask`` is set) holding a NaN or an infinity, and the sequences that do."""
+    for name, tensor in tensors.items():
+        bad = ~torch.isfinite(tensor)
+        if mask is not None:
+            bad &= mask.bool()
+        if bool(bad.any()):
+            rows = sorted({int(i) for i in bad.nonzero()[:, 0]})
+            raise NonFiniteError(
+                f"step {step}: {name} is not finite for sequences {rows[:8]}"
+                f"{' …' if len(rows) > 8 else ''}; the step trains on nothing of it"
+            )
+
+
+def _shown(values: dict[str, float]) -> str:
+    return ", ".join(f"{key} {value:.4g}" for key, value in sorted(values.items()))

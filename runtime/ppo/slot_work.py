@@ -641,8 +641,14 @@ def _train_one(ctx: SlotContext, task: TrainTask) -> dict | None:
             loss.backward()
             for key, value in part.items():
                 stats[key] = stats.get(key, 0.0) + value
-    grads = _gradients(ctx, ws, task)
-    _adam(state, grads, ws, task)
+    grads, norm = _gradients(ctx, ws, task)
+    if math.isfinite(norm):
+        _adam(state, grads, ws, task)
+    else:
+        # A NaN or infinity in the loss (a reward, an overflow) reached the gradients: the
+        # update is not made, on every slot of every replica alike (they share the norm), and
+        # the driver fails the step before anything is saved.
+        stats["nonfinite_updates"] = 1.0
     return stats if ws.reports else None
 
 
@@ -765,7 +771,11 @@ def _ranges(sizes: list[int]) -> list[range]:
     return out
 
 
-def _gradients(ctx: SlotContext, ws: Workspace, task: TrainTask) -> dict[str, torch.Tensor]:
+def _gradients(
+    ctx: SlotContext, ws: Workspace, task: TrainTask
+) -> tuple[dict[str, torch.Tensor], float]:
+    """The unit's gradients, summed over its replicas and clipped, and their global norm
+    before clipping (the same on every slot of every replica)."""
     named = dict(ws.model.named_parameters())
     grads = {}
     for key, local in ws.locals.items():
@@ -799,7 +809,7 @@ def _gradients(ctx: SlotContext, ws: Workspace, task: TrainTask) -> dict[str, to
     if coef < 1.0:
         for g in grads.values():
             g.mul_(coef)
-    return grads
+    return grads, norm
 
 
 def _adam(state: dict, grads: dict, ws: Workspace, task: TrainTask) -> None:

@@ -190,3 +190,17 @@ def test_a_scripted_move_an_operator_s_resize_left_impossible_is_skipped_not_fat
         "move": "revoke",
         "reason": "revoke: the job's last slot cannot be taken",
     }
+
+
+def test_a_job_folder_it_cannot_use_fails_the_job_naming_it_before_any_slot_is_taken(
+    tmp_path, monkeypatch
+):
+    taken = []
+    monkeypatch.setattr(ppo_job, "ray_connection", lambda *a, **k: taken.append(a))
+    (tmp_path / "file").write_text("in the way")
+    workdir = tmp_path / "file" / "job"
+    with pytest.raises(OSError, match="workdir: Not a directory") as raised:
+        ppo_job.run_ppo_job(
+            PpoJobSpec(), sink=ListSink(), emit_control=lambda e: None, workdir=workdir
+        )
+    assert raised.value.filename == str(workdir) and taken == []

@@ -14,7 +14,7 @@ from runtime.engine.slots import SlotError, SlotPool
 from runtime.jobs.ppo_job import RETRIES, run_ppo_steps
 from runtime.planner import default_catalog
 from runtime.ppo.algorithm import PPOConfig
-from runtime.ppo.job import PpoJobConfig, PpoRuntime, plan_by_hand
+from runtime.ppo.job import NonFiniteError, PpoJobConfig, PpoRuntime, plan_by_hand
 
 pytestmark = pytest.mark.ray
 
@@ -402,3 +402,55 @@ def test_a_step_on_a_plan_whose_unit_is_gone_fails_instead_of_training_on_fewer(
         assert job.state.next_step == 1  # no update was made
     finally:
         engine.stop()
+
+
+def test_a_checkpoint_that_cannot_be_written_fails_its_step_and_keeps_the_updated_units(
+    pool, tmp_path
+):
+    """Every slot is alive: the folder cannot be written (a file in its place, as a full disk
+    or a permission would). The step's update is whole; the step fails naming the folder, and
+    the units stay, updated, for the next step (no restart, no step redone)."""
+    engine, job = _engine(pool, tmp_path)
+    plan = plan_by_hand(job.workload(), {}, num_slots=SLOTS)
+    workload = job.workload()
+    engine.start(plan, workload)
+    try:
+        assert engine.step(plan, workload, 0).ok
+        job.checkpoint_root.write_text("in the way")
+        report = engine.step(plan, workload, 1)  # its update is made, then the save fails
+        assert not report.ok and f"saving checkpoint {job.checkpoint_root}" in report.failure
+        assert engine.lost_slots() == frozenset() and engine.engine.units
+        assert job.state.next_step == 2
+        job.checkpoint_root.unlink()
+        assert engine.step(plan, workload, 2).ok  # the next step goes on from them
+    finally:
+        engine.stop()
+
+
+def test_a_nan_reward_stops_the_step_before_it_trains_or_saves(pool, tmp_path):
+    engine, job = _engine(pool, tmp_path)
+    plan = plan_by_hand(job.workload(), {}, num_slots=SLOTS)
+    workload = job.workload()
+    engine.start(plan, workload)
+    try:
+        assert engine.step(plan, workload, 0).ok
+        before = {u.unit_id: engine.engine.checksum(u) for u in engine.engine.units.values()}
+        job.reward = lambda prompt, response: float("nan")  # a reward model's bad score
+        with pytest.raises(NonFiniteError, match=r"step 1: rewards is not finite for sequences"):
+            engine.step(plan, workload, 1)  # step 1 would save the checkpoint step-000002
+        after = {u.unit_id: engine.engine.checksum(u) for u in engine.engine.units.values()}
+        assert after == before and job.last_checkpoint() is None
+    finally:
+        engine.stop()
+
+
+def test_a_slot_dying_after_the_last_step_does_not_fail_the_job_s_stop(pool, tmp_path):
+    """The job made every step (and exported): a slot lost while it stops costs what it held,
+    not the job's outcome. Last in this file: the pool's next user re-forms its group."""
+    engine, job = _engine(pool, tmp_path)
+    plan = plan_by_hand(job.workload(), {}, num_slots=SLOTS)
+    engine.start(plan, job.workload())
+    assert engine.step(plan, job.workload(), 0).ok
+    engine.engine.pool.kill(1)
+    engine.stop()
+    assert not engine.engine.units
