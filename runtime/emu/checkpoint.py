@@ -21,6 +21,11 @@ from runtime.emu.slot_ops import _DTYPES, _allocate, _units
 from runtime.engine.slots import SlotContext
 
 
+class UnusableCheckpointError(RuntimeError):
+    """A committed checkpoint that cannot be loaded (a torn file, a checksum that does not match
+    what was saved): a restart falls back to the one before it."""
+
+
 def unit_groups(unit: Unit) -> list[tuple[int, ...]]:
     """Groups DCP needs: the whole unit (coordination) and each pipeline stage's TP ranks (meshes)."""
     tp = unit.layout.tp

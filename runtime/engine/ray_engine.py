@@ -32,6 +32,7 @@ from pathlib import Path
 from ray import exceptions as ray_exceptions
 
 from runtime.emu import checkpoint, slot_ops
+from runtime.emu.checkpoint import UnusableCheckpointError
 from runtime.emu.engine import _POOL_GROUPS, IntegrityError, UnitEngine
 from runtime.emu.primitives import Destroy
 from runtime.engine.interface import StepReport, TransitionOutcome
@@ -43,6 +44,9 @@ from runtime.transition.executor import Executor
 from runtime.transition.units import Units, persists, units_not_held, units_of
 
 logger = logging.getLogger(__name__)
+
+RESTART_ATTEMPTS = 3
+"""How many times a restart loads its units when slots die while it does."""
 
 
 def _slots_of(plan: Plan) -> frozenset[int]:
@@ -429,12 +433,12 @@ class RayEngine:
         pool = self.engine.pool
         if self.job is not None:
             self.job.check_plan(plan, workload)
-        resume = None
+        sources: list = [None]  # None: the intact units, saved below
         if any(not held.get(name) for name in targets):
             if self.job is None:
                 raise RuntimeError("restart: a model-stage has no intact unit and no checkpoint")
-            resume = self.job.last_checkpoint()
-            if resume is None:
+            sources = self.job.checkpoints()  # newest first
+            if not sources:
                 raise RuntimeError("restart: a model-stage has no intact unit and no checkpoint")
             held = {}
         intact = [u for us in held.values() for u in us[:1]]
@@ -448,22 +452,37 @@ class RayEngine:
             path = folder / name.replace("@", "_")
             pool.run(checkpoint.save_unit, on=units[0].slots, unit=units[0], path=str(path))
             saved[name], expected[name] = path, self.engine.checksum(units[0])
-        if resume is not None:
-            saved = {name: resume.units[name] for name in targets}
         self._release_all()
-        for name, units in targets.items():
-            for unit in units:
-                pool.run(checkpoint.load_unit, on=unit.slots, unit=unit, path=str(saved[name]))
-                self.engine.units[unit.unit_id] = unit
-                got = self.engine.checksum(unit)
-                want = expected.get(name)
-                if want is None:
-                    want = expected[name] = got  # every replica must load the same state
-                if got != want:
-                    raise IntegrityError(
-                        f"restart: {unit.unit_id} loaded checksum {got:#x} != saved {want:#x}"
-                    )
-                self.engine.verified[unit.unit_id] = got
+        unusable = []
+        for resume in sources:
+            if resume is None:
+                self._load(targets, saved, expected)
+                break
+            try:
+                self.job.read_state(resume.state)  # whole, before any unit is touched
+                paths = {name: resume.units[name] for name in targets}
+                self._load(targets, paths, dict(resume.checksums))
+                break
+            except (UnusableCheckpointError, IntegrityError, SlotError) as exc:
+                if isinstance(exc, SlotError) and not all(pool.alive()):
+                    raise  # a slot died (``_load`` tried again): the checkpoint may be whole
+                # Torn or altered since it was saved: the one before it, if any, is used.
+                self._release_all()
+                unusable.append(f"step {resume.step} ({exc})")
+                self._event(
+                    {
+                        "event": "engine.checkpoint_unusable",
+                        "step": resume.step,
+                        "folder": str(resume.state.parent),
+                        "error": str(exc)[:500],
+                    }
+                )
+                logger.warning("checkpoint %s unusable: %s", resume.state.parent, exc)
+        else:
+            raise UnusableCheckpointError(
+                f"restart: no committed checkpoint under {self.job.checkpoint_root} can be "
+                f"loaded: {'; '.join(unusable)}"
+            )
         shutil.rmtree(folder, ignore_errors=True)  # loaded and verified: no longer needed
         if resume is not None:
             self.job.resume(resume)
@@ -473,6 +492,46 @@ class RayEngine:
         if self.job is not None:
             self.job.regrouped()
         return time.monotonic() - started
+
+    def _load(self, targets: dict, paths: dict, expected: dict[str, int]) -> None:
+        """``_load_once``; a slot that dies meanwhile is replaced (the group re-formed on new
+        processes, as after any loss) and the whole load is made again, from the same files:
+        a restart is what a job falls back on, and one lost slot must not end it."""
+        for attempt in range(1, RESTART_ATTEMPTS + 1):
+            try:
+                self._load_once(targets, paths, dict(expected))
+                return
+            except SlotError as exc:
+                if attempt == RESTART_ATTEMPTS or all(self.engine.pool.alive()):
+                    raise
+                logger.warning("restart: a slot died while loading (%s); loading again", exc)
+                self._release_all()
+                self.lost_slots()  # the group, re-formed on new processes
+                units = [u for us in targets.values() for u in us]
+                self.engine.pool.run(checkpoint.ensure_unit_groups, units=units)
+                if self.job is not None:
+                    self.job.regrouped()
+                self._event({"event": "engine.restart_retried", "error": str(exc)[:500]})
+
+    def _load_once(self, targets: dict, paths: dict, expected: dict[str, int]) -> None:
+        """Load every unit of ``targets`` from its model-stage's folder in ``paths`` and check
+        its checksum against ``expected`` (what was saved), or where none is given, against
+        the model-stage's first unit loaded (every replica must hold the same state)."""
+        pool = self.engine.pool
+        for name, units in targets.items():
+            for unit in units:
+                pool.run(checkpoint.load_unit, on=unit.slots, unit=unit, path=str(paths[name]))
+                self.engine.units[unit.unit_id] = unit
+                got = self.engine.checksum(unit)
+                want = expected.get(name)
+                if want is None:
+                    want = expected[name] = got
+                if got != want:
+                    raise IntegrityError(
+                        f"restart: {unit.unit_id} loaded checksum {got:#x} from "
+                        f"{paths[name]}, saved {want:#x}"
+                    )
+                self.engine.verified[unit.unit_id] = got
 
     def save_checkpoint(self) -> Path:
         """Commit the job's checkpoint now (DCP of one replica of each training model-stage)."""

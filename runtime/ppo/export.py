@@ -329,7 +329,8 @@ def export_checkpoint(
 
 
 COMMITTED = "COMMITTED"
-"""A checkpoint folder's mark, written last: ``{"step": N, "units": [model-stage, ...]}``."""
+"""A checkpoint folder's mark, written last: ``{"step": N, "units": [model-stage, ...],
+"checksums": {model-stage: "0x…"}}``."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -339,6 +340,9 @@ class Committed:
     step: int
     folder: Path
     units: tuple[str, ...]
+    checksums: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Each model-stage's state checksum when it was saved (layout-independent: the same after
+    DCP reshards it); empty in a checkpoint written before they were recorded."""
 
 
 def committed_checkpoints(root: Path) -> list[Committed]:
@@ -355,12 +359,13 @@ def committed_checkpoints(root: Path) -> list[Committed]:
             units = tuple(str(name) for name in data["units"])
             if data["step"] != step:
                 raise ValueError(f"it says step {data['step']}")
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+            checksums = {str(k): int(v, 16) for k, v in data.get("checksums", {}).items()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             logger.warning(
                 "checkpoint %s: its %s mark is unreadable (%s); skipped", folder, COMMITTED, exc
             )
             continue
-        found.append(Committed(step=step, folder=folder, units=units))
+        found.append(Committed(step=step, folder=folder, units=units, checksums=checksums))
     return sorted(found, key=lambda c: c.step)
 
 

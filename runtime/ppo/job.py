@@ -36,6 +36,7 @@ import torch
 
 from runtime import files
 from runtime.emu import checkpoint
+from runtime.emu.checkpoint import UnusableCheckpointError
 from runtime.emu.engine import UnitEngine
 from runtime.emu.layout import ShardError, assemble
 from runtime.emu.primitives import Unit
@@ -231,6 +232,9 @@ class Checkpoint:
     """The next step to run from it."""
     units: dict[str, Path]
     state: Path
+    checksums: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Each model-stage's state checksum when saved (``UnitEngine.checksum``: the same in any
+    layout); a restart checks what it loads against them."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -993,7 +997,8 @@ class PpoRuntime:
                 path = partial / name.replace("@", "_")
                 engine.pool.run(checkpoint.save_unit, on=unit.slots, unit=unit, path=str(path))
             self.save_state(partial / "state.json")
-            mark = {"step": step, "units": sorted(held)}
+            sums = {name: f"{engine.checksum(unit):#018x}" for name, unit in held.items()}
+            mark = {"step": step, "units": sorted(held), "checksums": sums}
             files.write_file(partial / export.COMMITTED, json.dumps(mark))
             self.fence()  # a driver superseded while it saved leaves the folder unused
             files.replace_folder(partial, root)
@@ -1007,15 +1012,32 @@ class PpoRuntime:
 
     def last_checkpoint(self) -> Checkpoint | None:
         """The newest committed checkpoint whose mark reads whole, or None."""
-        committed = export.committed_checkpoints(self.checkpoint_root)
-        if not committed:
-            return None
-        newest = committed[-1]
-        return Checkpoint(
-            step=newest.step,
-            units={name: newest.folder / name.replace("@", "_") for name in newest.units},
-            state=newest.folder / "state.json",
-        )
+        return next(iter(self.checkpoints()), None)
+
+    def checkpoints(self) -> list[Checkpoint]:
+        """The committed checkpoints whose mark reads whole, newest first (a restart falls back
+        to an older one where a newer one cannot be loaded)."""
+        return [
+            Checkpoint(
+                step=c.step,
+                units={name: c.folder / name.replace("@", "_") for name in c.units},
+                state=c.folder / "state.json",
+                checksums=c.checksums,
+            )
+            for c in reversed(export.committed_checkpoints(self.checkpoint_root))
+        ]
+
+    def read_state(self, path: Path) -> dict:
+        """The driver's state saved at ``path``, checked whole (``UnusableCheckpointError`` naming the
+        file otherwise), before any unit is loaded beside it."""
+        try:
+            data = json.loads(path.read_text())
+            JobState(**data)
+            torch.tensor(data["shuffle_state"], dtype=torch.uint8)
+            float(data["kl_coef"])
+        except (OSError, ValueError, KeyError, TypeError, RuntimeError) as exc:
+            raise UnusableCheckpointError(f"{path}: unreadable driver state ({exc})") from exc
+        return data
 
     def resume(self, ckpt: Checkpoint) -> None:
         """Take the driver's state from ``ckpt`` (its units were loaded by the engine)."""
@@ -1084,7 +1106,7 @@ class PpoRuntime:
         files.write_file(path, json.dumps(self.state.to_json()))
 
     def load_state(self, path: Path) -> None:
-        data = json.loads(path.read_text())
+        data = self.read_state(path)
         self.state = JobState(**data)
         self.shuffle.set_state(torch.tensor(data["shuffle_state"], dtype=torch.uint8))
         self.kl.value = data["kl_coef"]

@@ -4,10 +4,14 @@ none did; checkpoints resume to the same step, data order and random state."""
 
 import dataclasses
 import os
+import signal
 
 import pytest
 
 from runtime.control import Controller, JobPolicy, run_job
+from runtime.emu import checkpoint
+from runtime.emu.checkpoint import UnusableCheckpointError
+from runtime.engine import ray_engine
 from runtime.engine.ray_cluster import ray_connection
 from runtime.engine.ray_engine import RayEngine
 from runtime.engine.slots import SlotError, SlotPool
@@ -440,6 +444,101 @@ def test_a_nan_reward_stops_the_step_before_it_trains_or_saves(pool, tmp_path):
             engine.step(plan, workload, 1)  # step 1 would save the checkpoint step-000002
         after = {u.unit_id: engine.engine.checksum(u) for u in engine.engine.units.values()}
         assert after == before and job.last_checkpoint() is None
+    finally:
+        engine.stop()
+
+
+def _damage(kind: str, folder):
+    """Bit rot in a shard of the actor (64 bytes flipped mid-file), a shard cut short, or the
+    driver's state cut short."""
+    if kind == "state torn":
+        state = folder / "state.json"
+        state.write_text(state.read_text()[:100])
+        return
+    (shard,) = (folder / "actor_training").glob("*.distcp")
+    data = bytearray(shard.read_bytes())
+    if kind == "shard torn":
+        shard.write_bytes(bytes(data[: len(data) // 3]))
+        return
+    middle = len(data) // 2
+    data[middle : middle + 64] = bytes(b ^ 0x5A for b in data[middle : middle + 64])
+    shard.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("kind", ["bits flipped", "shard torn", "state torn"])
+def test_a_damaged_newest_checkpoint_is_not_resumed_the_one_before_it_is(pool, tmp_path, kind):
+    """The next driver of a job checks what it loads against the checksums the checkpoint was
+    saved with (the bits-flipped shard loads without an error, and was resumed from), and
+    falls back to the checkpoint before one it cannot use, naming why."""
+    engine, job = _engine(pool, tmp_path)
+    plan = plan_by_hand(job.workload(), {}, num_slots=SLOTS)
+    engine.start(plan, job.workload())
+    for s in range(4):  # checkpoints of steps 2 and 4
+        assert engine.step(plan, job.workload(), s).ok
+    engine.stop()
+    _damage(kind, job.checkpoint_root / "step-000004")
+
+    engine, job = _engine(pool, tmp_path)
+    engine.start(plan, job.workload())
+    try:
+        assert job.state.next_step == 2
+        (unusable,) = [e for e in engine.events if e["event"] == "engine.checkpoint_unusable"]
+        assert unusable["step"] == 4 and unusable["folder"].endswith("step-000004")
+        if kind == "state torn":
+            assert "state.json: unreadable driver state" in unusable["error"]
+        if kind == "bits flipped":
+            assert "actor@training" in unusable["error"] and "saved 0x" in unusable["error"]
+        assert engine.step(plan, job.workload(), 0).extra["ppo_step"] == 2
+    finally:
+        engine.stop()
+
+    _damage("bits flipped", job.checkpoint_root / "step-000002")
+    engine, job = _engine(pool, tmp_path)
+    with pytest.raises(UnusableCheckpointError, match=r"no committed checkpoint under .* step 4"):
+        engine.start(plan, job.workload())
+    engine.stop()
+
+
+class _LoadThatKillsSlot1Once:
+    """``runtime.emu.checkpoint`` as the engine sees it, but whose ``load_unit`` kills slot 1's
+    process the first time it runs there (a flag file says it did)."""
+
+    def __init__(self, flag):
+        self.flag = str(flag)
+
+    def __getattr__(self, name):
+        if name != "load_unit":
+            return getattr(checkpoint, name)
+        flag = self.flag
+
+        def load_unit(ctx, *, unit, path):
+            from runtime.emu.checkpoint import load_unit as load
+
+            if ctx.rank == 1 and not os.path.exists(flag):
+                open(flag, "w").close()
+                os.kill(os.getpid(), signal.SIGKILL)
+            return load(ctx, unit=unit, path=path)
+
+        return load_unit
+
+
+def test_a_slot_lost_while_a_restart_loads_is_replaced_and_the_load_made_again(
+    pool, tmp_path, monkeypatch
+):
+    engine, job = _engine(pool, tmp_path)
+    plan = plan_by_hand(job.workload(), {"actor@training": (2, 1, 1)}, num_slots=SLOTS)
+    engine.start(plan, job.workload())
+    try:
+        for s in range(2):  # the checkpoint of step 2
+            assert engine.step(plan, job.workload(), s).ok
+        engine._release_all()  # as a failed update leaves the job: back to the checkpoint
+        job.lost_state()
+        monkeypatch.setattr(ray_engine, "checkpoint", _LoadThatKillsSlot1Once(tmp_path / "k"))
+        engine.restart(plan, job.workload())
+        assert (tmp_path / "k").exists()
+        assert [e["event"] for e in engine.events].count("engine.restart_retried") == 1
+        monkeypatch.undo()
+        assert engine.step(plan, job.workload(), 2).extra["ppo_step"] == 2
     finally:
         engine.stop()
 
