@@ -393,6 +393,12 @@
       case "engine.step_failed":
         log("step failed", `step ${d.step}`, "", d.error || "", "");
         break;
+      case "engine.checkpoint_unusable":
+        log("checkpoint unusable", `step ${d.step}`, "the one before it is used", d.error || "", "");
+        break;
+      case "engine.restart_retried":
+        log("restart retried", "", "a slot died while loading: loaded again", d.error || "", "");
+        break;
       case "control.trigger": onTrigger(d); break;
       case "control.plan":
         S.current = d.plan; drawMaps(); drawCalibration();
