@@ -435,11 +435,12 @@
         drawProposal(); drawMaps();
         break;
       }
-      case "proposals.stale":  // by the service: the job ended, or a new driver took it over
+      case "proposals.stale": case "proposals.expired":  // by the service: the job ended, a
+        // new driver took it over, or the deadline passed
         for (const [id, p] of Object.entries(S.proposals)) {
           if ((d.proposals || []).includes(p.row) && String(S.waiting) === id) S.waiting = null;
         }
-        log("stale", "", `proposals ${(d.proposals || []).join(", ")}`, d.reason || "", "");
+        log(event.kind.replace("proposals.", ""), "", `proposals ${(d.proposals || []).join(", ")}`, d.reason || "", "");
         drawProposal(); drawMaps();
         break;
       case "job.state":

@@ -342,6 +342,20 @@ def test_overdue_proposals_expire(waiting):
     assert services.proposals_expire_overdue(now=later) == 1
     waiting.refresh_from_db()
     assert waiting.state == ProposalState.EXPIRED
+    # Pages showing it learn it (they stop offering Approve): one event for the job.
+    (event,) = JobEvent.objects.filter(job=waiting.job, kind="proposals.expired")
+    assert event.data["proposals"] == [waiting.pk] and "deadline" in event.data["reason"]
+    assert services.proposals_expire_overdue(now=later) == 0
+
+
+def test_a_decision_that_finds_a_proposal_expired_says_so_to_the_job_s_pages(waiting, approver):
+    Proposal.objects.filter(pk=waiting.pk).update(expires_at=timezone.now())
+    with pytest.raises(errors.ProposalError):
+        services.proposal_decide(
+            user=approver, proposal=waiting, decision="approve", comment="late"
+        )
+    (event,) = JobEvent.objects.filter(job=waiting.job, kind="proposals.expired")
+    assert event.data["proposals"] == [waiting.pk]
 
 
 def test_the_beat_schedule_runs_registered_tasks_and_expires_overdue_proposals(waiting):

@@ -445,14 +445,38 @@ def _decide(
 
 
 def _mark(row: Proposal, state: str) -> Proposal:
+    """Mark a waiting proposal stale or expired as a decision finds it, with the job's event
+    that says so to every page showing it (the caller holds the job's row lock)."""
     row.state = state
     row.save(update_fields=["state"])
+    why = "past its deadline" if state == ProposalState.EXPIRED else "found stale when decided"
+    _proposals_ended(row.job, [row.pk], state, why)
     return row
 
 
+def _proposals_ended(job: Job, ids: list[int], state: str, why: str) -> None:
+    job_event_append(
+        job=job,
+        epoch=job.epoch,
+        kind=f"proposals.{state}",
+        data={"proposals": ids, "epoch": job.epoch, "reason": why},
+    )
+
+
 def proposals_expire_overdue(*, now: datetime | None = None) -> int:
-    """Mark waiting proposals past their deadline expired (the job keeps its plan); returns how
-    many. Run by the periodic ``plans.expire`` task (``CELERY_BEAT_SCHEDULE``)."""
-    return Proposal.objects.filter(
-        state=ProposalState.WAITING, expires_at__lte=now or timezone.now()
-    ).update(state=ProposalState.EXPIRED)
+    """Mark waiting proposals past their deadline expired (the job keeps its plan), each job's
+    with a ``proposals.expired`` event, so that the pages showing them stop offering them;
+    returns how many. Run by the periodic ``plans.expire`` task (``CELERY_BEAT_SCHEDULE``)."""
+    now = now or timezone.now()
+    overdue = Proposal.objects.filter(state=ProposalState.WAITING, expires_at__lte=now)
+    expired = 0
+    for job_id in sorted(set(overdue.values_list("job_id", flat=True))):
+        with transaction.atomic():
+            job = Job.objects.select_for_update().get(pk=job_id)  # the job first, as ever
+            ids = sorted(overdue.filter(job=job).select_for_update().values_list("pk", flat=True))
+            if not ids:
+                continue
+            Proposal.objects.filter(pk__in=ids).update(state=ProposalState.EXPIRED)
+            _proposals_ended(job, ids, ProposalState.EXPIRED, "past its deadline")
+            expired += len(ids)
+    return expired
