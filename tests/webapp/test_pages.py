@@ -4,6 +4,7 @@ page (simulated and real), the approvals inbox; and who may do what through them
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -171,6 +172,29 @@ def test_the_submit_page_submits_a_simulated_job_with_its_policy(client, operato
     assert job.spec["policy"]["thresholds"]["gen_len"] == 0.5
     assert job.spec["policy"]["memory_runway"] == "amortized"
     assert job.spec["policy"]["min_saving"] == 0.02
+
+
+def _submit_key(page: str) -> str:
+    return re.search(r'name="submit_key" value="([0-9a-f]{32})"', page).group(1)
+
+
+def test_a_page_of_the_submit_form_sent_twice_makes_one_job(client, operator):
+    client.force_login(operator)
+    key = _submit_key(client.get("/jobs/new/").content.decode())
+    assert key != _submit_key(client.get("/jobs/new/").content.decode())  # one per page
+    first = client.post("/jobs/new/", {**SIM_FORM, "submit_key": key})
+    again = client.post("/jobs/new/", {**SIM_FORM, "submit_key": key})  # a double click
+    job = Job.objects.get()
+    assert first["Location"] == again["Location"] == f"/jobs/{job.pk}/"
+    # The same page sent back with other values: said so, and the page shown again submits.
+    changed = client.post("/jobs/new/", {**SIM_FORM, "name": "other", "submit_key": key})
+    page = changed.content.decode()
+    assert changed.status_code == 200 and "submitted before with other values" in page
+    assert Job.objects.count() == 1 and _submit_key(page) != key
+    made = client.post("/jobs/new/", {**SIM_FORM, "name": "other", "submit_key": _submit_key(page)})
+    assert made.status_code == 302 and Job.objects.filter(name="other").count() == 1
+    bad = client.post("/jobs/new/", {**SIM_FORM, "submit_key": "x"})
+    assert bad.status_code == 200 and "32 hex digits" in bad.content.decode()
 
 
 def test_the_submit_form_lists_the_personal_project_once_as_its_empty_choice(

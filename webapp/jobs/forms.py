@@ -7,6 +7,8 @@ validator, and its errors, which name their field, are put on the matching form 
 
 from __future__ import annotations
 
+import uuid
+
 from django import forms
 
 from runtime.control.policy import APPROVAL_MODES, RUNWAYS, SIGNALS, JobPolicy
@@ -63,6 +65,14 @@ class JobSubmitForm(forms.Form):
         help_text="Projects where you may submit (operator role or above).",
     )
     name = forms.CharField(max_length=200, initial="sft-demo")
+    submit_key = forms.RegexField(
+        regex=r"^[0-9a-f]{32}$",
+        required=False,
+        widget=forms.HiddenInput,
+        error_messages={"invalid": "expected the 32 hex digits the page gave"},
+        help_text="One per page shown: a second submit of the same page (a double click, a "
+        "resend) returns the job the first made.",
+    )
     kind = forms.ChoiceField(
         choices=[
             ("sft", "SFT on CPU slots (real)"),
@@ -178,6 +188,7 @@ class JobSubmitForm(forms.Form):
 
     def __init__(self, *args, user, **kwargs):
         super().__init__(*args, **kwargs)
+        self.fields["submit_key"].initial = uuid.uuid4().hex
         # The empty choice is the user's personal project (made on their first job), so it is
         # not listed a second time under its own name.
         project = self.fields["project"]

@@ -3,6 +3,8 @@ live page (with its cancel and, for a real PPO job, its slot-pool form)."""
 
 from __future__ import annotations
 
+import uuid
+
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.core.exceptions import PermissionDenied, ValidationError
@@ -65,18 +67,48 @@ def _projects_where(user, jobs, role: str) -> set[int]:
     return allowed
 
 
+FORM_SENT_BEFORE = (
+    "this page was submitted before with other values (its job is in the list); "
+    "submit again to make another job"
+)
+
+
+def _with_new_key(data):
+    data = data.copy()
+    data["submit_key"] = uuid.uuid4().hex
+    return data
+
+
 @login_required
 @require_http_methods(["GET", "POST"])
 def job_new(request):
     form = JobSubmitForm(request.POST or None, user=request.user)
     if request.method == "POST" and form.is_valid():
+        data, spec = form.cleaned_data, form.spec()
         try:
-            job = services.job_submit(
-                user=request.user,
-                name=form.cleaned_data["name"],
-                spec=form.spec(),
-                project=form.cleaned_data["project"],
-            )
+            if data["submit_key"]:  # the page's own: a second submit of it makes no second job
+                job, _ = services.job_submit_idempotent(
+                    user=request.user,
+                    name=data["name"],
+                    spec=spec,
+                    project=data["project"],
+                    idempotency_key=f"form-{data['submit_key']}",
+                    body={
+                        "name": data["name"],
+                        "spec": spec,
+                        "project": data["project"] and data["project"].pk,
+                    },
+                )
+            else:
+                job = services.job_submit(
+                    user=request.user, name=data["name"], spec=spec, project=data["project"]
+                )
+        except errors.IdempotencyError:
+            # The page was submitted before with other values (back, edit, submit): say so,
+            # and give the form shown again a key of its own, so that submitting it goes on.
+            form = JobSubmitForm(_with_new_key(request.POST), user=request.user)
+            form.is_valid()
+            form.add_error(None, FORM_SENT_BEFORE)
         except ValidationError as exc:
             for problems in exc.message_dict.values():
                 for problem in problems:
