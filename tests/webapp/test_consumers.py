@@ -138,3 +138,19 @@ async def test_an_event_that_overtakes_an_earlier_one_does_not_hide_it():
     assert got == [first.pk, second.pk]
     assert await ws.receive_nothing(timeout=0.3)
     await ws.disconnect()
+
+
+async def test_a_socket_open_longer_than_the_layer_s_group_expiry_still_gets_live_events(
+    monkeypatch,
+):
+    """The layer forgets a group member after ``group_expiry`` (a day by default; 2 s here): a
+    page watching a job for days must keep getting its events."""
+    monkeypatch.setattr(get_channel_layer(), "group_expiry", 2)
+    job, session, _ = await _setup()
+    ws = _communicator(job.pk, session)
+    assert (await ws.connect())[0]
+    await asyncio.sleep(3.5)  # past the expiry of the membership made at connect
+    live_id = await _append(job, "late", n=1)
+    live = await ws.receive_json_from(timeout=5)
+    assert live["event"]["id"] == live_id
+    await ws.disconnect()

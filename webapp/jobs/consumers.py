@@ -12,6 +12,7 @@ streaming on, as the REST API stops answering them at the next request.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from importlib import import_module
 from urllib.parse import parse_qs
@@ -64,6 +65,7 @@ class JobEventsConsumer(AsyncJsonWebsocketConsumer):
                 return
         self.last_id = 0
         await self.channel_layer.group_add(self.job.group_name, self.channel_name)
+        self._renewing = asyncio.ensure_future(self._renew_group())
         await self.accept()
         try:
             query = parse_qs(self.scope.get("query_string", b"").decode("utf-8", errors="replace"))
@@ -74,9 +76,21 @@ class JobEventsConsumer(AsyncJsonWebsocketConsumer):
         await self._send_backlog(after)
 
     async def disconnect(self, code: int) -> None:
+        renewing = getattr(self, "_renewing", None)
+        if renewing is not None:
+            renewing.cancel()
         job = getattr(self, "job", None)
         if job is not None:
             await self.channel_layer.group_discard(job.group_name, self.channel_name)
+
+    async def _renew_group(self) -> None:
+        """A channel layer forgets a group member after its ``group_expiry`` (a day by
+        default), and a page watching a job that runs for days would go quiet: the socket
+        joins its group again well before then, for as long as it is open."""
+        every = max(1.0, getattr(self.channel_layer, "group_expiry", 86400) / 4)
+        while True:
+            await asyncio.sleep(every)
+            await self.channel_layer.group_add(self.job.group_name, self.channel_name)
 
     async def receive_json(self, content, **kwargs) -> None:
         try:
