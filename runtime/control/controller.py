@@ -1252,6 +1252,7 @@ class Controller:
                 "failure": outcome.failure,
                 "simulated": outcome.simulated,
                 "dag": dag.to_json(),
+                "target": candidate.to_json(),
             }
         )
         if outcome.ok:
@@ -1308,6 +1309,7 @@ class Controller:
                 "seconds": seconds,
                 "reason": because,
                 "from_checkpoint": True,
+                "target": candidate.to_json(),
             }
         )
 

@@ -163,6 +163,21 @@ def test_a_failed_transition_keeps_the_current_plan(job):
     assert Plan.objects.get(current=True) == transition.from_plan
 
 
+def test_a_transition_or_restart_naming_its_target_records_that_plan(job):
+    """Not the last decision's candidate, which a move the controller had in hand may not be
+    (a staged move, the salvage plan a restart replaced)."""
+    _record(job, events.initial_event(4), events.decision_event(4, 8))
+    _record(job, {**events.transition_event(4, 2), "target": events.plan_json(2)})
+    assert Transition.objects.get().to_plan.plan == events.plan_json(2)
+    assert Plan.objects.get(current=True).plan == events.plan_json(2)
+    _record(job, events.decision_event(2, 8))
+    restart = {"event": "control.restart", "seconds": 1.0, "reason": "r", "target": None}
+    with pytest.raises(ValueError, match="target"):
+        _record(job, restart)
+    _record(job, {**restart, "target": events.plan_json(4)})
+    assert Plan.objects.get(current=True).plan == events.plan_json(4)
+
+
 def test_infinite_numbers_are_stored_as_null(job):
     infeasible = events.decision_event(cost_s=math.inf, infeasible="slot 2 cannot hold it")
     logged = services.record_controller_event(job=job, event=infeasible)

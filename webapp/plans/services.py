@@ -109,7 +109,7 @@ def _record_transition(job: Job, epoch: int, data: dict) -> dict:
     predicted_s = _number(data, "predicted_s")
     actual_s = _number(data, "actual_s", required=False)
     source = Plan.objects.filter(job=job, current=True).first()
-    target = _last_target(job, epoch)
+    target = _target(job, epoch, data)
     destination = None
     if target is not None:
         if ok:
@@ -133,7 +133,7 @@ def _record_transition(job: Job, epoch: int, data: dict) -> dict:
 
 
 def _record_restart(job: Job, epoch: int, data: dict) -> dict:
-    target = _last_target(job, epoch)
+    target = _target(job, epoch, data)
     if target is None:
         return {"plan": None}
     row = _make_current(job, epoch, target, reason=f"restart: {data.get('reason', '')}")
@@ -218,9 +218,18 @@ def _make_current(job: Job, epoch: int, plan: dict, *, reason: str) -> Plan:
     return _make_plan(job, epoch, plan, reason=reason, current=True)
 
 
+def _target(job: Job, epoch: int, data: dict) -> dict | None:
+    """The plan a transition or restart moved the job to: the event names it (``target``);
+    an event from before it did is read as ``_last_target`` reads the log."""
+    if "target" in data:
+        return _plan_field(data, "target")
+    return _last_target(job, epoch)
+
+
 def _last_target(job: Job, epoch: int) -> dict | None:
-    """The plan the controller is moving to: the last decision's candidate, or the plan of the
-    proposal it last approved (a transition or restart follows one of the two)."""
+    """The plan the controller is moving to, for events that do not name it: the last
+    decision's candidate, or the plan of the proposal it last approved (a transition or restart
+    follows one of the two, unless something the controller had in hand came between)."""
     last = (
         job.events.filter(epoch=epoch, kind__in=["control.decision", "control.approved"])
         .order_by("-id")
