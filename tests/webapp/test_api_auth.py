@@ -4,7 +4,10 @@ OpenAPI schema covers /api/v1/."""
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
+from django.utils import timezone
 from rest_framework.test import APIClient
 
 from tests.support.jobs import make_job
@@ -91,6 +94,29 @@ def test_a_demotion_ends_the_member_s_tokens_above_their_new_role(api, project, 
     project_services.membership_set(project=project, user=ada, role=Role.ADMIN)  # promoted again
     seen = {role: api(secret=s).get(f"{JOBS}{job.pk}/").status_code for role, s in made.items()}
     assert seen == {Role.ADMIN: 401, Role.OPERATOR: 200, Role.VIEWER: 200}
+
+
+def test_a_token_given_a_lifetime_stops_working_when_it_ends(api, project, member):
+    admin = member(project, Role.ADMIN)
+    made = api(user=admin).post(
+        _tokens("ml"), {"name": "ci", "role": "viewer", "expires_in_days": 30}, format="json"
+    )
+    assert made.status_code == 201
+    body = made.json()
+    token = ApiToken.objects.get(pk=body["id"])
+    left = token.expires_at - timezone.now()
+    assert timedelta(days=29, hours=23) < left <= timedelta(days=30) and body["expires_at"]
+    assert api(secret=body["secret"]).get(JOBS).status_code == 200
+    ApiToken.objects.filter(pk=token.pk).update(expires_at=timezone.now())
+    expired = api(secret=body["secret"]).get(JOBS)
+    assert expired.status_code == 401 and expired.json()["message"] == errors.TOKEN_EXPIRED
+    forever = api(user=admin).post(_tokens("ml"), {"name": "x"}, format="json").json()
+    assert forever["expires_at"] is None
+    for days in (0, 3651, 1.5, "30", True):
+        bad = api(user=admin).post(
+            _tokens("ml"), {"name": "y", "expires_in_days": days}, format="json"
+        )
+        assert bad.status_code == 400 and list(bad.json()["fields"]) == ["expires_in_days"], days
 
 
 def test_the_answer_that_carries_a_new_secret_is_not_cached(api, project, member):

@@ -46,11 +46,23 @@ def test_an_admin_issues_a_token_whose_secret_is_shown_once_and_works(client, ap
     reloaded = client.post("/projects/ml/tokens/", {"name": "nightly", "role": "viewer"})
     assert reloaded.status_code == 409 and 'data-field="name"' in reloaded.content.decode()
     assert ApiToken.objects.filter(name="nightly").count() == 1
+    # One with a lifetime says until when it works, and once ended that it expired.
+    client.post("/projects/ml/tokens/", {"name": "week", "role": "viewer", "expires_in_days": 7})
+    week = ApiToken.objects.get(name="week")
+    assert (
+        f"active until {week.expires_at:%Y-%m-%d}" in client.get("/projects/ml/").content.decode()
+    )
+    ApiToken.objects.filter(pk=week.pk).update(expires_at=week.created_at)
+    assert "expired " in client.get("/projects/ml/").content.decode()
 
 
 @pytest.mark.parametrize(
     ("data", "field"),
-    [({"name": "", "role": "viewer"}, "name"), ({"name": "x", "role": "god"}, "role")],
+    [
+        ({"name": "", "role": "viewer"}, "name"),
+        ({"name": "x", "role": "god"}, "role"),
+        ({"name": "x", "role": "viewer", "expires_in_days": "0"}, "expires_in_days"),
+    ],
 )
 def test_a_bad_token_form_names_the_field_and_makes_nothing(client, project, member, data, field):
     client.force_login(member(project, Role.ADMIN, "ada"))

@@ -13,7 +13,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from webapp.api.authentication import request_token
-from webapp.api.inputs import StrictInput, Text
+from webapp.api.inputs import StrictInput, Text, WholeNumber
 from webapp.api.parsers import JSONParser
 from webapp.projects import selectors, services
 from webapp.projects.models import ApiToken, Role
@@ -41,6 +41,7 @@ class TokenOutput(serializers.ModelSerializer):
             "created_at",
             "last_used_at",
             "revoked_at",
+            "expires_at",
         ]
         read_only_fields = fields
 
@@ -84,6 +85,13 @@ class TokenListCreateApi(APIView):
     class CreateInput(StrictInput):
         name = Text(max_length=200)
         role = serializers.ChoiceField(choices=Role.choices, default=Role.OPERATOR)
+        expires_in_days = WholeNumber(
+            min_value=1,
+            max_value=services.MAX_TOKEN_DAYS,
+            required=False,
+            allow_null=True,
+            help_text="Days until the token stops working; absent or null: until revoked.",
+        )
 
     @extend_schema(operation_id="tokens_list", responses={200: TokenOutput(many=True)})
     def get(self, request, slug: str):

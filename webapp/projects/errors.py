@@ -3,6 +3,7 @@
 NOT_FOUND = "not found"
 ROLE_NEEDED = "this needs the {role} role in project {project}"
 TOKEN_INVALID = "invalid or revoked token"
+TOKEN_EXPIRED = "token expired: its project's admins issue a new one"
 
 
 class NotFoundError(LookupError):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from django import forms
 
 from webapp.projects.models import Role
+from webapp.projects.services import MAX_TOKEN_DAYS
 
 
 class TokenForm(forms.Form):
@@ -13,3 +14,10 @@ class TokenForm(forms.Form):
 
     name = forms.CharField(max_length=200, help_text="What uses it, e.g. the pipeline's name.")
     role = forms.ChoiceField(choices=Role.choices, initial=Role.OPERATOR)
+    expires_in_days = forms.IntegerField(
+        required=False,
+        min_value=1,
+        max_value=MAX_TOKEN_DAYS,
+        label="Expires in (days)",
+        help_text="Empty: until revoked.",
+    )

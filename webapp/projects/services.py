@@ -69,8 +69,19 @@ def project_personal_for(user) -> Project:
     raise IntegrityError(f"no free slug for the personal project of user {user.pk}")
 
 
+MAX_TOKEN_DAYS = 3650
+"""The longest a token may be given to live, in days (none given: until revoked)."""
+
+
 @transaction.atomic
-def token_create(*, user, project: Project, name: str, role: str = Role.OPERATOR):
+def token_create(
+    *,
+    user,
+    project: Project,
+    name: str,
+    role: str = Role.OPERATOR,
+    expires_in_days: int | None = None,
+):
     """Issue a token; returns ``(token, secret)``. The secret is shown once and never stored.
 
     Needs the admin role, so any role may be given; a token never acts above its creator's
@@ -82,10 +93,16 @@ def token_create(*, user, project: Project, name: str, role: str = Role.OPERATOR
         # one that came first has already taken the role this checks.
         Membership.objects.select_for_update().filter(user=user, project=project).first()
         selectors.require_role(user, project, Role.ADMIN)
-        return _token_insert(user=user, project=project, name=name, role=role)
+        return _token_insert(
+            user=user, project=project, name=name, role=role, expires_in_days=expires_in_days
+        )
 
 
-def _token_insert(*, user, project: Project, name: str, role: str):
+def _token_insert(*, user, project: Project, name: str, role: str, expires_in_days):
+    if expires_in_days is not None and not 1 <= expires_in_days <= MAX_TOKEN_DAYS:
+        raise ValidationError(
+            {"expires_in_days": [f"expected a whole number of days from 1 to {MAX_TOKEN_DAYS}"]}
+        )
     secret = TOKEN_PREFIX + secrets.token_urlsafe(32)
     token = ApiToken.objects.create(
         project=project,
@@ -94,6 +111,9 @@ def _token_insert(*, user, project: Project, name: str, role: str):
         role=Role(role),
         prefix=secret[: len(TOKEN_PREFIX) + 6],
         key_hash=_hash(secret),
+        expires_at=(
+            None if expires_in_days is None else timezone.now() + timedelta(days=expires_in_days)
+        ),
     )
     return token, secret
 
@@ -124,6 +144,8 @@ def token_authenticate(secret: str) -> ApiToken:
     )
     if token is None:
         raise errors.NotFoundError(errors.TOKEN_INVALID)
+    if token.is_expired:
+        raise errors.NotFoundError(errors.TOKEN_EXPIRED)
     now = timezone.now()
     if token.last_used_at is None or now - token.last_used_at >= LAST_USED_RESOLUTION:
         ApiToken.objects.filter(pk=token.pk).update(last_used_at=now)

@@ -12,6 +12,7 @@ from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.core.exceptions import PermissionDenied
 from django.db import transaction
+from django.utils import timezone
 from django.http import Http404
 from django.shortcuts import redirect, render
 from django.views.decorators.http import require_POST
@@ -83,7 +84,8 @@ def token_create_view(request, slug: str):
             # name here keeps that from making a second token. The project's row is locked
             # for the check, so that two submits at once (a double click) make one.
             Project.objects.select_for_update().filter(pk=project.pk).first()
-            if selectors.tokens_of(project).filter(name=name, revoked_at__isnull=True).exists():
+            active = selectors.tokens_of(project).filter(name=name, revoked_at__isnull=True)
+            if active.exclude(expires_at__lte=timezone.now()).exists():
                 form.add_error(
                     "name",
                     f"a token named {name!r} is active already: revoke it or choose another name",
@@ -94,6 +96,7 @@ def token_create_view(request, slug: str):
                 project=project,
                 name=name,
                 role=form.cleaned_data["role"],
+                expires_in_days=form.cleaned_data["expires_in_days"],
             )
     except errors.RoleError as exc:
         raise PermissionDenied(str(exc)) from exc
