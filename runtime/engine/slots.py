@@ -29,6 +29,10 @@ from runtime.engine.ray_cluster import is_loopback_address
 logger = logging.getLogger(__name__)
 
 
+JOIN_TIMEOUT_S = 60.0
+"""The least time new slot processes are given to start and form their group."""
+
+
 class SlotError(RuntimeError):
     """A slot failed or did not answer in time."""
 
@@ -228,7 +232,16 @@ class SlotPool:
         return pool
 
     def _join(self, method: str) -> None:
-        port = self._get(self._actors[0].reserve_port.remote(self._master_addr))
+        """Form the group. New processes are waited for longer than a call (``JOIN_TIMEOUT_S``
+        at least): starting one (Python, torch, the actor) takes seconds on a busy machine, and
+        a group re-formed after a loss must not fail for a short call timeout."""
+        wait_s = max(self.call_timeout_s, JOIN_TIMEOUT_S)
+        # Every process up first: the group's rendezvous then waits on no slow starter (it
+        # gives up after the call timeout, the group's own).
+        self._get_all([actor.node.remote() for actor in self._actors], timeout_s=wait_s)
+        port = self._get_all(
+            [self._actors[0].reserve_port.remote(self._master_addr)], timeout_s=wait_s
+        )[0]
         self._get_all(
             [
                 getattr(actor, method).remote(
@@ -240,7 +253,8 @@ class SlotPool:
                     timeout_s=self.call_timeout_s,
                 )
                 for rank, actor in enumerate(self._actors)
-            ]
+            ],
+            timeout_s=wait_s,
         )
 
     def renew(self) -> float:
@@ -402,11 +416,18 @@ class SlotPool:
     def _get(self, ref: Any) -> Any:
         return self._get_all([ref])[0]
 
-    def _get_all(self, refs: list[Any], slots: Sequence[int] | None = None) -> list[Any]:
+    def _get_all(
+        self,
+        refs: list[Any],
+        slots: Sequence[int] | None = None,
+        *,
+        timeout_s: float | None = None,
+    ) -> list[Any]:
         """The calls' results; with ``slots`` (the slot of each call), the slots whose call ran
-        past the call timeout are remembered (``alive``) and named."""
+        past the call timeout (or ``timeout_s``) are remembered (``alive``) and named."""
+        timeout_s = self.call_timeout_s if timeout_s is None else timeout_s
         try:
-            return ray.get(refs, timeout=self.call_timeout_s)
+            return ray.get(refs, timeout=timeout_s)
         except ray.exceptions.GetTimeoutError as exc:
             silent = []
             if slots is not None:
@@ -416,7 +437,7 @@ class SlotPool:
                 now = time.monotonic()
                 self._overdue.update({s: (self._actors[s], now) for s in silent})
             which = f"slots {silent}" if silent else "a slot"
-            raise SlotError(f"{which} did not answer within {self.call_timeout_s:.0f} s") from exc
+            raise SlotError(f"{which} did not answer within {timeout_s:.0f} s") from exc
         except ray.exceptions.RayError as exc:
             which = "a slot"
             if slots is not None:

@@ -112,3 +112,14 @@ def test_a_nan_loss_fails_the_job_naming_it_and_the_update_is_not_made(local_ray
         assert pool.run(sft.replica_checksum) == before  # no replica was updated
     finally:
         pool.close()
+
+
+def test_a_pool_forms_whatever_its_call_timeout_new_processes_are_waited_for(local_ray):
+    """Starting a slot process (Python, torch, the actor) takes longer than a short call
+    timeout on a busy machine; forming the group must not fail for it."""
+    pool = SlotPool.create(2, call_timeout_s=1.0)
+    try:
+        assert pool.num_slots == 2 and pool.backend == "gloo"
+        assert all(node["address"] == "127.0.0.1" for node in pool.nodes())
+    finally:
+        pool.close()
