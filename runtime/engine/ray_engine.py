@@ -95,6 +95,9 @@ class RayEngine:
         self._rebuild = {"generation": 1.0, "inference": 0.5}
         """Seconds one new unit of each derived stage takes to build (groups, modules,
         workspaces): learned from the builds the job reports, first step included."""
+        self.started_from = 0
+        """The job's step this engine started it at: that of the checkpoint it resumed from
+        (not always the newest: one that cannot be loaded is passed over), or 0."""
 
     @property
     def rebuild_s(self) -> tuple[tuple[str, float], ...]:
@@ -311,6 +314,7 @@ class RayEngine:
             if self.job.last_checkpoint() is not None:
                 # The job ran before (its driver was lost): go on from its last checkpoint.
                 self.restart(plan, workload)
+                self.started_from = self.job.state.next_step
                 return
             self.job.place(self.engine, units_of(plan, workload))
             return

@@ -96,8 +96,6 @@ def run_ppo_job(
         # A job that ran before (its driver was lost) goes on from its last checkpoint. The loop
         # counts loop steps (a failed step and a resume from a checkpoint are loop steps too);
         # events and the scenario count the job's own steps (``JobState.next_step``).
-        resumed = job.last_checkpoint()
-        first = resumed.step if resumed is not None else 0
         played: set[str] = set()  # the scenario's moves made: each once, though the job
         # may come to its step again (after a failed step, or a resume from a checkpoint)
 
@@ -169,7 +167,7 @@ def run_ppo_job(
             data={
                 "status": status,
                 "steps": run.steps_done,
-                "resumed_from": first,
+                "resumed_from": engine.started_from,
                 "failure": run.failure,
                 "wall_s": round(summary.seconds, 2),
                 "transitions": summary.transitions,

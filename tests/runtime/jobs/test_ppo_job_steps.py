@@ -39,6 +39,7 @@ class _Engine:
         self.events, self.on_event = [], None
         self.engine = types.SimpleNamespace(units={})
         self.moves: list[tuple[str, int]] = []
+        self.started_from = 0
 
     def pool_size(self) -> int:
         return 4

@@ -481,7 +481,7 @@ def test_a_damaged_newest_checkpoint_is_not_resumed_the_one_before_it_is(pool, t
     engine, job = _engine(pool, tmp_path)
     engine.start(plan, job.workload())
     try:
-        assert job.state.next_step == 2
+        assert job.state.next_step == 2 and engine.started_from == 2
         (unusable,) = [e for e in engine.events if e["event"] == "engine.checkpoint_unusable"]
         assert unusable["step"] == 4 and unusable["folder"].endswith("step-000004")
         if kind == "state torn":
