@@ -4,6 +4,7 @@ none did; checkpoints resume to the same step, data order and random state."""
 
 import dataclasses
 import os
+import shutil
 import signal
 
 import pytest
@@ -465,17 +466,29 @@ def _damage(kind: str, folder):
     shard.write_bytes(bytes(data))
 
 
+@pytest.fixture(scope="module")
+def four_steps(pool, tmp_path_factory):
+    """The folder of a job that made 4 steps, with the checkpoints of steps 2 and 4."""
+    root = tmp_path_factory.mktemp("four-steps")
+    engine, job = _engine(pool, root)
+    plan = plan_by_hand(job.workload(), {}, num_slots=SLOTS)
+    engine.start(plan, job.workload())
+    for s in range(4):
+        assert engine.step(plan, job.workload(), s).ok
+    engine.stop()
+    return root / "job"
+
+
 @pytest.mark.parametrize("kind", ["bits flipped", "shard torn", "state torn"])
-def test_a_damaged_newest_checkpoint_is_not_resumed_the_one_before_it_is(pool, tmp_path, kind):
+def test_a_damaged_newest_checkpoint_is_not_resumed_the_one_before_it_is(
+    pool, four_steps, tmp_path, kind
+):
     """The next driver of a job checks what it loads against the checksums the checkpoint was
     saved with (the bits-flipped shard loads without an error, and was resumed from), and
     falls back to the checkpoint before one it cannot use, naming why."""
+    shutil.copytree(four_steps, tmp_path / "job")  # a job folder of its own to damage
     engine, job = _engine(pool, tmp_path)
     plan = plan_by_hand(job.workload(), {}, num_slots=SLOTS)
-    engine.start(plan, job.workload())
-    for s in range(4):  # checkpoints of steps 2 and 4
-        assert engine.step(plan, job.workload(), s).ok
-    engine.stop()
     _damage(kind, job.checkpoint_root / "step-000004")
 
     engine, job = _engine(pool, tmp_path)
