@@ -207,6 +207,48 @@ def check_gpus() -> Finding:
     return Finding(name="gpus", status=OK, detail=f"{count}: " + ", ".join(names))
 
 
+WORKERS_TIMEOUT_S = 2.0
+
+
+def check_workers() -> Finding:
+    """Which Celery workers answer, and whether the two queues each have one: the job drivers'
+    and the maintenance worker's (without it no lost driver is replaced)."""
+    from webapp import queues
+    from webapp.celery import app
+
+    try:
+        answered = app.control.inspect(timeout=WORKERS_TIMEOUT_S).active_queues() or {}
+    except Exception as exc:  # the broker is unreachable: its own check says why
+        return Finding(name="workers", status=WARN, detail=f"could not ask the workers: {exc}")
+    consumers: dict[str, list[str]] = {}
+    for worker, consumed in sorted(answered.items()):
+        for queue in consumed or []:
+            consumers.setdefault(queue.get("name", ""), []).append(worker)
+    missing = [q for q in (queues.DRIVERS, queues.MAINTENANCE) if q not in consumers]
+    detail = "; ".join(f"{q}: {', '.join(w)}" for q, w in sorted(consumers.items()))
+    if not answered:
+        return Finding(
+            name="workers",
+            status=WARN,
+            detail=f"no Celery worker answered within {WORKERS_TIMEOUT_S:g} s: jobs wait queued",
+            hint="start the job workers and the maintenance worker (make demo does; see "
+            "docs/deployment.md)",
+        )
+    if missing:
+        return Finding(
+            name="workers",
+            status=WARN,
+            detail=f"no worker consumes {', '.join(missing)} ({detail})",
+            hint=(
+                "start the maintenance worker (celery -A webapp.celery worker --pool=solo "
+                f"--queues={queues.MAINTENANCE} --beat): without it no lost driver is replaced"
+                if queues.MAINTENANCE in missing
+                else f"start a job worker (celery -A webapp.celery worker --queues={queues.DRIVERS})"
+            ),
+        )
+    return Finding(name="workers", status=OK, detail=detail)
+
+
 def run_all() -> list[Finding]:
     """Every check, in order; the Django-dependent ones after Django is set up."""
     findings = [check_python(), check_torch()]
@@ -228,5 +270,11 @@ def run_all() -> list[Finding]:
             )
         )
         return [*findings, check_kernels(), check_gpus()]
-    findings += [check_ray(), check_database(), check_redis(), check_kernels(), check_gpus()]
+    broker = check_redis()
+    workers = (
+        check_workers()
+        if broker.status != FAIL
+        else Finding(name="workers", status=WARN, detail="not asked: the broker is unreachable")
+    )
+    findings += [check_ray(), check_database(), broker, workers, check_kernels(), check_gpus()]
     return findings

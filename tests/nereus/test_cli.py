@@ -36,7 +36,18 @@ def test_doctor_on_a_healthy_embedded_install(tmp_path):
     done = _run(["doctor"], env)
     assert done.returncode == 0, done.stdout + done.stderr
     lines = {line.split()[1]: line for line in done.stdout.splitlines() if line[:1] in "✓!✗"}
-    assert set(lines) == {"python", "pytorch", "ray", "database", "redis", "kernels", "gpus"}
+    assert set(lines) == {
+        "python",
+        "pytorch",
+        "ray",
+        "database",
+        "redis",
+        "workers",
+        "kernels",
+        "gpus",
+    }
+    # No worker runs here: said, as a warning with what to start.
+    assert lines["workers"].startswith("!") and "no Celery worker answered" in lines["workers"]
     assert lines["database"].startswith("✓") and "migrations applied" in lines["database"]
     assert lines["redis"].startswith("✓") and "embedded" in lines["redis"]
     assert "CPU build" in lines["pytorch"]
@@ -57,6 +68,8 @@ def test_doctor_fails_with_a_hint_when_redis_is_down(tmp_path):
     redis_line = next(line for line in done.stdout.splitlines() if " redis " in line)
     assert redis_line.startswith("✗")
     assert "hint: check REDIS_URL" in done.stdout
+    workers = next(line for line in done.stdout.splitlines() if " workers " in line)
+    assert "not asked: the broker is unreachable" in workers  # and no wait for them
 
 
 def test_doctor_fails_when_the_ray_cluster_is_unreachable(tmp_path):

@@ -10,7 +10,10 @@ import json
 import os
 import signal
 import sqlite3
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 from django.test import override_settings
@@ -360,6 +363,19 @@ print(json.dumps(job.pk))
             group=group,
         )
         assert _job(db_path, busy)["state"] == "running"  # the busy driver was left alone
+        # ``nereus doctor`` finds a worker on each queue.
+        doctor = subprocess.run(
+            [str(Path(sys.executable).with_name("nereus")), "doctor", "--json"],
+            env=env,
+            cwd=live.REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        (workers,) = [f for f in json.loads(doctor.stdout) if f["name"] == "workers"]
+        assert workers["status"] == "ok", workers
+        assert "celery: worker@" in workers["detail"]
+        assert "nereus.maintenance: maintenance@" in workers["detail"]
     finally:
         left = group.stop(grace_s=10)
     assert not left, f"processes left behind: {left}"
