@@ -22,9 +22,10 @@ from tests.support import live
 CHROMIUM = os.environ.get("NEREUS_CHROMIUM", "/usr/bin/chromium")
 ARTIFACTS = live.REPO / "test-artifacts" / "e2e"
 TIMEOUT_MS = 45_000
-# A plateau trace on 32 simulated H200s: the controller proposes a plan change from step ~32 and
-# keeps one waiting until the slot pool changes (step ~65), so at 0.3 s a step a person has
-# about ten seconds to approve it.
+# A plateau trace on 32 simulated H200s: the controller proposes a plan change from step ~50 and
+# keeps one waiting until the slot pool changes (step ~105), so at 0.3 s a step a person has
+# about ten seconds to approve it; the job runs long enough after that for the approvals that go
+# stale (the pool changes under some) and the cancel at the end.
 JOB = {
     "name": "e2e-sim",
     "kind": "ppo-sim",
@@ -32,7 +33,7 @@ JOB = {
     "gpu": "h200",
     "gpus": "32",
     "trace": "plateau",
-    "num_steps": "120",
+    "num_steps": "200",
     "pace_s": "0.3",
     "approval": "manual",
 }
@@ -161,7 +162,8 @@ def test_submit_watch_approve_and_see_the_dag_complete(browser, service, shots):
         outcomes: list[str] = []
         for attempt in range(8):
             page.locator("#decide-form:not([hidden])").wait_for(state="visible")
-            page.screenshot(path=shots / f"3-approval-{attempt}.png", full_page=True)
+            if not attempt:  # one picture: each takes a while, and proposals do not wait
+                page.screenshot(path=shots / "3-approval.png", full_page=True)
             transitions = page.locator("#transitions tbody tr").count()
             decided = len(outcomes)
             page.fill("#decide-form textarea[name=comment]", "e2e: the move pays back")
