@@ -119,18 +119,7 @@ def run_demo(*, host: str, port: int, num_steps: int, num_slots: int) -> int:
             "RAY_ADDRESS": f"127.0.0.1:{ray_port}",
             **processes.ray_head_env(settings.VAR_DIR),
         }
-        group.start(
-            "celery-worker",
-            processes.celery_worker_argv(concurrency=2),
-            env=child_env,
-            stop_signal=processes.CELERY_STOP_SIGNAL,
-        )
-        group.start(
-            "celery-maintenance",
-            processes.celery_maintenance_argv(),
-            env=child_env,
-            stop_signal=processes.CELERY_STOP_SIGNAL,
-        )
+        processes.start_celery_workers(group, child_env, concurrency=2)
         group.start("web", processes.asgi_server_argv(host=host, port=port), env=child_env)
         url = f"http://{host}:{port}/"
         processes.wait_until(

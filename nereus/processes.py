@@ -258,6 +258,29 @@ def celery_maintenance_argv(*, hostname: str = "maintenance@%h", beat: bool = Tr
     )
 
 
+def start_celery_workers(
+    group: ProcessGroup,
+    env: Mapping[str, str],
+    *,
+    concurrency: int = 1,
+    maintenance: bool = True,
+) -> tuple[Child, Child | None]:
+    """Start the job worker (``concurrency`` drivers) in ``group`` and, with ``maintenance``,
+    the maintenance worker beside it, as a deployment runs them; returns both (None for the
+    maintenance worker not started)."""
+    worker = group.start(
+        "celery",
+        celery_worker_argv(concurrency=concurrency),
+        env=env,
+        stop_signal=CELERY_STOP_SIGNAL,
+    )
+    if not maintenance:
+        return worker, None
+    return worker, group.start(
+        "celery-maintenance", celery_maintenance_argv(), env=env, stop_signal=CELERY_STOP_SIGNAL
+    )
+
+
 def _celery_worker(*options: str) -> list[str]:
     celery_bin = Path(sys.executable).with_name("celery")
     return [

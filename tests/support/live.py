@@ -97,19 +97,7 @@ def celery_worker(
     drivers)."""
     group = processes.ProcessGroup(log_dir=log_dir)
     try:
-        group.start(
-            "celery",
-            processes.celery_worker_argv(concurrency=1),
-            env=env,
-            stop_signal=processes.CELERY_STOP_SIGNAL,
-        )
-        if beat:
-            group.start(
-                "celery-maintenance",
-                processes.celery_maintenance_argv(),
-                env=env,
-                stop_signal=processes.CELERY_STOP_SIGNAL,
-            )
+        processes.start_celery_workers(group, env, maintenance=beat)
         yield group
     finally:
         left = group.stop(grace_s=10)

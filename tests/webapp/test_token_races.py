@@ -17,7 +17,8 @@ from webapp.projects.models import ApiToken, Membership, Role
 
 pytestmark = [
     pytest.mark.skipif(
-        connection.vendor != "postgresql", reason="relies on PostgreSQL's row-level locks"
+        connection.vendor != "postgresql",
+        reason="SQLite has no row locks to test (CI runs these on PostgreSQL)",
     ),
     pytest.mark.django_db(transaction=True),
 ]

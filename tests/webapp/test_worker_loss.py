@@ -210,18 +210,7 @@ print(json.dumps(job.pk))
     first = processes.ProcessGroup(log_dir=tmp_path / "worker-1")
     second = processes.ProcessGroup(log_dir=tmp_path / "worker-2")
     try:
-        worker = first.start(
-            "celery",
-            processes.celery_worker_argv(concurrency=1),
-            env=env,
-            stop_signal=processes.CELERY_STOP_SIGNAL,
-        )
-        maintenance = first.start(
-            "celery-maintenance",
-            processes.celery_maintenance_argv(),
-            env=env,
-            stop_signal=processes.CELERY_STOP_SIGNAL,
-        )
+        worker, maintenance = processes.start_celery_workers(first, env)
 
         def past_a_checkpoint():
             steps = [
@@ -243,18 +232,7 @@ print(json.dumps(job.pk))
         killed_at = _events(db_path, job_id)[-1]["id"]
         assert _job(db_path, job_id)["state"] == "running"
 
-        second.start(
-            "celery",
-            processes.celery_worker_argv(concurrency=1),
-            env=env,
-            stop_signal=processes.CELERY_STOP_SIGNAL,
-        )
-        second.start(
-            "celery-maintenance",
-            processes.celery_maintenance_argv(),
-            env=env,
-            stop_signal=processes.CELERY_STOP_SIGNAL,
-        )
+        processes.start_celery_workers(second, env)
         final = _wait(
             lambda: (j := _job(db_path, job_id))["state"] in ("succeeded", "failed") and j,
             timeout_s=300,
@@ -327,18 +305,7 @@ spec = {"kind": "ppo-sim", "gpus": 16, "num_steps": 400, "trace": "growth", "pac
     )
     group = processes.ProcessGroup(log_dir=tmp_path / "logs")
     try:
-        group.start(
-            "celery",
-            processes.celery_worker_argv(concurrency=1),
-            env=env,
-            stop_signal=processes.CELERY_STOP_SIGNAL,
-        )
-        group.start(
-            "celery-maintenance",
-            processes.celery_maintenance_argv(),
-            env=env,
-            stop_signal=processes.CELERY_STOP_SIGNAL,
-        )
+        processes.start_celery_workers(group, env)
         _wait(
             lambda: _job(db_path, busy)["state"] == "running",
             timeout_s=120,

@@ -537,13 +537,19 @@ def _stale_proposals(job: Job, proposals, *, why: str, untaken: bool = False) ->
         return []
     stale.sort()
     Proposal.objects.filter(pk__in=stale).update(state=ProposalState.STALE)
+    proposals_ended(job, stale, ProposalState.STALE, why)
+    return stale
+
+
+def proposals_ended(job: Job, ids: list[int], state: str, why: str) -> None:
+    """The ``proposals.<state>`` event (stale, expired) of proposals the service ended, so that
+    every page showing them stops offering them. The caller holds the job's row lock."""
     job_event_append(
         job=job,
         epoch=job.epoch,
-        kind="proposals.stale",
-        data={"proposals": stale, "epoch": job.epoch, "reason": why},
+        kind=f"proposals.{state}",
+        data={"proposals": ids, "epoch": job.epoch, "reason": why},
     )
-    return stale
 
 
 def _proposal_taken(job: Job, proposal: Proposal) -> bool:

@@ -26,7 +26,7 @@ from runtime.events import finite
 from runtime.planner.plan import Plan as RuntimePlan
 from webapp.jobs import errors as job_errors
 from webapp.jobs.models import Job, JobEvent, JobState
-from webapp.jobs.services import job_event_append
+from webapp.jobs.services import job_event_append, proposals_ended
 from webapp.plans import errors
 from webapp.plans.models import (
     Plan,
@@ -421,15 +421,15 @@ def _decide(
     if job.is_terminal or job.state == JobState.CANCELLING:
         # A cancelling job's driver stops at its next step boundary, before it reads commands:
         # an approval now would be recorded and never applied.
-        return _mark(row, ProposalState.STALE), errors.ProposalError(
+        return _mark(job, row, ProposalState.STALE), errors.ProposalError(
             errors.JOB_FINISHED.format(proposal_id=row.pk, state=job.state)
         )
     if row.epoch < job.epoch:
-        return _mark(row, ProposalState.STALE), errors.ProposalError(
+        return _mark(job, row, ProposalState.STALE), errors.ProposalError(
             errors.SUPERSEDED_EPOCH.format(proposal_id=row.pk, epoch=row.epoch, current=job.epoch)
         )
     if timezone.now() >= row.expires_at:
-        return _mark(row, ProposalState.EXPIRED), errors.ProposalError(
+        return _mark(job, row, ProposalState.EXPIRED), errors.ProposalError(
             errors.EXPIRED.format(proposal_id=row.pk, expires_at=row.expires_at.isoformat())
         )
     self_approval = row.proposed_by_id is not None and row.proposed_by_id == user.pk
@@ -453,23 +453,14 @@ def _decide(
     return row, None
 
 
-def _mark(row: Proposal, state: str) -> Proposal:
+def _mark(job: Job, row: Proposal, state: str) -> Proposal:
     """Mark a waiting proposal stale or expired as a decision finds it, with the job's event
     that says so to every page showing it (the caller holds the job's row lock)."""
     row.state = state
     row.save(update_fields=["state"])
     why = "past its deadline" if state == ProposalState.EXPIRED else "found stale when decided"
-    _proposals_ended(row.job, [row.pk], state, why)
+    proposals_ended(job, [row.pk], state, why)
     return row
-
-
-def _proposals_ended(job: Job, ids: list[int], state: str, why: str) -> None:
-    job_event_append(
-        job=job,
-        epoch=job.epoch,
-        kind=f"proposals.{state}",
-        data={"proposals": ids, "epoch": job.epoch, "reason": why},
-    )
 
 
 def proposals_expire_overdue(*, now: datetime | None = None) -> int:
@@ -486,6 +477,6 @@ def proposals_expire_overdue(*, now: datetime | None = None) -> int:
             if not ids:
                 continue
             Proposal.objects.filter(pk__in=ids).update(state=ProposalState.EXPIRED)
-            _proposals_ended(job, ids, ProposalState.EXPIRED, "past its deadline")
+            proposals_ended(job, ids, ProposalState.EXPIRED, "past its deadline")
             expired += len(ids)
     return expired

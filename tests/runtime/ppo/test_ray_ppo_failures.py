@@ -409,16 +409,22 @@ def test_a_step_on_a_plan_whose_unit_is_gone_fails_instead_of_training_on_fewer(
         engine.stop()
 
 
+def _started(pool, tmp_path):
+    """A job started on the pool in the planner's default layouts: its engine, the job, the
+    plan and the workload."""
+    engine, job = _engine(pool, tmp_path)
+    plan, workload = plan_by_hand(job.workload(), {}, num_slots=SLOTS), job.workload()
+    engine.start(plan, workload)
+    return engine, job, plan, workload
+
+
 def test_a_checkpoint_that_cannot_be_written_fails_its_step_and_keeps_the_updated_units(
     pool, tmp_path
 ):
     """Every slot is alive: the folder cannot be written (a file in its place, as a full disk
     or a permission would). The step's update is whole; the step fails naming the folder, and
     the units stay, updated, for the next step (no restart, no step redone)."""
-    engine, job = _engine(pool, tmp_path)
-    plan = plan_by_hand(job.workload(), {}, num_slots=SLOTS)
-    workload = job.workload()
-    engine.start(plan, workload)
+    engine, job, plan, workload = _started(pool, tmp_path)
     try:
         assert engine.step(plan, workload, 0).ok
         job.checkpoint_root.write_text("in the way")
@@ -433,10 +439,7 @@ def test_a_checkpoint_that_cannot_be_written_fails_its_step_and_keeps_the_update
 
 
 def test_a_nan_reward_stops_the_step_before_it_trains_or_saves(pool, tmp_path):
-    engine, job = _engine(pool, tmp_path)
-    plan = plan_by_hand(job.workload(), {}, num_slots=SLOTS)
-    workload = job.workload()
-    engine.start(plan, workload)
+    engine, job, plan, workload = _started(pool, tmp_path)
     try:
         assert engine.step(plan, workload, 0).ok
         before = {u.unit_id: engine.engine.checksum(u) for u in engine.engine.units.values()}
@@ -470,11 +473,9 @@ def _damage(kind: str, folder):
 def four_steps(pool, tmp_path_factory):
     """The folder of a job that made 4 steps, with the checkpoints of steps 2 and 4."""
     root = tmp_path_factory.mktemp("four-steps")
-    engine, job = _engine(pool, root)
-    plan = plan_by_hand(job.workload(), {}, num_slots=SLOTS)
-    engine.start(plan, job.workload())
+    engine, _, plan, workload = _started(pool, root)
     for s in range(4):
-        assert engine.step(plan, job.workload(), s).ok
+        assert engine.step(plan, workload, s).ok
     engine.stop()
     return root / "job"
 
@@ -559,10 +560,8 @@ def test_a_slot_lost_while_a_restart_loads_is_replaced_and_the_load_made_again(
 def test_a_slot_dying_after_the_last_step_does_not_fail_the_job_s_stop(pool, tmp_path):
     """The job made every step (and exported): a slot lost while it stops costs what it held,
     not the job's outcome. Last in this file: the pool's next user re-forms its group."""
-    engine, job = _engine(pool, tmp_path)
-    plan = plan_by_hand(job.workload(), {}, num_slots=SLOTS)
-    engine.start(plan, job.workload())
-    assert engine.step(plan, job.workload(), 0).ok
+    engine, _, plan, workload = _started(pool, tmp_path)
+    assert engine.step(plan, workload, 0).ok
     engine.engine.pool.kill(1)
     engine.stop()
     assert not engine.engine.units
