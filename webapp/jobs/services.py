@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import json
@@ -21,7 +22,7 @@ from django.db import IntegrityError, InterfaceError, OperationalError, connecti
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
-from webapp.jobs import errors, selectors
+from webapp.jobs import errors, redact, selectors
 from webapp.jobs.models import ALLOWED_MOVES, FailureReason, Job, JobEvent, JobState
 from webapp.jobs.workdir import job_workdir_claim
 from webapp.plans.models import Proposal, ProposalState
@@ -214,7 +215,10 @@ def job_move(*, job: Job, target: str, reason: str = "", detail: str = "") -> Jo
     if target in (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED):
         job.finished_at = now
     if reason:
-        job.failure_reason, job.failure_detail = reason, detail[:4000]
+        job.failure_reason, job.failure_detail = (
+            reason,
+            _for_viewers(detail, f"job {job.pk}")[:4000],
+        )
     job.save(
         update_fields=[
             "state",
@@ -354,6 +358,15 @@ def job_pool_slots(job: Job) -> int | None:
     return None if last is None else int(last["slots"])
 
 
+def _for_viewers(value, what: str):
+    """``value`` (a text or an event's data) as the job's viewers may read it: internal
+    addresses replaced (``webapp.jobs.redact``); the original goes to the log."""
+    shown = redact.redact_data(value)
+    if shown != value:
+        logger.info("%s: addresses redacted for viewers; the original: %r", what, value)
+    return shown
+
+
 class DatabaseEventSink:
     """Runtime events of one driver epoch into the job's event log."""
 
@@ -366,6 +379,8 @@ class DatabaseEventSink:
         (``NEREUS_DB_RETRY_S``) rather than lose the job's driver. A write whose commit went
         through but whose answer was lost with the connection is not written twice."""
         attempts = itertools.count()
+        data = _for_viewers(dict(event.data), f"job {self.job_id} {event.kind}")
+        event = dataclasses.replace(event, data=data)
         _retrying_database(
             f"job {self.job_id} event {event.kind}",
             lambda: self._emit(event, again=next(attempts) > 0),
@@ -807,6 +822,7 @@ class _ControlLink:
 
         # One id for every try: a retry after a commit whose answer was lost records nothing.
         event_id = uuid.uuid4().hex
+        event = _for_viewers(event, f"job {self.job_id} {event.get('event')}")
 
         def record() -> None:
             with transaction.atomic():
