@@ -11,7 +11,7 @@ import os
 import secrets
 from collections.abc import Mapping
 from pathlib import Path
-from urllib.parse import parse_qsl, unquote, urlsplit
+from urllib.parse import parse_qs, parse_qsl, unquote, urlsplit
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -170,7 +170,22 @@ def parse_redis_url(value: str | None, *, variable: str = "REDIS_URL") -> str | 
     db = parts.path.lstrip("/")
     if db and not db.isdigit():
         raise ConfigError(variable, f"the database index must be a number, got {db!r}")
+    if parts.scheme == "rediss":
+        # Celery's result backend refuses a TLS URL that does not say how to check the server's
+        # certificate, and would stop every worker at its first task: say so at start-up.
+        given = parse_qs(parts.query).get("ssl_cert_reqs", [""])[-1]
+        if given not in SSL_CERT_REQS:
+            raise ConfigError(
+                variable,
+                "a rediss:// URL needs ssl_cert_reqs=required (or optional, none) in its query, "
+                f"got {given!r} in {redact(value)!r}",
+            )
     return text
+
+
+SSL_CERT_REQS = frozenset(
+    {"required", "optional", "none", "CERT_REQUIRED", "CERT_OPTIONAL", "CERT_NONE"}
+)
 
 
 def parse_ray_address(value: str | None, *, variable: str = "RAY_ADDRESS") -> str | None:

@@ -250,6 +250,8 @@ SPECTACULAR_SETTINGS = {
 if CONFIG.production:
     SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
     SECURE_SSL_REDIRECT = True
+    # Probes and scrapes reach the pods over plain HTTP inside the cluster.
+    SECURE_REDIRECT_EXEMPT = [r"^healthz$", r"^metrics$"]
     SECURE_HSTS_SECONDS = 31536000
     SECURE_HSTS_INCLUDE_SUBDOMAINS = True
     SECURE_HSTS_PRELOAD = True
@@ -270,4 +272,5 @@ LOGGING = {
 
 # --- Observability (webapp/observability): Prometheus metrics at /metrics, API latency ---------
 INSTALLED_APPS.append("webapp.observability")
+MIDDLEWARE.insert(0, "webapp.observability.middleware.ProbeMiddleware")
 MIDDLEWARE.insert(0, "webapp.observability.middleware.RequestLatencyMiddleware")

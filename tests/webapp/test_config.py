@@ -91,6 +91,8 @@ def test_bad_database_url_names_the_variable(value, words):
         ("REDIS_URL", "redis://"),
         ("REDIS_URL", "redis://127.0.0.1:port/0"),
         ("REDIS_URL", "redis://127.0.0.1:6379/zero"),
+        ("REDIS_URL", "rediss://:pw@redis.example.internal:6380/0"),
+        ("REDIS_URL", "rediss://:pw@redis.example.internal:6380/0?ssl_cert_reqs=maybe"),
         ("RAY_ADDRESS", "just-a-host"),
         ("RAY_ADDRESS", "127.0.0.1:99999"),
         ("NEREUS_PRODUCTION", "maybe"),
@@ -103,6 +105,24 @@ def test_bad_values_name_their_variable(variable, value, tmp_path):
         config.load({variable: value, "NEREUS_VAR_DIR": str(tmp_path)})
     assert info.value.variable == variable
     assert str(info.value).startswith(f"{variable}: ")
+
+
+def test_a_tls_redis_url_is_kept_only_where_celery_can_use_it(tmp_path):
+    """Celery's Redis result backend refuses a rediss:// URL without ``ssl_cert_reqs`` (at the
+    first task, stopping the worker); the template's URL, which has it, is one Celery takes."""
+    from celery import Celery
+
+    template = (REPO / "docker/k8s/secrets.env.example").read_text()
+    url = next(
+        line.split("=", 1)[1] for line in template.splitlines() if line.startswith("REDIS_URL=")
+    )
+    url = url.replace("CHANGE-ME", "pw")
+    cfg = config.load({"REDIS_URL": url, "NEREUS_VAR_DIR": str(tmp_path)})
+    assert cfg.redis_url == url
+    app = Celery("check", broker=url, backend=url)
+    assert app.backend.connparams["ssl_cert_reqs"].name == "CERT_REQUIRED"  # taken, not refused
+    with pytest.raises(ValueError, match="ssl_cert_reqs"):
+        Celery("check", broker=url, backend=url.split("?")[0]).backend  # noqa: B018
 
 
 def test_unset_or_empty_redis_and_ray_mean_embedded_and_local(tmp_path):
