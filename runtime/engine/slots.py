@@ -126,13 +126,21 @@ class SlotWorker:
         """Run ``fn(ctx, **kwargs)`` on this slot."""
         return fn(self.ctx, **kwargs)
 
-    def memory(self) -> dict[str, int]:
-        """Current and peak memory of this slot, in bytes."""
+    def memory(self, *, reset_peak: bool = False) -> dict[str, int]:
+        """Current and peak memory of this slot, in bytes. On a GPU, what the device has in use
+        (``mem_get_info``: PyTorch's reserved blocks, and what PyTorch does not count: the CUDA
+        context, NCCL's buffers, a vLLM engine's own pool, other processes), the peak being
+        PyTorch's reserved peak plus the rest as it is now; ``reset_peak`` starts the next peak
+        from here (once a step, so each step's peak is its own). On a CPU, the process's
+        resident set and its lifetime peak."""
         if self.ctx.device.type == "cuda":
-            return {
-                "current_bytes": torch.cuda.memory_allocated(self.ctx.device),
-                "peak_bytes": torch.cuda.max_memory_allocated(self.ctx.device),
-            }
+            device = self.ctx.device
+            free, total = torch.cuda.mem_get_info(device)
+            outside = max(0, total - free - torch.cuda.memory_reserved(device))
+            peak = torch.cuda.max_memory_reserved(device) + outside
+            if reset_peak:
+                torch.cuda.reset_peak_memory_stats(device)
+            return {"current_bytes": total - free, "peak_bytes": peak}
         peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         with open("/proc/self/statm") as statm:
             rss_pages = int(statm.read().split()[1])
@@ -328,8 +336,11 @@ class SlotPool:
         ]
         return Pending(pool=self, refs=refs, slots=tuple(slots))
 
-    def memory(self) -> list[dict[str, int]]:
-        return self._get_all([a.memory.remote() for a in self._actors], range(self.num_slots))
+    def memory(self, *, reset_peak: bool = False) -> list[dict[str, int]]:
+        """Each slot's memory (``SlotWorker.memory``)."""
+        return self._get_all(
+            [a.memory.remote(reset_peak=reset_peak) for a in self._actors], range(self.num_slots)
+        )
 
     def nodes(self) -> list[dict[str, str]]:
         """Each slot's Ray node id and address."""

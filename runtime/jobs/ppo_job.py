@@ -40,7 +40,6 @@ def run_ppo_job(
     should_stop: Callable[[], bool] = lambda: False,
     ray_address: str | None = None,
     workdir: str | Path | None = None,
-    use_gpus: bool = False,
     still_current: Callable[[], bool] = lambda: True,
     num_slots: int | None = None,
 ) -> JobOutcome:
@@ -54,7 +53,7 @@ def run_ppo_job(
         raise ValueError(f"num_slots: must be in [1, {spec.max_slots}], got {num_slots}")
     config = spec.job_config()
     policy = JobPolicy.from_json(spec.policy)
-    accelerator = default_catalog().accelerator("cpu-slot")
+    accelerator = default_catalog().accelerator(spec.gpu)
     sink.emit(RuntimeEvent(kind="job.started", data={"spec": spec.to_json(), "simulated": False}))
     workdir = Path(workdir or tempfile.mkdtemp(prefix="nereus-ppo-"))
     # The job (its folder) before the slots: a folder it cannot use fails the job before any
@@ -63,7 +62,7 @@ def run_ppo_job(
     with ray_connection(ray_address, num_cpus=spec.max_slots) as connection:
         pool = SlotPool.create(
             spec.max_slots,
-            use_gpus=use_gpus,
+            use_gpus=spec.uses_gpus,
             spread=ray_address is not None,
             master_addr=None if ray_address is not None else "127.0.0.1",
         )

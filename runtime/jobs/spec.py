@@ -6,6 +6,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from runtime.planner.catalog import CPU_SLOT
+
 JOB_KINDS = ("sft", "ppo", "ppo-sim")
 
 
@@ -144,11 +146,22 @@ class PpoJobSpec:
     seed: int = 0
     pace_s: float = 0.0
     """Wall seconds between steps (for watching)."""
+    gpu: str = CPU_SLOT
+    """The slots' accelerator, a catalog name: ``cpu-slot`` (the default), a CPU process standing
+    in for a GPU, the group over gloo; any other (``h100-sxm``, ``h200``, ...), one GPU of that
+    kind per slot, the group over NCCL, which the Ray cluster must have. The planner plans for it
+    and calibrates against it."""
     policy: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        from runtime.planner.catalog import CatalogError, default_catalog
+
         if self.kind != "ppo":
             raise ValueError(f"kind: expected one of {', '.join(JOB_KINDS)}, got {self.kind!r}")
+        try:
+            default_catalog().accelerator(self.gpu)
+        except CatalogError as exc:  # it names the field already ("gpu: unknown ...")
+            raise ValueError(str(exc)) from None
         _require_range("num_slots", self.num_slots, 1, 64)
         _require_range("max_slots", self.max_slots, self.num_slots, 64)
         _require_range("num_steps", self.num_steps, 1, 1_000_000)
@@ -167,7 +180,12 @@ class PpoJobSpec:
         config = self.job_config()
         config.validate()
         _check_policy(self.policy)
-        _check_fits(config, self.num_slots)
+        _check_fits(config, self.num_slots, self.gpu)
+
+    @property
+    def uses_gpus(self) -> bool:
+        """Whether each slot is a GPU (else a CPU process standing in for one)."""
+        return self.gpu != CPU_SLOT
 
     def check_pool(self, slots: Any) -> None:
         """Refuse, naming ``slots``, a pool this job cannot run on: not a whole number from 1 to
@@ -182,7 +200,7 @@ class PpoJobSpec:
                 f"({self.max_slots}), got {slots!r}"
             )
         try:
-            _check_fits(self.job_config(), slots)
+            _check_fits(self.job_config(), slots, self.gpu)
         except ValueError as exc:
             raise ValueError(f"slots: {str(exc).partition(': ')[2]}") from None
 
@@ -247,16 +265,17 @@ def _typed_fields(cls, data: Mapping[str, Any]) -> dict[str, Any]:
     return values
 
 
-def _check_fits(config, num_slots: int) -> None:
-    """A job whose models cannot fit its CPU slots in any layout is refused at submission, not
-    when its first plan is made: the planner's memory model decides, as it will at start."""
+def _check_fits(config, num_slots: int, gpu: str = CPU_SLOT) -> None:
+    """A job whose models cannot fit its slots in any layout is refused at submission, not when
+    its first plan is made: the planner's memory model decides, as it will at start."""
     from runtime.planner import PlanningError, default_catalog, plan
 
     try:
-        plan(config.workload(), default_catalog().accelerator("cpu-slot"), num_slots)
+        plan(config.workload(), default_catalog().accelerator(gpu), num_slots)
     except PlanningError as exc:
+        slots = f"{num_slots} CPU slots" if gpu == CPU_SLOT else f"{num_slots} × {gpu}"
         raise ValueError(
-            f"model: {config.model} does not fit {num_slots} CPU slots in any layout ({exc})"
+            f"model: {config.model} does not fit {slots} in any layout ({exc})"
         ) from None
 
 

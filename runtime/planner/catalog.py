@@ -305,10 +305,11 @@ _MI300X = Accelerator(
     inter_node_latency=8e-6,
     gpus_per_node=8,
 )
-# A CPU worker process standing in for a GPU on machines without one (the demo and the tests);
-# figures measured on a 2-core machine: see design/MACHINE_NOTES.md.
+CPU_SLOT = "cpu-slot"
+"""The accelerator of a CPU worker process standing in for a GPU on machines without one (the demo
+and the tests); figures measured on a 2-core machine: see design/MACHINE_NOTES.md."""
 _CPU_SLOT = Accelerator(
-    name="cpu-slot",
+    name=CPU_SLOT,
     peak_flops=50e9,
     memory_bytes=4 * GIB,
     memory_bandwidth=14.6e9,

@@ -45,7 +45,7 @@ from runtime.engine.interface import StepReport
 from runtime.engine.slots import Pending, SlotError
 from runtime.planner import default_catalog
 from runtime.planner.calibration import samples_from_stages
-from runtime.planner.catalog import CatalogError, ModelConfig, RopeScaling
+from runtime.planner.catalog import CPU_SLOT, CatalogError, ModelConfig, RopeScaling
 from runtime.planner.plan import Plan
 from runtime.planner.search import on_ready
 from runtime.planner.workload import PpoWorkload
@@ -777,7 +777,7 @@ class PpoRuntime:
             seconds=time.perf_counter() - started,
             gen_len=float(lengths.mean()),
             stage_seconds=stage_s,
-            peak_memory=peak / default_catalog().accelerator("cpu-slot").memory_bytes,
+            peak_memory=peak / default_catalog().accelerator(plan.accelerator).memory_bytes,
             op_times=op_times,
             rebuild_seconds=rebuild_s,
             extra={
@@ -806,7 +806,7 @@ class PpoRuntime:
 
     def _memory(self, engine: UnitEngine) -> list[dict]:
         live = sorted(set(range(engine.pool.num_slots)) - engine.lost_slots)
-        return [m for i, m in enumerate(engine.pool.memory()) if i in live]
+        return [m for i, m in enumerate(engine.pool.memory(reset_peak=True)) if i in live]
 
     def _generate(self, engine, units, prompts, params, micro_batch: int) -> dict:
         """Each unit samples its share of the prompts, ``micro_batch`` at a time (0: all)."""
@@ -1117,7 +1117,7 @@ def plan_by_hand(
     layouts: Mapping[str, tuple[int, int, int]],
     *,
     num_slots: int,
-    accelerator: str = "cpu-slot",
+    accelerator: str = CPU_SLOT,
     slots: Mapping[str, tuple[int, ...]] | None = None,
 ) -> Plan:
     """A plan whose model-stages have the given ``(dp, tp, pp)``, every one's units on consecutive

@@ -30,7 +30,7 @@ from collections.abc import Mapping, Sequence
 
 from runtime.emu.layout import ShardError, UnitLayout
 from runtime.emu.primitives import BUCKET_BYTES, Destroy, Extend, Merge, Split, Unit
-from runtime.planner.catalog import Accelerator
+from runtime.planner.catalog import CPU_SLOT, Accelerator
 from runtime.planner.memory import memory_budget
 from runtime.planner.plan import Plan
 from runtime.planner.space import shard_rule
@@ -361,7 +361,7 @@ class _Builder:
         coarsest common layout, then split): see ``diff``."""
         self.acc = cluster.accelerator
         # CPU slots exchange over gloo (bucketed, zero-copy pipeline splits); GPUs over NCCL.
-        self.gloo = cluster.accelerator.name == "cpu-slot"
+        self.gloo = cluster.accelerator.name == CPU_SLOT
         self.efficiency = efficiency
         self.tag = tag
         self.nodes: list[Node] = []

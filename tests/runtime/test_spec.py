@@ -67,3 +67,60 @@ def test_a_simulated_job_that_fits_nowhere_is_refused_at_submission():
     with pytest.raises(ValueError, match=r"^gpus: no feasible plan for llama-3.1-70b on 16 × "):
         spec_from_json({"kind": "ppo-sim", "gpu": "cpu-slot", "model": "llama-3.1-70b"})
     assert spec_from_json({"kind": "ppo-sim", "model": "llama-3.1-70b", "gpus": 64}).gpus == 64
+
+
+def test_a_ppo_job_runs_on_the_accelerator_it_names_and_is_planned_for_it():
+    """``gpu`` chooses the slots: a model that fits no layout of 3 CPU slots fits 8 H100s, and
+    the job then reserves one GPU per slot; an unknown accelerator is named."""
+    from runtime.jobs.spec import PpoJobSpec
+
+    with pytest.raises(ValueError, match=r"^model: llama-3.1-8b does not fit 8 CPU slots"):
+        PpoJobSpec(model="llama-3.1-8b", num_slots=8, max_slots=8)
+    spec = PpoJobSpec(model="llama-3.1-8b", num_slots=8, max_slots=8, gpu="h100-sxm")
+    assert spec.uses_gpus and not PpoJobSpec().uses_gpus
+    assert PpoJobSpec.from_json(spec.to_json()) == spec
+    with pytest.raises(ValueError, match=r"^gpu: "):
+        PpoJobSpec(gpu="tpu-v9")
+    with pytest.raises(ValueError, match=r"^model: llama-3.1-8b does not fit 1 × h100-sxm"):
+        PpoJobSpec(model="llama-3.1-8b", num_slots=1, max_slots=1, gpu="h100-sxm")
+
+
+def test_a_gpu_ppo_job_reserves_a_gpu_per_slot(monkeypatch, tmp_path):
+    """The driver's wiring, up to where a GPU is needed: the pool asks Ray for a GPU per slot
+    (stopped there: this machine has none) after the job's folder is set up."""
+    from runtime.events import ListSink
+    from runtime.jobs import ppo_job
+    from runtime.jobs.spec import PpoJobSpec
+
+    asked = {}
+
+    class NoGpuHereError(Exception):
+        pass
+
+    def create(num_slots, **kwargs):
+        asked.update(kwargs, num_slots=num_slots)
+        raise NoGpuHereError
+
+    monkeypatch.setattr(ppo_job.SlotPool, "create", staticmethod(create))
+    monkeypatch.setattr(ppo_job, "ray_connection", _no_ray)
+    spec = PpoJobSpec(num_slots=2, max_slots=3, gpu="h200", num_steps=2)
+    with pytest.raises(NoGpuHereError):
+        ppo_job.run_ppo_job(spec, sink=ListSink(), emit_control=lambda e: None, workdir=tmp_path)
+    assert asked["use_gpus"] is True and asked["num_slots"] == 3
+    monkeypatch.setattr(ppo_job.SlotPool, "create", staticmethod(create))
+    with pytest.raises(NoGpuHereError):
+        ppo_job.run_ppo_job(
+            PpoJobSpec(num_slots=2, max_slots=3, num_steps=2),
+            sink=ListSink(),
+            emit_control=lambda e: None,
+            workdir=tmp_path / "cpu",
+        )
+    assert asked["use_gpus"] is False
+
+
+def _no_ray(address, **kwargs):
+    import contextlib
+
+    from runtime.engine.ray_cluster import RayConnection
+
+    return contextlib.nullcontext(RayConnection(address="none", started_locally=False, num_cpus=0))

@@ -377,6 +377,24 @@ def test_the_preview_of_a_ppo_job_is_the_controllers_first_plan_on_its_slots(cli
     assert not Job.objects.exists()
 
 
+def test_a_ppo_job_on_gpus_is_previewed_and_submitted_for_them(client, operator):
+    """The form's Slots choice: a model too big for CPU slots is planned for, and submitted on,
+    the GPUs named; an unknown accelerator is named as the form's field."""
+    client.force_login(operator)
+    form = {**PPO_FORM, "ppo_model": "llama-3.1-8b", "ppo_gpu": "h100-sxm", "num_slots": 8}
+    form.update(max_slots=8, revoke_at_step=-1)
+    preview = client.post("/jobs/new/preview/", form).json()["preview"]
+    assert preview["plan"]["accelerator"] == "h100-sxm" and "h100-sxm GPUs" in preview["note"]
+    response = client.post("/jobs/new/", form)
+    assert response.status_code == 302, response.context["form"].errors
+    job = Job.objects.get(name="ppo")
+    assert job.spec["gpu"] == "h100-sxm" and job.spec["model"] == "llama-3.1-8b"
+    page = client.get(f"/jobs/{job.pk}/").content.decode()
+    assert "engine: <strong>Ray, h100-sxm GPUs</strong>" in page
+    response = client.post("/jobs/new/", {**form, "name": "bad", "ppo_gpu": "tpu-v9"})
+    assert response.status_code == 200 and "ppo_gpu" in response.context["form"].errors
+
+
 @pytest.mark.parametrize(
     "change, field",
     [({"ppo_model": "llama-3.1-70b"}, "ppo_model"), ({"tasks": "zigzag"}, "tasks")],

@@ -40,7 +40,7 @@ KIND_FIELDS = {
     ),
 }
 # Spec fields that the form names differently for one kind.
-_KIND_FIELD = {("ppo", "model"): "ppo_model"}
+_KIND_FIELD = {("ppo", "model"): "ppo_model", ("ppo", "gpu"): "ppo_gpu"}
 # Where a spec error lands: the spec's field name (before the colon) -> the form's field.
 _SPEC_FIELD = {
     "policy.gamma": "gamma",
@@ -76,7 +76,7 @@ class JobSubmitForm(forms.Form):
     kind = forms.ChoiceField(
         choices=[
             ("sft", "SFT on CPU slots (real)"),
-            ("ppo", "PPO on CPU slots (real)"),
+            ("ppo", "PPO on Ray slots (real)"),
             ("ppo-sim", "PPO on the simulated cluster"),
         ],
         initial="sft",
@@ -98,6 +98,13 @@ class JobSubmitForm(forms.Form):
         initial=_PPO.model,
         label="Model",
         help_text="Actor, critic, reference and reward share it; tiny ones fit CPU slots.",
+    )
+    ppo_gpu = forms.ChoiceField(
+        required=False,
+        initial=_PPO.gpu,
+        label="Slots",
+        help_text="cpu-slot: a CPU process per slot; a GPU kind: one such GPU per slot, which "
+        "the Ray cluster must have.",
     )
     tasks = forms.CharField(
         required=False,
@@ -204,6 +211,7 @@ class JobSubmitForm(forms.Form):
         self.fields["model"].choices = _choices(catalog.models)
         self.fields["ppo_model"].choices = _choices(catalog.models)
         self.fields["gpu"].choices = _choices(catalog.accelerators)
+        self.fields["ppo_gpu"].choices = _choices(catalog.accelerators)
 
     def clean(self):
         data = super().clean()
@@ -256,6 +264,7 @@ class JobSubmitForm(forms.Form):
             spec = {
                 "kind": "ppo",
                 "model": data["ppo_model"],
+                "gpu": data.get("ppo_gpu") or _PPO.gpu,
                 "tasks": data["tasks"],
                 "reward": data["reward"],
                 "num_slots": data["num_slots"],

@@ -42,15 +42,16 @@ class _PlannedSlots:
 
 
 def _ppo_preview(spec: PpoJobSpec) -> dict[str, Any]:
-    """The controller's first plan for the job's workload (``PpoRuntime.workload``) on its CPU
-    slots: what the job's first ``control.plan`` event will say, before calibration."""
+    """The controller's first plan for the job's workload (``PpoRuntime.workload``) on its slots
+    (CPU processes or GPUs, ``spec.gpu``): what the job's first ``control.plan`` event will say,
+    before calibration."""
     import tempfile
 
     from runtime.control import Controller, JobPolicy
     from runtime.planner import PlanningError, default_catalog
     from runtime.ppo.job import PpoRuntime
 
-    accelerator = default_catalog().accelerator("cpu-slot")
+    accelerator = default_catalog().accelerator(spec.gpu)
     with tempfile.TemporaryDirectory(prefix="nereus-preview-") as workdir:
         workload = PpoRuntime(spec.job_config(), workdir=workdir).workload()
     controller = Controller(workload, accelerator, JobPolicy.from_json(spec.policy))
@@ -58,14 +59,18 @@ def _ppo_preview(spec: PpoJobSpec) -> dict[str, Any]:
         plan = controller.initial_plan(_PlannedSlots(spec.num_slots))
     except PlanningError as exc:
         raise ValueError(
-            f"model: no feasible plan for {spec.model} on {spec.num_slots} cpu-slot(s): {exc}"
+            f"model: no feasible plan for {spec.model} on {spec.num_slots} {spec.gpu} slot(s): {exc}"
         ) from None
     return {
         "kind": "ppo",
         "simulated": False,
         "predicted_step_s": plan.predicted_step_s,
         "gen_len": controller.workload.gen_len,
-        "note": "the controller's first plan on the job's CPU slots (before calibration)",
+        "note": (
+            "the controller's first plan on the job's "
+            + ("CPU slots" if not spec.uses_gpus else f"{spec.gpu} GPUs")
+            + " (before calibration)"
+        ),
         "plan": plan.to_json(),
     }
 
