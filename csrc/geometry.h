@@ -27,6 +27,14 @@ NEREUS_HD uint64_t mix(uint64_t x) {
   return x ^ (x >> 31);
 }
 
+// Whether `data` is aligned to its elements of `width` bytes. The checksum loads each element as
+// one word of that width, which a GPU faults on (and C++ leaves undefined) at any other address: a
+// tensor can start anywhere in its storage (torch.frombuffer's offset, a storage sliced at a
+// byte), so the backends checksum an aligned copy of such a piece.
+NEREUS_HD bool element_aligned(const void* data, int64_t width) {
+  return reinterpret_cast<uintptr_t>(data) % static_cast<uintptr_t>(width) == 0;
+}
+
 // One element's term of the checksum: the sum of these modulo 2**64 over a tensor's elements is
 // the same however the tensor is cut into pieces.
 NEREUS_HD uint64_t checksum_term(uint64_t global_index, uint64_t bits) {
@@ -51,6 +59,14 @@ inline bool make_geometry(int64_t ndim, const int64_t* sizes, const int64_t* sha
                           Geometry* g) {
   *g = Geometry{};
   if (ndim == 0) return true;
+  // A piece without elements has no place to compute: its global shape need not even have an
+  // int64 element count ([0, 2**40, 2**40] is valid), so the strides below could overflow.
+  for (int64_t d = 0; d < ndim; ++d) {
+    if (sizes[d] == 0) {
+      g->rows = g->cols = 0;
+      return true;
+    }
+  }
   // From the innermost dimension out: a dimension joins the block inside it while that block
   // spans its dimensions' whole global extent; otherwise the block is closed (the first one
   // closed is the columns, the others are row dimensions) and the dimension starts a new one.
@@ -60,6 +76,14 @@ inline bool make_geometry(int64_t ndim, const int64_t* sizes, const int64_t* sha
   bool whole = true;
   for (int64_t d = ndim - 1; d >= 0; --d) {
     g->base += offset[d] * stride;
+    // A dimension of size 1 locates no element (its offset is in `base`): it opens no block, so
+    // that a piece cut to size 1 along many dimensions stays within kMaxDims. Cut from a larger
+    // extent, it still keeps the block inside it from merging with the one outside.
+    if (sizes[d] == 1) {
+      whole = whole && shape[d] == 1;
+      stride *= shape[d];
+      continue;
+    }
     if (d < ndim - 1 && !whole) {
       if (found == kMaxDims + 1) return false;
       found_local[found] = run;

@@ -3,7 +3,10 @@
 // for every backend: what autograd needs of the two ops that write into their arguments.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/InferenceMode.h>
 #include <torch/library.h>
+
+#include <string>
 
 namespace nereus {
 namespace {
@@ -48,9 +51,24 @@ void unpack_autograd(c10::DispatchKeySet keys, const at::Tensor& buffer, at::Ten
   unpack_op().redispatch(keys & c10::after_autograd_keyset, buffer, destinations, slices);
 }
 
-// ADInplaceOrView: like every in-place op, bump the version of what was written (views share it),
-// so that autograd refuses a backward that saved the old values.
+// ADInplaceOrView (which runs for every call outside inference mode): like every in-place op, bump
+// the version of what was written (views share it), so that autograd refuses a backward that saved
+// the old values. Before any byte is written, refuse what that could not follow: an inference
+// tensor outside inference mode has no version to bump (torch would raise after the write), and a
+// conjugate or negative view's bytes are not its values (torch's fallback for those refuses a
+// written one too, only later and in other words).
+void check_writable(const at::Tensor& t, const char* op, const char* what, int64_t index = -1) {
+  const auto name = index < 0 ? std::string(what) : std::string(what) + " " + std::to_string(index);
+  TORCH_CHECK(!t.is_inference() || c10::InferenceMode::is_enabled(), op, ": ", name,
+              " is an inference tensor, written outside inference mode: write into it under "
+              "torch.inference_mode(), or into a tensor made outside it");
+  TORCH_CHECK(!t.is_conj() && !t.is_neg(), op, ": ", name,
+              " is a conjugate or negative view, whose bytes are not its values: write into a resolved "
+              "tensor (resolve_conj(), resolve_neg())");
+}
+
 void pack_into_inplace(c10::DispatchKeySet keys, at::TensorList sources, const at::Tensor& slices, at::Tensor out) {
+  check_writable(out, "pack_into", "out");
   {
     at::AutoDispatchBelowADInplaceOrView guard;
     pack_into_op().redispatch(keys & c10::after_ADInplaceOrView_keyset, sources, slices, out);
@@ -60,6 +78,9 @@ void pack_into_inplace(c10::DispatchKeySet keys, at::TensorList sources, const a
 
 void unpack_inplace(c10::DispatchKeySet keys, const at::Tensor& buffer, at::TensorList destinations,
                     const at::Tensor& slices) {
+  for (size_t i = 0; i < destinations.size(); ++i) {
+    check_writable(destinations[i], "unpack", "destination", static_cast<int64_t>(i));
+  }
   {
     at::AutoDispatchBelowADInplaceOrView guard;
     unpack_op().redispatch(keys & c10::after_ADInplaceOrView_keyset, buffer, destinations, slices);

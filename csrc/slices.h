@@ -15,10 +15,16 @@
 
 namespace nereus {
 
+// `device` is the buffer's (or out's, or the sources'): the device the op's kernel runs on.
 inline std::vector<Slice> plan_slices(const std::vector<at::Tensor>& tensors, const at::Tensor& slices,
-                                      const char* op) {
+                                      const at::Device& device, const char* op) {
   TORCH_CHECK(slices.scalar_type() == at::kLong && slices.dim() == 2 && slices.size(1) == 4, op,
               ": slices must be an int64 tensor of shape [n, 4] (tensor, dim, start, length)");
+  // The slices are read on the host, from the CPU or the buffer's device. On a third device they
+  // would choose the kernel (the dispatcher picks the slices' device for a GPU tensor among CPU
+  // ones), which would then run on tensors of another device.
+  TORCH_CHECK(slices.device().is_cpu() || slices.device() == device, op,
+              ": slices must be on the CPU or on the buffer's device (", device, "), not ", slices.device());
   const at::Tensor s = slices.cpu().contiguous();
   const int64_t* rows = s.data_ptr<int64_t>();
   std::vector<Slice> plan;
@@ -139,8 +145,9 @@ inline void check_apart(const at::Tensor& one, const std::vector<at::Tensor>& te
 
 // Every check of pack, pack_into and unpack, shared by the backends, before any byte is written.
 inline std::vector<Slice> plan_pack(const std::vector<at::Tensor>& tensors, const at::Tensor& slices) {
-  std::vector<Slice> plan = plan_slices(tensors, slices, "pack");
-  if (!tensors.empty()) check_devices(tensors, tensors[0].device(), "pack");
+  const at::Device device = tensors.empty() ? at::Device(at::kCPU) : tensors[0].device();
+  std::vector<Slice> plan = plan_slices(tensors, slices, device, "pack");
+  check_devices(tensors, device, "pack");
   return plan;
 }
 
@@ -148,7 +155,7 @@ inline std::vector<Slice> plan_pack_into(const std::vector<at::Tensor>& tensors,
                                          const at::Tensor& out) {
   TORCH_CHECK(out.scalar_type() == at::kByte && out.dim() == 1 && out.is_contiguous(),
               "pack_into: out must be a contiguous 1-d uint8 tensor");
-  std::vector<Slice> plan = plan_slices(tensors, slices, "pack_into");
+  std::vector<Slice> plan = plan_slices(tensors, slices, out.device(), "pack_into");
   check_devices(tensors, out.device(), "pack_into");
   TORCH_CHECK(total_bytes(plan) <= out.numel(), "pack_into: slices need ", total_bytes(plan), " bytes, out holds ",
               out.numel());
@@ -161,7 +168,7 @@ inline std::vector<Slice> plan_unpack(const at::Tensor& buffer, const std::vecto
                                       const at::Tensor& slices) {
   TORCH_CHECK(buffer.scalar_type() == at::kByte && buffer.dim() == 1 && buffer.is_contiguous(),
               "unpack: buffer must be a contiguous 1-d uint8 tensor");
-  std::vector<Slice> plan = plan_slices(tensors, slices, "unpack");
+  std::vector<Slice> plan = plan_slices(tensors, slices, buffer.device(), "unpack");
   check_devices(tensors, buffer.device(), "unpack");
   TORCH_CHECK(total_bytes(plan) == buffer.numel(), "unpack: slices cover ", total_bytes(plan),
               " bytes, the buffer holds ", buffer.numel());
@@ -189,8 +196,15 @@ inline void check_global(const at::Tensor& data, at::IntArrayRef shape, at::IntA
   }
 }
 
-// The checked geometry of a checksum's piece (contiguous: callers pass data.contiguous()). Every
-// check comes first, an empty piece's too: the backends return 0 for one only after this.
+// What a checksum reads: `data`'s elements, contiguous, at an address aligned to them (a copy if
+// `data` starts anywhere else in its storage: see element_aligned).
+inline at::Tensor checksum_input(const at::Tensor& data) {
+  const at::Tensor t = data.contiguous();
+  return element_aligned(t.data_ptr(), t.element_size()) ? t : t.clone(at::MemoryFormat::Contiguous);
+}
+
+// The checked geometry of a checksum's piece (callers pass checksum_input(data)). Every check
+// comes first, an empty piece's too: the backends return 0 for one only after this.
 inline Geometry geometry_of(const at::Tensor& data, at::IntArrayRef shape, at::IntArrayRef offset) {
   check_global(data, shape, offset);
   Geometry g;

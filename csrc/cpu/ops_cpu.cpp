@@ -40,7 +40,7 @@ uint64_t checksum_tiles(const at::Tensor& data, const Geometry& g) {
 }
 
 int64_t checksum_cpu(const at::Tensor& data, at::IntArrayRef global_shape, at::IntArrayRef global_offset) {
-  const at::Tensor t = data.contiguous();
+  const at::Tensor t = checksum_input(data);
   const Geometry g = geometry_of(t, global_shape, global_offset);
   if (t.numel() == 0) return 0;
   uint64_t sum = 0;

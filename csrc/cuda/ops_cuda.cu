@@ -16,7 +16,7 @@ namespace {
 
 int64_t checksum_cuda(const at::Tensor& data, at::IntArrayRef global_shape, at::IntArrayRef global_offset) {
   const c10::cuda::CUDAGuard guard(data.device());
-  const at::Tensor t = data.contiguous();
+  const at::Tensor t = checksum_input(data);
   const Geometry g = geometry_of(t, global_shape, global_offset);
   if (t.numel() == 0) return 0;
   const Tiling tiling = make_tiling(g, kTileElements);

@@ -104,6 +104,7 @@ def _register_fakes() -> None:
     @torch.library.register_fake("nereus::pack")
     def _(sources, slices):
         if sources:
+            reference.check_slices_device(slices, sources[0].device, "pack")
             reference.check_devices(sources, sources[0].device, "pack")
         return (
             sources[0].new_empty((torch.library.get_ctx().new_dynamic_size(),), dtype=torch.uint8)
@@ -113,10 +114,12 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("nereus::pack_into")
     def _(sources, slices, out):
+        reference.check_slices_device(slices, out.device, "pack_into")
         reference.check_devices(sources, out.device, "pack_into")
 
     @torch.library.register_fake("nereus::unpack")
     def _(buffer, destinations, slices):
+        reference.check_slices_device(slices, buffer.device, "unpack")
         reference.check_devices(destinations, buffer.device, "unpack")
 
     _fakes_registered = True
@@ -129,13 +132,22 @@ def _has_kernel(op: str, device_type: str) -> bool:
     return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key(f"nereus::{op}", key)
 
 
-def _use(op: str, tensor: torch.Tensor | None, others: Sequence[torch.Tensor] = ()) -> bool:
+def _use(
+    op: str,
+    tensor: torch.Tensor | None,
+    others: Sequence[torch.Tensor] = (),
+    slices: torch.Tensor | None = None,
+) -> bool:
     """The compiled op for ``tensor``'s device, if built for it; the reference otherwise, and
-    where ``others`` are not all on that device (it refuses them, as the compiled ops do)."""
-    device = "cpu" if tensor is None else tensor.device.type
-    if tensor is not None and any(t.device != tensor.device for t in others):
+    where ``others`` are not all on that device or ``slices`` is neither there nor on the CPU (it
+    refuses them, as the compiled ops do: slices on a third device would pick the kernel of that
+    device, or of none where the build has no kernels for it)."""
+    device = torch.device("cpu") if tensor is None else tensor.device
+    if any(t.device != device for t in others):
         return False
-    return _compiled() and _has_kernel(op, device)
+    if slices is not None and slices.device.type != "cpu" and slices.device != device:
+        return False
+    return _compiled() and _has_kernel(op, device.type)
 
 
 def has_kernels_for(device_type: str) -> bool:
@@ -162,12 +174,12 @@ def pack(sources: Sequence[torch.Tensor], slices: torch.Tensor, *, out: torch.Te
     """``sources[i].narrow(dim, start, length)`` for each row of ``slices``, back to back, as bytes:
     a new buffer, or the first bytes of ``out``."""
     if out is not None:
-        if _use("pack_into", out, sources):
+        if _use("pack_into", out, sources, slices):
             torch.ops.nereus.pack_into(list(sources), slices, out)
         else:
             reference.pack_into(sources, slices, out)
         return out
-    if _use("pack", sources[0] if sources else None, sources):
+    if _use("pack", sources[0] if sources else None, sources, slices):
         return torch.ops.nereus.pack(list(sources), slices)
     return reference.pack(sources, slices)
 
@@ -176,7 +188,7 @@ def unpack(
     buffer: torch.Tensor, destinations: Sequence[torch.Tensor], slices: torch.Tensor
 ) -> None:
     """Write the buffer's bytes into ``destinations[i].narrow(dim, start, length)``, row by row."""
-    if _use("unpack", buffer, destinations):
+    if _use("unpack", buffer, destinations, slices):
         torch.ops.nereus.unpack(buffer, list(destinations), slices)
     else:
         reference.unpack(buffer, destinations, slices)

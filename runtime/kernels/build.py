@@ -25,10 +25,23 @@ def sources() -> list[str]:
     from torch.utils import cpp_extension
 
     files = [paths.CSRC / "ops.cpp", *sorted((paths.CSRC / "cpu").glob("*.cpp"))]
-    gpu_build = bool(torch.version.cuda or torch.version.hip)
-    if gpu_build and cpp_extension.CUDA_HOME is not None:
+    if builds_device_kernels(
+        cuda=torch.version.cuda,
+        cuda_home=cpp_extension.CUDA_HOME,
+        hip=torch.version.hip,
+        rocm_home=cpp_extension.ROCM_HOME,
+    ):
         files += sorted((paths.CSRC / "cuda").glob("*.cu"))
     return [str(f) for f in files]
+
+
+def builds_device_kernels(
+    *, cuda: str | None, cuda_home: str | None, hip: str | None, rocm_home: str | None
+) -> bool:
+    """Whether the .cu sources join the build, given torch.version.cuda and .hip (which of them
+    this PyTorch was built for, if any) and where cpp_extension found that toolkit: CUDA_HOME for
+    CUDA, ROCM_HOME for ROCm (which hipifies them; CUDA_HOME is never set there)."""
+    return bool((cuda and cuda_home) or (hip and rocm_home))
 
 
 def build(*, verbose: bool = False) -> Path:

@@ -89,3 +89,25 @@ def large_slice_set(device="cpu"):
         dtype=torch.int64,
     )
     return tensors, slices
+
+
+def at_odd_address(tensor):
+    """A copy of ``tensor`` whose data starts one byte into its storage, so at an address that is
+    no multiple of its element size (as ``torch.frombuffer(..., offset=1)`` gives one)."""
+    nbytes = tensor.numel() * tensor.element_size()
+    storage = torch.zeros(nbytes + 1, dtype=torch.uint8, device=tensor.device).untyped_storage()
+    odd = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+    odd.set_(storage[1:], 0, tensor.shape)  # the sliced storage keeps its base alive
+    odd.copy_(tensor)
+    assert odd.data_ptr() % tensor.element_size() or tensor.element_size() == 1
+    return odd
+
+
+# Pieces cut to size 1 along more dimensions than csrc/geometry.h's kMaxDims (16), as (global
+# shape, offset, piece sizes): every such dimension opened a block of its own, and the compiled op
+# refused what the oracle accepts.
+MANY_DIMS_PIECES = [
+    ([2] * 18, [1] * 18, [1] * 18),
+    ([3] * 24, [1] * 24, [2 if d % 3 == 2 else 1 for d in range(24)]),
+    ([2] * 17 + [1000], [0] * 17 + [10], [1] * 17 + [900]),
+]

@@ -2,9 +2,9 @@
 // GPU: every CUDA thread of a block is a std::thread, __syncthreads is a std::barrier, blocks run
 // one after another, with the grid and block sizes ops_cuda.cu launches. The kernels' source and
 // the descriptors they read are the very ones the GPU build compiles; only the CUDA built-ins
-// below stand in. test_cuda_emulated.py builds this with g++ and UBSan's alignment check; with
-// the checks of uint4 and uint2 below, any word the kernels would read or write at an address not
-// aligned to its size is reported.
+// below stand in. test_cuda_emulated.py builds this with g++ and UBSan; with the checks of uint4
+// and uint2 below, any word the kernels would read or write at an address not aligned to its size
+// is reported, as is any other undefined behaviour UBSan sees (a signed overflow in geometry.h).
 //
 // This checks the kernels' arithmetic, their word widths and their block reduction. It does not
 // check what only a GPU shows: the memory model beyond a block's barrier, timing, or the
@@ -120,7 +120,9 @@ int64_t nereus_emulate_copy(int pack, int64_t n_tensors, const int64_t* addresse
   return static_cast<int64_t>(runs.size());
 }
 
-// The checksum of a contiguous piece (`sizes`) at `offset` in a global tensor (`shape`).
+// The checksum of a contiguous piece (`sizes`) at `offset` in a global tensor (`shape`), with
+// the host side of ops_cuda.cu's checksum_cuda: geometry first, then an aligned copy of a piece
+// whose address is not a multiple of its element size (checksum_input's clone there).
 uint64_t nereus_emulate_checksum(int64_t address, int64_t element_size, int64_t ndim, const int64_t* sizes,
                                  const int64_t* shape, const int64_t* offset) {
   nereus::Geometry g;
@@ -132,6 +134,12 @@ uint64_t nereus_emulate_checksum(int64_t address, int64_t element_size, int64_t 
   const unsigned blocks = nereus::checksum_blocks(tiling);
   unsigned long long out = 0;
   const void* data = reinterpret_cast<const void*>(address);
+  std::vector<uint64_t> aligned;  // 8-byte words: aligned to any element size
+  if (!nereus::element_aligned(data, element_size)) {
+    aligned.resize((numel * element_size + 7) / 8);
+    std::memcpy(aligned.data(), data, numel * element_size);
+    data = aligned.data();
+  }
   switch (element_size) {
     case 1: launch(blocks, nereus::kThreads, nereus::checksum_kernel<uint8_t>, static_cast<const uint8_t*>(data), g, tiling, &out); break;
     case 2: launch(blocks, nereus::kThreads, nereus::checksum_kernel<uint16_t>, static_cast<const uint16_t*>(data), g, tiling, &out); break;

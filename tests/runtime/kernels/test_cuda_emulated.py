@@ -3,8 +3,9 @@
 No GPU exists here, so emulate_cuda.cpp stands in for one: it compiles the kernels with g++, runs
 each CUDA thread of a block as a std::thread (a std::barrier for __syncthreads) with the grid and
 block sizes ops_cuda.cu launches, and UBSan reports any word the kernels touch at an address not
-aligned to it. This checks the kernels' indexing, word widths and block reduction, not the GPU
-itself: test_ops.py's cuda cases and benchmarks/device_kernels.sh do that on a GPU machine.
+aligned to it, and any other undefined behaviour it sees (a signed overflow in geometry.h). This
+checks the kernels' indexing, word widths and block reduction, not the GPU itself: test_ops.py's
+cuda cases and benchmarks/device_kernels.sh do that on a GPU machine.
 """
 
 import ctypes
@@ -20,6 +21,8 @@ from runtime.kernels import reference
 from runtime.kernels.paths import CSRC
 from tests.runtime.kernels.cases import (
     LARGE_PIECES,
+    MANY_DIMS_PIECES,
+    at_odd_address,
     large_slice_set,
     pieces,
     random_tensor,
@@ -44,7 +47,7 @@ def emulator(tmp_path_factory):
             "-shared",
             "-fPIC",
             "-pthread",
-            "-fsanitize=alignment",
+            "-fsanitize=undefined",
             str(SOURCE),
             "-o",
             str(library),
@@ -146,11 +149,32 @@ def test_emulated_checksum_equals_the_oracle(emulator, case):
     assert _checksum(emulator, part, shape, offset) == reference.checksum(part, shape, offset)
 
 
-@pytest.mark.parametrize(("shape", "offset", "sizes"), LARGE_PIECES)
-def test_emulated_checksum_of_large_and_oddly_cut_pieces(emulator, shape, offset, sizes):
-    whole = random_tensor(shape, torch.float32, 5)
-    piece = whole[tuple(slice(o, o + n) for o, n in zip(offset, sizes, strict=True))]
+@pytest.mark.parametrize(("shape", "offset", "sizes"), LARGE_PIECES + MANY_DIMS_PIECES)
+def test_emulated_checksum_of_large_and_oddly_cut_pieces(emulator, capfd, shape, offset, sizes):
+    """MANY_DIMS_PIECES: found by review (a piece cut to size 1 along 18 dimensions was refused)."""
+    piece = random_tensor(sizes, torch.float32, 5)
     assert _checksum(emulator, piece, shape, offset) == reference.checksum(piece, shape, offset)
+    assert "runtime error" not in capfd.readouterr().err
+
+
+def test_emulated_checksum_of_a_piece_at_an_odd_address(emulator, capfd):
+    """Found by review: the kernel loads each element as a word of its size, and a tensor may
+    start at any byte of its storage (a GPU faults, sticky, on such a load): the host copies the
+    piece to an aligned buffer first."""
+    for dtype in (torch.float64, torch.float32, torch.bfloat16):
+        piece = at_odd_address(random_tensor((5, 7), dtype, 3))
+        shape, offset = (9, 7), (2, 0)
+        assert _checksum(emulator, piece, shape, offset) == reference.checksum(piece, shape, offset)
+    assert "runtime error" not in capfd.readouterr().err
+
+
+def test_emulated_checksum_of_an_empty_piece_of_a_huge_global_shape(emulator, capfd):
+    """Found by review: [0, 2**40, 2**40] is a valid global shape (no elements), whose strides
+    overflowed int64 in make_geometry (undefined behaviour, which UBSan reports)."""
+    piece = torch.zeros(0, 1, 1)
+    assert _checksum(emulator, piece, [0, 2**40, 2**40], [0, 5, 5]) == 0
+    assert reference.checksum(piece, [0, 2**40, 2**40], [0, 5, 5]) == 0
+    assert "runtime error" not in capfd.readouterr().err
 
 
 def test_emulated_copy_of_slices_larger_than_a_chunk(emulator, capfd):

@@ -7,6 +7,7 @@ reported "compiled" while CUDA tensors used the reference."""
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -133,3 +134,34 @@ def test_has_kernels_for_reads_the_op_registry():
     assert kernels.has_kernels_for("cuda") == torch._C._dispatch_has_kernel_for_dispatch_key(
         "nereus::unpack", "CUDA"
     )
+
+
+@pytest.mark.parametrize(
+    ("cuda", "cuda_home", "hip", "rocm_home", "expected"),
+    [
+        ("12.4", "/usr/local/cuda", None, None, True),
+        ("12.4", None, None, None, False),  # no toolkit: the CPU kernels still build
+        (None, None, "6.2.41133", "/opt/rocm", True),  # ROCm: CUDA_HOME is never set
+        (None, None, "6.2.41133", None, False),
+        (None, "/usr/local/cuda", None, "/opt/rocm", False),  # a CPU build of torch
+    ],
+)
+def test_the_device_sources_join_the_build_for_cuda_and_rocm(
+    monkeypatch, cuda, cuda_home, hip, rocm_home, expected
+):
+    """Found by review: the .cu sources joined only where cpp_extension.CUDA_HOME was set, never
+    the case with a ROCm build of torch, so ROCm builds had no GPU kernels."""
+    from torch.utils import cpp_extension
+
+    monkeypatch.setattr(torch.version, "cuda", cuda)
+    monkeypatch.setattr(torch.version, "hip", hip)
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", cuda_home)
+    monkeypatch.setattr(cpp_extension, "ROCM_HOME", rocm_home)
+    chosen = [Path(f).relative_to(paths.CSRC).as_posix() for f in build.sources()]
+    assert ("cuda/ops_cuda.cu" in chosen) == expected
+    assert {"ops.cpp", "cpu/ops_cpu.cpp"} <= set(chosen)
+    # The rule itself, apart from torch.
+    found = build.builds_device_kernels(
+        cuda=cuda, cuda_home=cuda_home, hip=hip, rocm_home=rocm_home
+    )
+    assert found == expected

@@ -17,6 +17,8 @@ from runtime.kernels.paths import library_path
 from tests.runtime.kernels.cases import (
     DTYPES,
     LARGE_PIECES,
+    MANY_DIMS_PIECES,
+    at_odd_address,
     large_slice_set,
     pieces,
     random_tensor,
@@ -474,3 +476,180 @@ def test_checksum_edge_cases_agree(impl, device):
             impl.checksum(
                 torch.zeros(rows, 5, dtype=torch.complex128, device=device), (3, 5), (0, 0)
             )
+
+
+@pytest.mark.parametrize(("shape", "offset", "sizes"), MANY_DIMS_PIECES)
+@on_every_device
+def test_checksum_of_pieces_cut_to_size_1_along_many_dimensions(shape, offset, sizes, device):
+    """Found by review: each dimension of size 1 cut from a larger one opened a block of its own
+    in csrc/geometry.h, so that past 16 of them the compiled op refused what the oracle accepts."""
+    piece = random_tensor(sizes, torch.float32, 11, device)
+    assert kernels.checksum(piece, shape, offset) == reference.checksum(piece, shape, offset)
+
+
+@on_every_device
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.uint8])
+def test_checksum_of_a_piece_at_an_odd_address(dtype, device):
+    """Found by review: the kernels load each element as a word of its size, and a tensor may start
+    at any byte of its storage: a sticky misaligned-address fault on the GPU, undefined behaviour
+    on the CPU (where it happens to read right: test_cuda_emulated.py's UBSan case is the one that
+    sees it there). Both backends now read an aligned copy."""
+    piece = random_tensor((33, 7), dtype, 9, device)
+    odd = at_odd_address(piece)
+    shape, offset = (40, 7), (5, 0)
+    expected = reference.checksum(piece, shape, offset)
+    assert reference.checksum(odd, shape, offset) == expected
+    assert kernels.checksum(odd, shape, offset) == expected
+    assert kernels.checksum(odd[3:], shape, (8, 0)) == reference.checksum(piece[3:], shape, (8, 0))
+
+
+@on_every_device
+@pytest.mark.parametrize("impl", [kernels, reference], ids=["dispatch", "reference"])
+def test_an_empty_piece_of_a_global_shape_without_an_int64_stride(impl, device):
+    """Found by review: [0, 2**40, 2**40] has no elements and a valid shape, but its strides
+    overflow int64 (undefined behaviour in csrc/geometry.h, which test_cuda_emulated.py's UBSan
+    case sees); an empty piece's checksum is 0 before any stride is computed."""
+    piece = torch.zeros(0, 1, 1, device=device)
+    assert impl.checksum(piece, (0, 2**40, 2**40), (0, 5, 5)) == 0
+
+
+@on_every_device
+@pytest.mark.parametrize("impl", [kernels, reference], ids=["dispatch", "reference"])
+def test_inference_tensors_are_written_only_in_inference_mode(impl, device):
+    """Found by review: outside inference mode the compiled ops wrote into an inference tensor and
+    then raised (bumping its version, which it has none of); the reference raised after writing
+    too. Now both refuse before any byte is written; in inference mode they write."""
+    rows = torch.tensor([[0, 0, 0, 4]])
+    buffer = torch.full((16,), 7, dtype=torch.uint8, device=device)
+    with torch.inference_mode():
+        destination = torch.zeros(4, device=device)
+        out = torch.zeros(16, dtype=torch.uint8, device=device)
+    with pytest.raises(RuntimeError, match="unpack: destination 1 is an inference tensor"):
+        impl.unpack(
+            torch.cat([buffer, buffer]),
+            [torch.zeros(4, device=device), destination],
+            torch.tensor([[0, 0, 0, 4], [1, 0, 0, 4]]),
+        )
+    assert not destination.any()
+    with pytest.raises(RuntimeError, match="pack_into: out is an inference tensor"):
+        _pack_into(impl, [torch.ones(4, device=device)], rows, out)
+    assert not out.any()
+    with torch.inference_mode():
+        impl.unpack(buffer, [destination], rows)
+        _pack_into(impl, [torch.ones(4, device=device)], rows, out)
+    assert torch.equal(destination.view(torch.uint8), buffer)
+    assert torch.equal(out, torch.ones(4, device=device).view(torch.uint8))
+
+
+@pytest.mark.parametrize("impl", [kernels, reference], ids=["dispatch", "reference"])
+def test_slices_on_a_third_device_are_refused_by_name(impl):
+    """Found by review: slices on a GPU among CPU tensors chose the GPU kernel (the dispatcher
+    goes by every tensor argument), which failed confusingly, or ran on CPU addresses. Slices must
+    be on the CPU or on the buffer's device; 'meta' stands in for the other device here (the
+    compiled ops' meta kernel unpacked nothing, silently). test_ops_gpu.py checks CUDA slices."""
+    rows = torch.tensor([[0, 0, 0, 4]])
+    message = r"{}: slices must be on the CPU or on the buffer's device \(cpu\), not meta"
+    destination = torch.zeros(4)
+    with pytest.raises(RuntimeError, match=message.format("unpack")):
+        impl.unpack(torch.full((16,), 7, dtype=torch.uint8), [destination], rows.to("meta"))
+    assert not destination.any()
+    out = torch.zeros(16, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match=message.format("pack_into")):
+        _pack_into(impl, [torch.ones(4)], rows.to("meta"), out)
+    assert not out.any()
+    with pytest.raises(RuntimeError, match=message.format("pack")):
+        impl.pack([torch.ones(4)], rows.to("meta"))
+    if impl is kernels and kernels.backend() == "compiled":  # the ops themselves, not only ours
+        with pytest.raises(RuntimeError, match=message.format("unpack")):
+            torch.ops.nereus.unpack(
+                torch.full((16,), 7, dtype=torch.uint8), [destination], rows.to("meta")
+            )
+        assert not destination.any()
+
+
+@on_every_device
+@pytest.mark.parametrize("impl", [kernels, reference], ids=["dispatch", "reference"])
+def test_conjugate_and_negative_views_are_read_as_their_values(impl, device):
+    """Found by review: the compiled ops read a conjugate or negative view's values (torch resolves
+    their inputs), and the reference raised on them. Both now give the resolved tensor's bytes, and
+    refuse to write into such a view (its bytes are not its values) before any byte is written."""
+    complex_values = torch.randn(6, dtype=torch.complex64, device=device)
+    real_values = torch.randn(2, 3, device=device)
+    views = [complex_values.conj(), torch._neg_view(real_values)]
+    assert all(v.is_conj() or v.is_neg() for v in views)
+    for view in views:
+        resolved = view.resolve_conj().resolve_neg()
+        offset = (1,) * view.dim()
+        shape = tuple(n + 1 for n in view.shape)
+        assert impl.checksum(view, shape, offset) == reference.checksum(resolved, shape, offset)
+    rows = torch.tensor([[0, 0, 1, 4], [1, 1, 0, 2]])
+    expected = reference.pack([v.resolve_conj().resolve_neg() for v in views], rows)
+    assert torch.equal(impl.pack(views, rows), expected)
+    for index, view in enumerate(views):
+        before = view.resolve_conj().resolve_neg()
+        with pytest.raises(RuntimeError, match=f"unpack: destination {index} is a conjugate or"):
+            impl.unpack(
+                torch.zeros(8 * 6, dtype=torch.uint8, device=device),
+                [v if v is view else v.resolve_conj().resolve_neg() for v in views],
+                torch.tensor([[0, 0, 0, 6], [1, 0, 0, 2]]),
+            )
+        assert torch.equal(view.resolve_conj().resolve_neg(), before)
+    out = torch._neg_view(torch.zeros(16, dtype=torch.uint8, device=device))
+    with pytest.raises(RuntimeError, match="pack_into: out is a conjugate or negative view"):
+        _pack_into(impl, [torch.ones(4, device=device)], torch.tensor([[0, 0, 0, 4]]), out)
+    assert not out.any()
+
+
+def test_the_reference_checksum_builds_its_indices_chunk_by_chunk(monkeypatch):
+    """Found by review: the fallback built an int64 index for the whole piece before cutting it
+    (16 bytes per byte of a uint8 tensor: a 64 MiB one took 1 GiB). Every index tensor it builds
+    is now one chunk's at most, along the flat element range (a [1, n] piece is cut as well), and
+    the values are those of one element at a time."""
+    built = []
+
+    def recording(function):
+        def wrapper(*args, **kwargs):
+            index = function(*args, **kwargs)
+            built.append(index.numel())
+            return index
+
+        return wrapper
+
+    monkeypatch.setattr(reference, "_CHUNK_ELEMENTS", 1000)
+    # global_indices built them all at once before the fix; _chunk_indices builds them now.
+    for name in ("global_indices", "_chunk_indices"):
+        if hasattr(reference, name):
+            monkeypatch.setattr(reference, name, recording(getattr(reference, name)))
+    for shape, offset, sizes, dtype in [
+        ((1, 5000), (0, 0), (1, 5000), torch.uint8),
+        ((9, 700), (2, 0), (6, 700), torch.float32),  # rows merged into one run of 4,200
+        ((4, 9, 700), (1, 2, 50), (2, 6, 400), torch.bfloat16),  # cut along every dimension
+    ]:
+        piece = random_tensor(sizes, dtype, 4)
+        built.clear()
+        assert reference.checksum(piece, shape, offset) == _checksum_element_by_element(
+            piece, shape, offset
+        )
+        assert built and max(built) <= 1000, built
+        assert sum(built) == piece.numel()
+
+
+def _checksum_element_by_element(piece, shape, offset) -> int:
+    """The checksum's definition in Python integers, one element at a time (small pieces only)."""
+    mask = (1 << 64) - 1
+
+    def mix(x):
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & mask
+        return x ^ (x >> 31)
+
+    width = piece.element_size()
+    bits = piece.contiguous().view(-1).view(torch.uint8).view(-1, width).tolist()
+    total = 0
+    for position, element in zip(itertools.product(*map(range, piece.shape)), bits, strict=True):
+        index = 0
+        for dim, (i, o) in enumerate(zip(position, offset, strict=True)):
+            index = index * shape[dim] + i + o
+        value = int.from_bytes(bytes(element), "little")
+        total += mix(((index * 0x9E3779B97F4A7C15) & mask) ^ value)
+    return total & mask

@@ -67,3 +67,24 @@ def test_tensors_on_another_device_are_refused_before_any_byte_is_written():
     with pytest.raises(RuntimeError, match="pack: every tensor must be on the buffer's device"):
         torch.ops.nereus.pack([torch.ones(4, 4).cuda(), torch.ones(4, 4)], slices)
     assert not on_gpu.any() and not on_cpu.any() and not out.any()
+
+
+def test_slices_on_the_gpu_among_cpu_tensors_are_refused_by_name():
+    """Found by review: the dispatcher goes by every tensor argument, so GPU slices with CPU
+    tensors ran the CUDA kernels on CPU addresses. They are refused, naming the slices; slices on
+    the CPU or on the tensors' GPU are both fine."""
+    rows = torch.tensor([[0, 0, 0, 4]], dtype=torch.int64)
+    message = r"{}: slices must be on the CPU or on the buffer's device \(cpu\), not cuda"
+    destination, out = torch.zeros(4), torch.zeros(16, dtype=torch.uint8)
+    buffer = torch.full((16,), 7, dtype=torch.uint8)
+    for unpack in (kernels.unpack, torch.ops.nereus.unpack):
+        with pytest.raises(RuntimeError, match=message.format("unpack")):
+            unpack(buffer, [destination], rows.cuda())
+    with pytest.raises(RuntimeError, match=message.format("pack_into")):
+        torch.ops.nereus.pack_into([torch.ones(4)], rows.cuda(), out)
+    with pytest.raises(RuntimeError, match=message.format("pack")):
+        torch.ops.nereus.pack([torch.ones(4)], rows.cuda())
+    assert not destination.any() and not out.any()
+    for slices in (rows, rows.cuda()):
+        packed = kernels.pack([torch.ones(4).cuda()], slices)
+        assert torch.equal(packed.cpu(), torch.ones(4).view(torch.uint8))
