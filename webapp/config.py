@@ -189,18 +189,26 @@ SSL_CERT_REQS = frozenset(
 
 
 def parse_ray_address(value: str | None, *, variable: str = "RAY_ADDRESS") -> str | None:
-    """``HOST:PORT`` of a Ray cluster's GCS, ``ray://HOST:PORT`` (Ray Client), or unset: local."""
+    """``HOST:PORT`` of a Ray cluster's GCS, ``auto`` (the cluster of this machine's Ray node), or
+    unset: a local instance per driver. Ray Client (``ray://``) is refused: a job's driver moves
+    its units' state through its own node's object store and forms groups with its slots, which
+    Ray Client's proxied connection does not give; a driver runs on a Ray node instead
+    (``nereus.ray_node``)."""
     if value is None or not value.strip():
         return None
     text = value.strip()
     if text in {"auto", "local"}:
         return text
-    hostport = text.removeprefix("ray://")
-    host, sep, port = hostport.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if text.startswith("ray://"):
         raise ConfigError(
-            variable, f"expected HOST:PORT, ray://HOST:PORT, 'auto' or unset; got {redact(value)!r}"
+            variable,
+            f"Ray Client addresses ({redact(value)!r}) are not supported: give the cluster's GCS "
+            "address HOST:PORT (port 6379 by default) and run the Celery worker on a Ray node "
+            "(python -m nereus.ray_node celery ..., docs/deployment.md)",
         )
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(variable, f"expected HOST:PORT, 'auto' or unset; got {redact(value)!r}")
     return text
 
 

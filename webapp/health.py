@@ -83,7 +83,7 @@ def check_ray() -> Check:
         return Check(
             name="ray", ok=True, required=False, detail="local instance, started by each job driver"
         )
-    host, _, port = address.removeprefix("ray://").rpartition(":")
+    host, _, port = address.rpartition(":")
     try:
         with socket.create_connection((host.strip("[]"), int(port)), timeout=PROBE_TIMEOUT_S):
             pass

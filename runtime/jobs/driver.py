@@ -93,7 +93,15 @@ def run_sft_job(
     """Run an SFT job to completion (or cancellation) and return how it ended."""
     sink.emit(RuntimeEvent(kind="job.started", data={"spec": spec.to_json()}))
     with ray_connection(ray_address) as connection:
-        pool = SlotPool.create(spec.num_slots, use_gpus=use_gpus, call_timeout_s=call_timeout_s)
+        # On a cluster the slots are placed as a PPO job's are (a placement group spread over
+        # the nodes, the group meeting at slot 0's node): the driver's own node offers no slot.
+        pool = SlotPool.create(
+            spec.num_slots,
+            use_gpus=use_gpus,
+            call_timeout_s=call_timeout_s,
+            spread=ray_address is not None,
+            master_addr=None if ray_address is not None else "127.0.0.1",
+        )
         try:
             num_params = pool.run(sft.setup_replica, spec_json=spec.to_json())[0]
             sink.emit(

@@ -103,6 +103,10 @@ def test_the_periodic_checks_have_a_worker_that_drives_no_job(gpu_docs):
         assert _queues(drivers) == {queues.DRIVERS} and "--beat" not in drivers
         assert _queues(maintenance) == {queues.MAINTENANCE} and "--beat" in maintenance
         assert "--pool=solo" in maintenance
+        # Drivers run on a Ray node of their own machine (nereus.ray_node joins one first);
+        # the maintenance worker needs none.
+        assert drivers[:5] == ["python", "-m", "nereus.ray_node", "celery", "-A"], drivers
+        assert maintenance[0] == "celery"
     routes = settings.CELERY_TASK_ROUTES
     assert {routes[t]["queue"] for t in ("jobs.reap", "plans.expire")} == {queues.MAINTENANCE}
     assert {e["task"] for e in settings.CELERY_BEAT_SCHEDULE.values()} <= set(routes)

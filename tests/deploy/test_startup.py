@@ -83,11 +83,28 @@ def test_the_ray_check_passes_once_something_answers_and_names_the_address_other
         server.listen()
         address = f"127.0.0.1:{server.getsockname()[1]}"
         startup.check_ray_address(address, wait_s=0)
-        startup.check_ray_address(f"ray://{address}", wait_s=0)
     startup.check_ray_address(None, wait_s=0)  # a local Ray: nothing to reach
     with pytest.raises(ConfigError) as failed:
         startup.check_ray_address(address, wait_s=0)
     assert failed.value.variable == "RAY_ADDRESS" and address in str(failed.value)
+
+
+def test_a_worker_that_drives_jobs_needs_a_ray_node_of_the_cluster_on_its_machine():
+    """Ray attaches a driver to a node of its own machine: a GCS that answers is not enough.
+    Here something answers at the address but no raylet of that cluster runs on this machine
+    (the deployments' node, started by nereus.ray_node, is tested in test_topology.py)."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        address = f"127.0.0.1:{server.getsockname()[1]}"
+        startup.check_ray_address(address, wait_s=0)
+        assert not startup.local_ray_node(address)
+        with pytest.raises(ConfigError) as failed:
+            startup.check_ray_node(address, wait_s=0)
+    assert failed.value.variable == "RAY_ADDRESS"
+    assert "python -m nereus.ray_node" in str(failed.value) and address in str(failed.value)
+    startup.check_ray_node(None, wait_s=0)  # a local Ray per driver: nothing to join
+    startup.check_ray_node("auto", wait_s=0)
 
 
 def test_a_bad_wait_is_itself_named():

@@ -2,10 +2,14 @@
 Redis, a Ray head and two Ray workers in network namespaces, and a real PPO job submitted through
 the REST API whose slots land on more than one Ray node and which completes.
 
-The Celery worker is the job's driver, so it runs inside the head's namespace (the Ray nodes must
-reach it, and it them); it reaches PostgreSQL and Redis through relays on the root namespace's
-address on the cluster's bridge (``tests/support/netns_service.py``). The web server stays on
-loopback in the root namespace, and its start-up check reaches the Ray head through that bridge.
+The Celery worker is the job's driver. As in the deployments (docker/compose.yaml, the Kubernetes
+worker), it runs on a machine of its own, which is not one of the slots' Ray nodes: a namespace of
+its own on the cluster's bridge, and a PID namespace of its own, so that it sees no other node's
+processes (Ray finds a driver's node among the processes of its machine). Its command is the
+deployments': ``python -m nereus.ray_node``, which joins a node offering no CPU or GPU, then runs
+the worker. It reaches PostgreSQL and Redis through relays on the root namespace's address on the
+cluster's bridge (``tests/support/netns_service.py``). The web server stays on loopback in the
+root namespace, and its start-up check reaches the Ray head through that bridge.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ SPEC = {
     "warmup_steps": 5,
 }
 TERMINAL = {"succeeded", "failed", "cancelled"}
+DRIVER = 3  # the worker's namespace: the one after the head's and the two workers'
 
 
 @pytest.fixture
@@ -161,7 +166,7 @@ print(json.dumps({"token": secret}))
     group = processes.ProcessGroup(log_dir=logs)
     ports = {pg.port or 5432: pg.port or 5432, 6379: redis.port or 6379}
     with (
-        netns_ray_cluster(3) as cluster,
+        netns_ray_cluster(3, spare=1) as cluster,
         root_gateway(cluster) as gateway,
         tcp_forwarders(gateway, ports),
     ):
@@ -173,16 +178,16 @@ print(json.dumps({"token": secret}))
                 DATABASE_URL=f"postgresql://{credentials}@{gateway}:{pg.port or 5432}/{db_name}",
                 REDIS_URL=f"redis://{gateway}:6379/{REDIS_DB}",
                 RAY_ADDRESS=cluster.ray_address,
+                NEREUS_NODE_IP=cluster.address(DRIVER),
             )
             for key in ("MASTER_ADDR", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"):
                 worker_env.pop(key, None)
             group.start(
                 "celery",
                 [
-                    "ip",
-                    "netns",
-                    "exec",
-                    cluster.namespace(0),
+                    *("ip", "netns", "exec", cluster.namespace(DRIVER)),
+                    *("unshare", "--pid", "--fork", "--mount-proc"),
+                    *(sys.executable, "-m", "nereus.ray_node"),
                     *processes.celery_worker_argv(concurrency=1),
                 ],
                 env=worker_env,
@@ -226,7 +231,8 @@ print(json.dumps({"token": secret}))
     kinds = [e["kind"] for e in events]
     ready = [e["data"] for e in events if e["kind"] == "slots.ready"]
     assert ready, kinds
-    assert ready[0]["ray_address"] == cluster.ray_address
+    # The cluster's address, as the job's viewers see it (internal addresses are redacted).
+    assert ready[0]["ray_address"] == f"<address>:{cluster.ray_address.rpartition(':')[2]}"
     assert ready[0]["nodes"] >= 2, ready
     assert ready[0]["num_slots"] == 3
     steps = [e["data"] for e in events if e["kind"] == "step.finished"]

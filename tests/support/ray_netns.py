@@ -27,6 +27,8 @@ class NetnsCluster:
     prefix: str
     net: int
     nodes: int
+    spare: int = 0
+    """Namespaces after the nodes', on the same bridge, where no Ray node is started."""
 
     def namespace(self, node: int) -> str:
         return f"{self.prefix}n{node}"
@@ -78,24 +80,30 @@ def _ip(*args: str) -> None:
 
 
 def _teardown(cluster: NetnsCluster) -> None:
-    for node in range(cluster.nodes):
+    for node in range(cluster.nodes):  # ``ray stop`` reaches the spare namespaces' nodes too
         with contextlib.suppress(Exception):
             cluster.exec(node, [RAY, "stop", "--force"], capture_output=True, timeout=60)
-    for name in [cluster.namespace(n) for n in range(cluster.nodes)] + [f"{cluster.prefix}br"]:
+    every = range(cluster.nodes + cluster.spare)
+    for name in [cluster.namespace(n) for n in every] + [f"{cluster.prefix}br"]:
         subprocess.run(["ip", "netns", "delete", name], capture_output=True)
 
 
 @contextlib.contextmanager
-def netns_ray_cluster(nodes: int = 3, *, cpus_per_node: int = 2) -> Iterator[NetnsCluster]:
-    """A head and ``nodes - 1`` workers, started with ``ray start``, each in its namespace."""
+def netns_ray_cluster(
+    nodes: int = 3, *, cpus_per_node: int = 2, spare: int = 0
+) -> Iterator[NetnsCluster]:
+    """A head and ``nodes - 1`` workers, started with ``ray start``, each in its namespace, and
+    ``spare`` namespaces without a node (``cluster.namespace(nodes)`` on)."""
     pid = os.getpid()
-    cluster = NetnsCluster(prefix=f"nrs{pid % 100000}", net=pid % 200 + 20, nodes=nodes)
+    cluster = NetnsCluster(
+        prefix=f"nrs{pid % 100000}", net=pid % 200 + 20, nodes=nodes, spare=spare
+    )
     bridge = f"{cluster.prefix}br"
     try:
         _ip("netns", "add", bridge)
         _ip("netns", "exec", bridge, "ip", "link", "add", "br0", "type", "bridge")
         _ip("netns", "exec", bridge, "ip", "link", "set", "br0", "up")
-        for node in range(nodes):
+        for node in range(nodes + spare):
             ns, outer = cluster.namespace(node), f"{cluster.prefix}v{node}"
             _ip("netns", "add", ns)
             _ip("link", "add", outer, "type", "veth", "peer", "name", f"{outer}p")

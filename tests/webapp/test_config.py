@@ -95,6 +95,7 @@ def test_bad_database_url_names_the_variable(value, words):
         ("REDIS_URL", "rediss://:pw@redis.example.internal:6380/0?ssl_cert_reqs=maybe"),
         ("RAY_ADDRESS", "just-a-host"),
         ("RAY_ADDRESS", "127.0.0.1:99999"),
+        ("RAY_ADDRESS", "ray://10.0.0.5:10001"),
         ("NEREUS_PRODUCTION", "maybe"),
         ("NEREUS_LOG_LEVEL", "LOUD"),
         ("NEREUS_CSRF_TRUSTED_ORIGINS", "nereus.example.com"),
@@ -134,12 +135,12 @@ def test_valid_redis_and_ray_values_are_kept(tmp_path):
     cfg = config.load(
         {
             "REDIS_URL": "redis://127.0.0.1:6379/2",
-            "RAY_ADDRESS": "ray://10.0.0.5:10001",
+            "RAY_ADDRESS": "10.0.0.5:6379",
             "NEREUS_VAR_DIR": str(tmp_path),
         }
     )
     assert cfg.redis_url == "redis://127.0.0.1:6379/2" and not cfg.embedded
-    assert cfg.ray_address == "ray://10.0.0.5:10001"
+    assert cfg.ray_address == "10.0.0.5:6379"
 
 
 def test_production_requires_a_secret_key_and_hosts(tmp_path):
