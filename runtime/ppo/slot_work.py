@@ -3,8 +3,9 @@
 A unit of a model-stage is a ``tp × pp`` grid of slots (``runtime.emu.layout``). On each of its
 slots the model runs as a *workspace*: the decoder with this pipeline stage's layers in use and its
 projections sharded over the stage's tensor-parallel mesh by DTensor (``runtime.ppo.parallel``).
-Training runs pipeline-parallel units through ``torch.distributed.pipelining`` (a GPipe schedule
-over each tensor rank's chain of stages, in microbatches). Inference and generation pass
+Training runs pipeline-parallel units through ``torch.distributed.pipelining`` (a 1F1B schedule
+over each tensor rank's chain of stages, in microbatches; GPipe when there are fewer microbatches
+than stages). Inference and generation pass
 activations to the same tensor rank of the next stage point to point (a KV-cached decode loop is
 not a schedule the library offers), and decoded tokens go from the last stage back to the
 earlier ones.
@@ -707,10 +708,21 @@ class _PipelineStageModule(nn.Module):
         return _head(self.ws, x) if self.ws.last else (x, mask)
 
 
+def schedule_class(micro_batches: int, stages: int):
+    """The pipeline schedule: 1F1B once there are at least as many micro-batches as stages, so
+    that a stage holds the activations of at most ``stages`` micro-batches (the memory model's
+    count, ``runtime.planner.memory``), where GPipe holds all of them until the backward; with
+    fewer, GPipe (1F1B needs as many as there are stages), which then holds fewer anyway."""
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+
+    return Schedule1F1B if micro_batches >= stages else ScheduleGPipe
+
+
 def _train_pipelined(ctx: SlotContext, ws: Workspace, task: TrainTask) -> dict | None:
-    """Forward and backward through ``torch.distributed.pipelining``'s GPipe schedule over this
-    tensor rank's pipeline group, in microbatches of ``task.micro_batch`` rows."""
-    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+    """Forward and backward through a ``torch.distributed.pipelining`` schedule
+    (``schedule_class``) over this tensor rank's pipeline group, in microbatches of
+    ``task.micro_batch`` rows."""
+    from torch.distributed.pipelining import PipelineStage
 
     layout, unit = task.unit.layout, task.unit
     chain = tuple(unit.slots[p * layout.tp + ws.tp_rank] for p in range(layout.pp))
@@ -729,7 +741,7 @@ def _train_pipelined(ctx: SlotContext, ws: Workspace, task: TrainTask) -> dict |
         collected.append(stats)
         return loss
 
-    schedule = ScheduleGPipe(stage, micro, loss_fn=loss_fn, scale_grads=False)
+    schedule = schedule_class(micro, layout.pp)(stage, micro, loss_fn=loss_fn, scale_grads=False)
     if ws.first:
         schedule.step(task.sequences, task.attention_mask)
     elif ws.last:

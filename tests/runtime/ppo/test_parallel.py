@@ -164,3 +164,22 @@ def test_configs_that_do_not_split_evenly_are_refused(overrides, lm_head, messag
 def test_a_tied_scalar_head_model_and_even_configs_are_accepted():
     check_tensor_parallel(_config(tie_embeddings=True), tp=TP, lm_head=False)
     check_tensor_parallel(default_catalog().model("llama-3.1-8b"), tp=8, lm_head=True)
+
+
+@pytest.mark.parametrize(
+    ("micro_batches", "stages", "schedule"),
+    [
+        (8, 4, "Schedule1F1B"),
+        (4, 4, "Schedule1F1B"),
+        (2, 4, "ScheduleGPipe"),
+        (1, 2, "ScheduleGPipe"),
+    ],
+)
+def test_training_pipelines_hold_at_most_a_stage_count_of_micro_batches(
+    micro_batches, stages, schedule
+):
+    """The memory model counts min(pp, micro-batches) in flight on a first stage: 1F1B's count,
+    where GPipe would hold every micro-batch until the backward."""
+    from runtime.ppo.slot_work import schedule_class
+
+    assert schedule_class(micro_batches, stages).__name__ == schedule
