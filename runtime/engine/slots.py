@@ -30,7 +30,8 @@ logger = logging.getLogger(__name__)
 
 
 JOIN_TIMEOUT_S = 60.0
-"""The least time new slot processes are given to start and form their group."""
+"""The least time new slot processes are given to start and form their group, by default (also
+how long a re-form waits for a slot whose capacity is gone before it gives up)."""
 
 
 class SlotError(RuntimeError):
@@ -169,10 +170,12 @@ class SlotPool:
         call_timeout_s: float,
         remote_cls: Any = None,
         master_addr: str = "127.0.0.1",
+        join_timeout_s: float = JOIN_TIMEOUT_S,
     ):
         self._actors = list(actors)
         self.backend = backend
         self.call_timeout_s = call_timeout_s
+        self.join_timeout_s = join_timeout_s
         self.setup_s = 0.0
         self._remote_cls = remote_cls
         self._master_addr = master_addr
@@ -190,6 +193,7 @@ class SlotPool:
         call_timeout_s: float = 120.0,
         master_addr: str | None = "127.0.0.1",
         spread: bool = False,
+        join_timeout_s: float = JOIN_TIMEOUT_S,
     ) -> SlotPool:
         """Start ``num_slots`` slot actors joined into one group (gloo on CPU, NCCL on GPU).
 
@@ -229,6 +233,7 @@ class SlotPool:
             call_timeout_s=call_timeout_s,
             remote_cls=remote_cls,
             master_addr=master_addr,
+            join_timeout_s=join_timeout_s,
         )
         pool._placements = placements
         try:
@@ -240,10 +245,10 @@ class SlotPool:
         return pool
 
     def _join(self, method: str) -> None:
-        """Form the group. New processes are waited for longer than a call (``JOIN_TIMEOUT_S``
+        """Form the group. New processes are waited for longer than a call (``join_timeout_s``
         at least): starting one (Python, torch, the actor) takes seconds on a busy machine, and
         a group re-formed after a loss must not fail for a short call timeout."""
-        wait_s = max(self.call_timeout_s, JOIN_TIMEOUT_S)
+        wait_s = max(self.call_timeout_s, self.join_timeout_s)
         # Every process up first: the group's rendezvous then waits on no slow starter (it
         # gives up after the call timeout, the group's own).
         self._get_all([actor.node.remote() for actor in self._actors], timeout_s=wait_s)

@@ -26,6 +26,9 @@ WORKLOAD = PpoWorkload.for_model(CATALOG.model("tiny-llama"))
 NAMES = [ms.name for ms in WORKLOAD.model_stages()]
 CPUS = 3
 TIMEOUT_S = 5  # a collective waiting on a failed peer gives up quickly
+# New processes get this long to start (a loaded machine needs seconds); the re-forms these tests
+# make fail on purpose (another tenant holds the capacity) wait as long before giving up.
+JOIN_S = 20
 
 
 def _plan(num_slots: int, actor_units: tuple[tuple[int, ...], ...] = ((0,),)) -> Plan:
@@ -47,7 +50,7 @@ def make_engine(cluster, tmp_path):
     pools = []
 
     def make(num_slots: int, plan: Plan) -> RayEngine:
-        pool = SlotPool.create(num_slots, call_timeout_s=TIMEOUT_S)
+        pool = SlotPool.create(num_slots, call_timeout_s=TIMEOUT_S, join_timeout_s=JOIN_S)
         pools.append(pool)
         engine = RayEngine(pool, checkpoint_dir=tmp_path / f"ckpt{len(pools)}")
         engine.start(plan, WORKLOAD)
