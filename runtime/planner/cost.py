@@ -2,12 +2,16 @@
 
 Every class is priced at hardware peak ("ideal" seconds) and divided by an efficiency for that class
 (and link type) that calibration learns from the running job. Classes inside the pipeline (GEMMs,
-attention, decode, tensor-parallel all-reduces, pipeline point-to-point) are per-slot times under
-perfect pipelining, stretched by the pipeline's idle time: in training and inference the 1F1B
-bubble adds ``(pp - 1) / m`` of them for ``m`` micro-batches per flush, as it does to
-generation's prefill; generation's decode fills and drains once per wave, but a micro-batch's
-next token waits for its last one to leave the last stage, so with fewer micro-batches than
-stages every token idles ``pp - m`` stage-times.
+attention, decode, tensor-parallel all-reduces, pipeline point-to-point) are per-slot times of the
+slowest pipeline stage under perfect pipelining (a pipeline moves at the pace of its slowest
+stage: with layers split evenly, the last, which also holds the head), stretched by the
+pipeline's idle time: in training and inference the 1F1B bubble adds ``(pp - 1) / m`` of them for
+``m`` micro-batches per flush, as it does to generation's prefill; generation's decode fills and
+drains once per wave, but a micro-batch's next token waits for its last one to leave the last
+stage, so with fewer micro-batches than stages every token idles ``pp - m`` stage-times.
+A decode step is a roofline: its matrix multiplies and attention overlap its reads of the weights
+and the KV cache, so it takes the longer of the two (at the achieved rates), not their sum; its
+collectives come on top.
 Data-parallel gradient all-reduce, the optimizer step and the weight sync (to generation, and to
 the actor's and critic's inference units) run outside the pipeline. Collectives follow the
 alpha-beta model of a ring: ``2(n-1)/n · bytes / bandwidth + 2(n-1) · latency``.
@@ -19,7 +23,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from runtime.planner.shapes import LayoutShape
+from runtime.planner.shapes import FP32_GRADIENT_BYTES_PER_PARAM, LayoutShape
 
 PIPELINED = ("gemm", "attention", "decode", "tp_allreduce", "pp_p2p")
 
@@ -53,11 +57,15 @@ def _ring(n: int | np.ndarray, nbytes, bandwidth: float, latency: float):
 
 
 def ideal_breakdown(
-    shape: LayoutShape, *, num_slots: int
+    shape: LayoutShape, *, num_slots: int, efficiency: Mapping[str, float] | None = None
 ) -> tuple[dict[str, np.ndarray], np.ndarray]:
     """Ideal seconds per operation class (keys as in DEFAULT_EFFICIENCY), and how much the
     pipeline's idle time stretches the classes inside it, for every dp in
-    ``shape.dp``."""
+    ``shape.dp``.
+
+    Decode's compute and its memory reads overlap: only the side that takes longer at
+    ``efficiency`` is counted (the other is hidden behind it, and takes no time of its own).
+    ``efficiency`` None: one efficiency for every class, so the side with more ideal seconds."""
     w, ms, acc, model = shape.workload, shape.ms, shape.accelerator, shape.ms.model
     tp, pp, b = shape.tp, shape.pp, w.bytes_per_value
     slots = tp * pp
@@ -82,7 +90,8 @@ def ideal_breakdown(
         passes = 3.0 + (1.0 if w.recompute else 0.0) if ms.stage == "training" else 1.0
         epochs = w.ppo_epochs if ms.stage == "training" else 1
         tokens = batch * seq * epochs
-        out["gemm"] = 2 * shape.dense_params * tokens * passes / (slots * acc.peak_flops)
+        # Each tensor-parallel rank of the slowest stage multiplies its share of that stage.
+        out["gemm"] = 2 * shape.stage_dense_params * tokens * passes / (tp * acc.peak_flops)
         attention_flops = 2 * num_layers * seq * seq * h * batch * epochs * passes
         out["attention"] = attention_flops / (slots * acc.peak_flops)
         micro = np.ceil(batch / shape.mb) * epochs
@@ -98,7 +107,7 @@ def ideal_breakdown(
             block = (shape.dp * slots).astype(np.int64)
             inside = (block <= acc.gpus_per_node) & ((block & (block - 1)) == 0)
             crosses_nodes = np.where(inside, 0.0, 1.0)
-            grads = shape.params_per_slot * b
+            grads = shape.params_per_slot * FP32_GRADIENT_BYTES_PER_PARAM
             intra = _ring(shape.dp, grads, acc.intra_node_bandwidth, acc.intra_node_latency)
             inter = _ring(shape.dp, grads, acc.inter_node_bandwidth, acc.inter_node_latency)
             out["dp_allreduce:intra"] = flushes * intra * (1 - crosses_nodes)
@@ -117,9 +126,10 @@ def ideal_breakdown(
         ones = np.ones_like(concurrent)
         m = np.maximum(ones, np.ceil(concurrent / w.gen_micro_batch)) if pp > 1 else ones
         seqs_per_micro = concurrent / m
-        flops = slots * acc.peak_flops
+        flops = slots * acc.peak_flops  # attention: the same layers on every stage
+        stage_flops = tp * acc.peak_flops  # GEMMs: the slowest stage's, over its ranks
         prefill = {  # once through the pipeline per wave
-            "gemm": 2 * shape.dense_params * batch * prompt / flops,
+            "gemm": 2 * shape.stage_dense_params * batch * prompt / stage_flops,
             "attention": 2 * num_layers * h * batch * prompt * prompt / flops,
             f"tp_allreduce:{tp_link}": tp_allreduce(
                 2 * num_layers / pp * m * waves, seqs_per_micro * prompt * h * b
@@ -129,17 +139,23 @@ def ideal_breakdown(
         avg_context = prompt + gen / 2
         weights = shape.params_per_slot * b
         steps = gen * m * waves  # decode steps each tensor-parallel group takes, in all
-        decode = {  # a token at a time through the pipeline
-            "gemm": 2 * shape.dense_params * batch * gen / flops,
-            "attention": 2 * num_layers * h * batch * 2 * (prompt * gen + gen * gen / 2) / flops,
-            "decode": gen
-            * (waves * m * weights + batch * avg_context * kv_per_token)
-            / acc.memory_bandwidth,
-            f"tp_allreduce:{tp_link}": tp_allreduce(
-                steps * 2 * num_layers / pp, seqs_per_micro * h * b
-            ),
-            f"pp_p2p:{pp_link}": p2p(steps, seqs_per_micro * h * b),
-        }
+        attention_flops = 2 * num_layers * h * batch * 2 * (prompt * gen + gen * gen / 2)
+        decode = _roofline(  # a token at a time through the pipeline
+            compute={
+                "gemm": 2 * shape.stage_dense_params * batch * gen / stage_flops,
+                "attention": attention_flops / flops,
+            },
+            reads={
+                "decode": gen
+                * (waves * m * weights + batch * avg_context * kv_per_token)
+                / acc.memory_bandwidth
+            },
+            efficiency=efficiency,
+        )
+        decode[f"tp_allreduce:{tp_link}"] = tp_allreduce(
+            steps * 2 * num_layers / pp, seqs_per_micro * h * b
+        )
+        decode[f"pp_p2p:{pp_link}"] = p2p(steps, seqs_per_micro * h * b)
         for part in (prefill, decode):
             for op_class, seconds in part.items():
                 out[op_class] = out.get(op_class, 0.0) + seconds
@@ -150,6 +166,27 @@ def ideal_breakdown(
         # step, as generation does.
         out.update(_weight_sync(shape, num_slots))
     return out, stretch
+
+
+def _roofline(
+    *,
+    compute: dict[str, np.ndarray],
+    reads: dict[str, np.ndarray],
+    efficiency: Mapping[str, float] | None,
+) -> dict[str, np.ndarray]:
+    """Decode's ideal seconds as a roofline: the arithmetic (``compute``) and the memory reads
+    (``reads``) of a step run at once, so only the side that takes longer at ``efficiency``
+    (None: one efficiency for all) is kept, for each dp; the other's classes get 0 seconds.
+    Every decode step of a wave has the same shape (at the wave's mean context), so comparing
+    the totals compares the steps."""
+
+    def seconds(part: dict[str, np.ndarray]) -> np.ndarray:
+        return sum(t / (efficiency[c] if efficiency else 1.0) for c, t in part.items())
+
+    reads_bind = seconds(reads) > seconds(compute)
+    kept = {c: np.where(reads_bind, 0.0, t) for c, t in compute.items()}
+    kept.update({c: np.where(reads_bind, t, 0.0) for c, t in reads.items()})
+    return kept
 
 
 def generation_stretch(pp: int, micro_batches, tokens: int, prefill_s, decode_s) -> np.ndarray:
@@ -201,7 +238,7 @@ def predict(
     shape: LayoutShape, *, num_slots: int, efficiency: Mapping[str, float]
 ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """Calibrated seconds per step, and the breakdown by class plus ``pipeline_bubble``."""
-    ideal, stretch = ideal_breakdown(shape, num_slots=num_slots)
+    ideal, stretch = ideal_breakdown(shape, num_slots=num_slots, efficiency=efficiency)
     breakdown = {cls: seconds / efficiency[cls] for cls, seconds in ideal.items()}
     pipelined = sum(
         (t for cls, t in breakdown.items() if in_pipeline(cls)), start=np.zeros_like(shape.dp)

@@ -1,9 +1,11 @@
 """The memory model: bytes per slot of one model-stage in one layout, by component.
 
-Components: parameters, gradients and Adam state (fp32 master weights and two moments) for training;
-activations (Korthikanti et al.'s per-layer count with flash attention, ``s·b·h·(10 + 24/tp)``, or the
-layer inputs only under full recomputation; a 1F1B first stage holds up to ``pp`` micro-batches of
-its ``L/pp`` layers, the last stage one micro-batch and the fp32 logits, and the fuller of the two
+Components: parameters, gradients and Adam state (fp32 master weights and two moments) for training,
+and the fp32 gradients the update makes once the backward is done (only what they need beyond the
+activations and logits the backward released); activations (Korthikanti et al.'s per-layer count
+with flash attention, ``s·b·h·(10 + 24/tp)``, or the layer inputs only under full recomputation; a
+1F1B first stage holds up to ``pp`` micro-batches of its ``L/pp`` layers, the last stage one
+micro-batch and the logits with what the loss derives from them, and the fuller of the two
 counts); the KV cache of the sequences generation decodes at once (all of a unit's, or a wave of
 them); a workspace (2% of the device, for cuBLAS/attention scratch and allocator slack); 64 MiB of
 buffers per communicator; and the co-resident state of the other models: the frozen models'
@@ -16,11 +18,25 @@ from __future__ import annotations
 
 import numpy as np
 
-from runtime.planner.shapes import ADAM_BYTES_PER_PARAM, LayoutShape
+from runtime.planner.shapes import ADAM_BYTES_PER_PARAM, FP32_GRADIENT_BYTES_PER_PARAM, LayoutShape
 
 HEADROOM = 0.10
 WORKSPACE_FRACTION = 0.02
 COLLECTIVE_BUFFER_BYTES = 64 * 2**20
+
+# Bytes per (token × vocabulary column a tensor-parallel rank holds) that the LM head's logits and
+# what the loss derives from them take on the last stage, counted in fp32 copies of the logits as
+# ``runtime/ppo``'s ``token_logprobs`` and ``entropy`` keep them (measured with autograd's
+# saved-tensor hooks on bf16 logits):
+TRAINING_LOGITS_BYTES = 14
+"""3.5 copies: the bf16 logits (half a copy), their fp32 upcast, the log-softmax and the
+entropy's softmax saved for the backward (three), and the logits' gradient while the backward
+frees them."""
+INFERENCE_LOGITS_BYTES = 10
+"""2.5 copies: the bf16 logits, their fp32 upcast and the log-softmax of the log-probabilities
+and the entropy, with no backward to keep anything for."""
+SCALAR_HEAD_BYTES = 4
+"""A critic's or reward model's head: one fp32 value per token."""
 
 
 def memory_budget(capacity_bytes: float) -> float:
@@ -103,11 +119,20 @@ def _slot_bytes(
     b = w.bytes_per_value
     zeros = np.zeros_like(shape.dp)
     h, seq, layers = model.hidden_size, w.seq_len, model.num_layers / shape.pp
-    vocab_cols = (1 if ms.scalar_head else model.vocab_size) / shape.tp
     out = {"weights": zeros + params * b}
-    logits = (lambda sequences: sequences * vocab_cols * 4) if last else (lambda _: zeros)
+
+    def logits(tokens, bytes_per_column: float):
+        """The last stage's logits for ``tokens`` tokens, at ``bytes_per_column`` per (token ×
+        vocabulary column of a rank); a scalar head's one value per token."""
+        if not last:
+            return zeros
+        if ms.scalar_head:
+            return zeros + tokens * SCALAR_HEAD_BYTES / shape.tp
+        return zeros + tokens * model.vocab_size / shape.tp * bytes_per_column
 
     if ms.stage == "training":
+        # Accumulated in the weights' precision through the backward, and kept until the next
+        # step's update.
         out["gradients"] = zeros + params * b
         shards = shape.dp if w.distributed_optimizer else 1.0
         out["optimizer"] = params * ADAM_BYTES_PER_PARAM / shards + zeros
@@ -119,15 +144,24 @@ def _slot_bytes(
             else 1.0
         )
         out["activations"] = in_flight * layers * per_layer + (full_layer if w.recompute else 0.0)
-        out["logits"] = zeros + logits(seq * shape.mb)
+        out["logits"] = logits(seq * shape.mb, TRAINING_LOGITS_BYTES)
+        # The update (``runtime/ppo/slot_work.py``, ``_gradients``) copies the gradients to fp32
+        # (no copy when the weights are fp32) and, with data parallelism, concatenates them into
+        # one more fp32 buffer for the all-reduce, both alive at once. It runs after the
+        # backward, which has released the activations and the logits: only what it needs
+        # beyond them raises the slot's peak.
+        copies = float(b != FP32_GRADIENT_BYTES_PER_PARAM) + np.where(shape.dp > 1, 1.0, 0.0)
+        update = params * FP32_GRADIENT_BYTES_PER_PARAM * copies
+        out["gradient_update"] = np.maximum(0.0, update - out["activations"] - out["logits"])
     elif ms.stage == "inference":
         out["activations"] = zeros + seq * shape.mb * h * (10 + 24 / shape.tp)
-        out["logits"] = zeros + logits(seq * shape.mb)
+        out["logits"] = logits(seq * shape.mb, INFERENCE_LOGITS_BYTES)
     else:  # generation: every sequence a unit decodes at once keeps its KV cache until it
-        # finishes (the unit's others wait for a later wave)
+        # finishes (the unit's others wait for a later wave); it samples one token of each
+        # sequence of a micro-batch at a time, from fp32 logits
         per_sequence = 2 * layers * shape.kv_dim_per_slot * seq * b
         out["kv_cache"] = shape.concurrent * per_sequence
-        out["logits"] = zeros + logits(np.minimum(shape.concurrent, w.gen_micro_batch))
+        out["logits"] = logits(np.minimum(shape.concurrent, w.gen_micro_batch), 4)
     capacity = shape.accelerator.memory_bytes
     out["workspace"] = zeros + WORKSPACE_FRACTION * capacity
     groups = (shape.tp > 1) + (shape.pp > 1) + (shape.dp > 1)

@@ -11,6 +11,7 @@ programming over model-stages and slot budgets (``min_max_allocation``).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from collections.abc import Collection, Mapping, Sequence
 
@@ -514,6 +515,8 @@ def _search(workload, accelerator, num_slots, eff, excluded, fits_at):
         except PlanningError as exc:
             errors.append(exc)
     if not found:
+        found = _own_allowances(base, kept, workload, excluded)
+    if not found:
         # Say what binds where the plan comes closest to fitting: the smallest shortfall.
         memory_errors = [e for e in errors if e.constraint == "memory"]
         raise min(memory_errors, key=lambda e: e.shortfall) if memory_errors else errors[-1]
@@ -522,6 +525,41 @@ def _search(workload, accelerator, num_slots, eff, excluded, fits_at):
 
 def _allow(level: float, workload: PpoWorkload) -> tuple[tuple[str, float], ...]:
     return tuple((ms.role, level) for ms in workload.model_stages("training"))
+
+
+def _own_allowances(base: _Prices, kept, workload: PpoWorkload, excluded) -> list:
+    """Plans beside an allowance of training state per slot for each training model on its own,
+    where no one allowance for both fits: the actor's vocabulary head makes its layouts keep more
+    than the critic's same layouts (tp=4: 2 GiB more of an 8B model), and on a small pool the
+    actor may fit beside the critic's state only where the critic keeps its own, smaller, state.
+    Tried only then: each pair of allowances is one more search."""
+    levels: dict[str, list[float]] = {}
+    for nbytes, ms, _, _ in kept:  # each role's distinct allowances, nearly equal ones as one
+        own = levels.setdefault(ms.role, [])
+        if own and nbytes <= own[-1] * 1.005:
+            own[-1] = nbytes
+        else:
+            own.append(nbytes)
+    roles = [ms.role for ms in workload.model_stages("training")]
+    found = []
+    for allowance in itertools.product(*(levels.get(role, [0.0]) for role in roles)):
+        if len(set(allowance)) < 2:
+            continue  # one allowance for both: searched already
+        prices = base.at(tuple(zip(roles, allowance, strict=True)))
+        if not all(
+            any(
+                prices.too_heavy(ms, tp, pp) is None and prices.layout(ms, tp, pp).fits.any()
+                for _, other, tp, pp in kept
+                if other.name == ms.name
+            )
+            for ms in workload.model_stages("training")
+        ):
+            continue  # some training model fits nowhere beside the other's allowance
+        try:
+            found.append(_solve(prices, excluded))
+        except PlanningError:
+            continue
+    return found
 
 
 def _solve(prices: _Prices, excluded):

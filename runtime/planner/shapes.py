@@ -145,8 +145,25 @@ class LayoutShape:
         """Parameters that do matrix multiplies for every token (all but the embedding table)."""
         return self.ms.num_params - self.ms.model.embedding_params
 
+    @property
+    def stage_dense_params(self) -> float:
+        """``dense_params`` of the slowest pipeline stage, which sets the pace of the whole
+        pipeline. Layers are split evenly (``space.shard_rule``), so that is the last stage: its
+        ``L/pp`` layers, the final norm and the head. The first stage's extra work, the
+        embedding lookup, is a gather that does no matrix multiply. At pp=1 the whole model's."""
+        if self.pp == 1:
+            return self.dense_params
+        model = self.ms.model
+        layers = model.num_layers / self.pp * model.params_per_layer
+        return layers + model.hidden_size + model.head_params(scalar_head=self.ms.scalar_head)
+
 
 ADAM_BYTES_PER_PARAM = 12  # fp32 master weights + first and second moments
+FP32_GRADIENT_BYTES_PER_PARAM = 4
+"""Bytes per parameter of the gradients the update sums over data-parallel replicas and applies:
+fp32, whatever the weights' precision. The executor upcasts each gradient and all-reduces them in
+one flat fp32 buffer (``runtime/ppo/slot_work.py``, ``_gradients``), as Megatron keeps fp32 main
+gradients."""
 
 
 def training_state(plan_, workload: PpoWorkload) -> tuple[tuple[str, float], ...]:

@@ -144,7 +144,10 @@ def test_a_revocation_that_ends_within_a_transition_fails_it():
     them (found by review): they were revoked, and what was on them is gone."""
     from runtime.planner import plan
 
-    target = plan(WORKLOAD.with_gen_len(16384), ACC, 16).best
+    # A plan for 12,000 tokens: the transition to it moves the critic's training state, from
+    # (2,1,8) to (2,2,4) units. (The plan for 16,384 tokens, (2,4,2) units, is beyond any live
+    # transition from the 1,000-token plan's: a split would need more than a slot holds.)
+    target = plan(WORKLOAD.with_gen_len(12000), ACC, 16).best
     engine, controller = _started()
     took = engine.transition(controller._compile(engine, target, WORKLOAD)).seconds
     engine, controller = _started(pool=((0.3 * took, 8), (0.6 * took, 16)))

@@ -540,3 +540,20 @@ def test_when_no_training_layout_fits_the_refusal_counts_the_least_training_stat
         for ms in workload.model_stages("training")
     )
     assert float(beside.group(1)) * 2**30 <= least * 1.01
+
+
+def test_where_no_one_allowance_fits_both_training_models_each_gets_its_own():
+    """Llama-3.1-8B on 7 H100s: the actor's tp=4 layouts keep 2 GiB a slot more than the
+    critic's (its vocabulary head), and the actor fits only beside the critic's smaller state.
+    One allowance for both (the actor's) leaves the actor no room; each its own finds the plan,
+    the exhaustive optimum beside those allowances."""
+    workload = PpoWorkload.for_model(CATALOG.model("llama-3.1-8b"), gen_len=1024)
+    acc = CATALOG.accelerator("h100-sxm")
+    best = plan(workload, acc, 7, num_alternatives=0).best
+    room = dict(best.training_state)
+    assert room["actor"] > room["critic"] * 1.05
+    assert best.predicted_step_s == pytest.approx(
+        exhaustive_step_seconds(workload, acc, 7, best.training_state), rel=1e-9
+    )
+    one = tuple((role, room["actor"]) for role in room)
+    assert not math.isfinite(exhaustive_step_seconds(workload, acc, 7, one))
