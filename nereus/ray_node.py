@@ -42,11 +42,9 @@ def join_argv(address: str, *, node_ip: str | None = None) -> list[str]:
 def ensure_node(address: str | None, *, node_ip: str | None = None) -> bool:
     """Join the cluster at ``address`` from this machine unless a node of it runs here already;
     returns whether a node was started."""
-    if address is None or address in {"", "auto", "local"}:
-        return False
-    from webapp.startup import local_ray_node
+    from webapp.startup import local_ray_node, names_a_cluster
 
-    if local_ray_node(address):
+    if not names_a_cluster(address) or local_ray_node(address):
         return False
     done = subprocess.run(
         join_argv(address, node_ip=node_ip), capture_output=True, text=True, timeout=300

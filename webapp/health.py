@@ -19,6 +19,8 @@ from django.db import connections
 from django.db.utils import DatabaseError
 from django.http import JsonResponse
 
+from webapp import startup
+
 PROBE_TIMEOUT_S = 2.0
 
 log = logging.getLogger(__name__)
@@ -79,7 +81,7 @@ def check_channel_layer() -> Check:
 
 def check_ray() -> Check:
     address = settings.NEREUS_RAY_ADDRESS
-    if address is None or address in {"auto", "local"}:
+    if not startup.names_a_cluster(address):
         return Check(
             name="ray", ok=True, required=False, detail="local instance, started by each job driver"
         )

@@ -34,10 +34,16 @@ def _wait_s(environ) -> float:
     return wait
 
 
+def names_a_cluster(address: str | None) -> bool:
+    """Whether ``address`` is a cluster to reach: not unset (a local instance per driver), nor
+    ``local``, nor ``auto`` (this machine's own node)."""
+    return bool(address) and address not in {"auto", "local"}
+
+
 def check_ray_address(address: str | None, *, wait_s: float) -> None:
     """Raise ``ConfigError("RAY_ADDRESS", ...)`` unless a TCP connection to the cluster's GCS
     succeeds within ``wait_s`` seconds."""
-    if address is None or address in {"auto", "local"}:
+    if not names_a_cluster(address):
         return
     host, _, port = address.rpartition(":")
     deadline = time.monotonic() + wait_s
@@ -83,7 +89,7 @@ def check_ray_node(address: str | None, *, wait_s: float) -> None:
     """Raise ``ConfigError("RAY_ADDRESS", ...)`` unless a Ray node of the cluster at ``address``
     runs on this machine within ``wait_s`` seconds (a node started beside the worker may come up
     after the head answers); nothing to check for a local instance or ``auto``."""
-    if address is None or address in {"auto", "local"}:
+    if not names_a_cluster(address):
         return
     deadline = time.monotonic() + wait_s
     while not local_ray_node(address):
