@@ -165,6 +165,14 @@ class ClientConfig:
             raise usage_error(
                 f"{URL_VARIABLE} (or --url)", f"expected http(s)://host[:port], got {url!r}"
             )
+        try:
+            host.encode("idna")  # as the socket will: a..b, or a label over 63 characters, raise
+        except UnicodeError:
+            raise usage_error(
+                f"{URL_VARIABLE} (or --url)",
+                f"{host!r} is not a valid host name (a label between dots is empty or too long): "
+                f"{url!r}",
+            ) from None
         token = (token or os.environ.get(TOKEN_VARIABLE) or "").strip()
         if not token:
             raise usage_error(
@@ -351,6 +359,13 @@ class Client:
                 raise _http_error(exc, method=method, url=url) from None
         except (OSError, http.client.HTTPException) as exc:
             raise self._unreachable(method, url, exc) from None
+        except UnicodeError as exc:
+            # What urllib cannot encode of the URL (the host for a socket, the path for the
+            # request line): ``ClientConfig.resolve`` refuses such hosts; this keeps any other
+            # out of a traceback and exit 1, which means "the job failed".
+            raise usage_error(
+                f"{URL_VARIABLE} (or --url)", f"cannot send a request to {url!r}: {exc}"
+            ) from None
         with response:
             yield response
 

@@ -7,7 +7,9 @@ that caused it; ``webapp.settings`` turns a ``ConfigError`` into a refusal to st
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
+import re
 import secrets
 from collections.abc import Mapping
 from pathlib import Path
@@ -18,6 +20,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 _POSTGRES_SCHEMES = {"postgres", "postgresql", "pgsql", "postgresql+psycopg"}
+CONN_MAX_AGE_DIGITS = 9
+"""The most digits DATABASE_URL's ``conn_max_age`` may have (about 31 years: for ever). ``int``
+refuses over 4,300, and Django adds it to a float clock, which overflows past about 308."""
 
 
 class ConfigError(ValueError):
@@ -58,9 +63,17 @@ class ServiceConfig:
         return self.redis_url is None
 
 
+_USER_INFO = re.compile(r"//[^/?#]*@")
+
+
 def redact(url: str) -> str:
-    """A URL with its password replaced, for messages and logs."""
-    parts = urlsplit(url)
+    """A URL with its password replaced, for messages and logs. Never raises: it builds the
+    messages that say a value is malformed, so a URL ``urlsplit`` refuses (an unclosed ``[``)
+    has its whole user info (``//USER:PASS@``) replaced instead."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return _USER_INFO.sub("//***@", url)
     if parts.password is None:
         return url
     netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
@@ -81,13 +94,47 @@ def parse_bool(variable: str, value: str | None, *, default: bool) -> bool:
     )
 
 
+def _split_url(variable: str, value: str):
+    """``urlsplit(value)``, or ``ConfigError`` naming ``variable`` where it refuses the URL (a
+    bracketed IPv6 host that is unclosed or not an address)."""
+    try:
+        return urlsplit(value)
+    except ValueError as exc:
+        raise ConfigError(variable, f"malformed URL ({exc}): {redact(value)!r}") from None
+
+
+def _whole_number(text: str) -> bool:
+    """Whether ``text`` is ASCII digits: ``str.isdigit`` alone takes ``"²"``, which ``int``
+    refuses."""
+    return text.isascii() and text.isdigit()
+
+
+def _host_problem(host: str) -> str | None:
+    """Why Python's sockets cannot connect to ``host`` (a name or an IP address, an IPv6 one in
+    brackets), or None. They encode a name with the IDNA codec, which refuses an empty label
+    (``a..b``) or one over 63 characters with ``UnicodeError``; an address is refused here
+    rather than when a worker first connects."""
+    if host.startswith("[") or host.endswith("]"):
+        inner = host[1:-1] if host.startswith("[") and host.endswith("]") else ""
+        try:
+            ipaddress.IPv6Address(inner)
+        except ValueError:
+            return f"{host!r} is not an IPv6 address in brackets"
+        return None
+    try:
+        host.encode("idna")
+    except UnicodeError:
+        return f"{host!r} is not a valid host name (a label between dots is empty or too long)"
+    return None
+
+
 def parse_database_url(value: str, *, variable: str = "DATABASE_URL") -> dict:
     """Turn ``sqlite:///PATH`` or ``postgresql://USER:PASS@HOST:PORT/NAME?k=v`` into a Django dict.
 
     SQLite runs in WAL mode with immediate transactions so that the web process, Celery workers and
     the channel layer can write to one file at the same time.
     """
-    parts = urlsplit(value.strip())
+    parts = _split_url(variable, value.strip())
     scheme = parts.scheme.lower()
     if not scheme:
         raise ConfigError(
@@ -132,9 +179,11 @@ def parse_database_url(value: str, *, variable: str = "DATABASE_URL") -> dict:
                 variable, "a PostgreSQL URL needs a host: postgresql://HOST:PORT/NAME"
             )
         conn_max_age = options.pop("conn_max_age", "60")
-        if not conn_max_age.isdigit():
+        if not _whole_number(conn_max_age) or len(conn_max_age) > CONN_MAX_AGE_DIGITS:
             raise ConfigError(
-                variable, f"conn_max_age must be a whole number of seconds, got {conn_max_age!r}"
+                variable,
+                "conn_max_age must be a whole number of seconds "
+                f"(at most {CONN_MAX_AGE_DIGITS} digits), got {conn_max_age[:20]!r}",
             )
         return {
             "ENGINE": "django.db.backends.postgresql",
@@ -155,7 +204,7 @@ def parse_redis_url(value: str | None, *, variable: str = "REDIS_URL") -> str | 
     if value is None or not value.strip():
         return None
     text = value.strip()
-    parts = urlsplit(text)
+    parts = _split_url(variable, text)
     if parts.scheme not in {"redis", "rediss", "unix"}:
         raise ConfigError(
             variable,
@@ -163,12 +212,14 @@ def parse_redis_url(value: str | None, *, variable: str = "REDIS_URL") -> str | 
         )
     if parts.scheme != "unix" and not parts.hostname:
         raise ConfigError(variable, f"no host in {redact(value)!r}")
+    if parts.scheme != "unix" and (problem := _host_problem(parts.hostname)):
+        raise ConfigError(variable, f"{problem} in {redact(value)!r}")
     try:
         parts.port  # noqa: B018 - evaluating it validates the port
     except ValueError as exc:
         raise ConfigError(variable, f"the port is not a number in {redact(value)!r}") from exc
     db = parts.path.lstrip("/")
-    if db and not db.isdigit():
+    if db and (not _whole_number(db) or len(db) > 9):  # redis-py's int() takes 4,300 digits
         raise ConfigError(variable, f"the database index must be a number, got {db!r}")
     if parts.scheme == "rediss":
         # Celery's result backend refuses a TLS URL that does not say how to check the server's
@@ -207,8 +258,12 @@ def parse_ray_address(value: str | None, *, variable: str = "RAY_ADDRESS") -> st
             "(python -m nereus.ray_node celery ..., docs/deployment.md)",
         )
     host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    port_ok = _whole_number(port) and len(port) <= 5 and 0 < int(port) < 65536
+    if not sep or not host or not port_ok:
         raise ConfigError(variable, f"expected HOST:PORT, 'auto' or unset; got {redact(value)!r}")
+    problem = _host_problem(host)
+    if problem:
+        raise ConfigError(variable, f"{problem} in {redact(value)!r}")
     return text
 
 

@@ -53,6 +53,13 @@ def check_ray_address(address: str | None, *, wait_s: float) -> None:
                 return
         except OSError as exc:
             problem = exc.strerror or str(exc) or type(exc).__name__
+        except ValueError as exc:
+            # UnicodeError: a host name the IDNA codec refuses (``a..b``), which no retry mends.
+            # ``webapp.config.parse_ray_address`` refuses those first; this keeps a traceback out
+            # of start-up for an address that came another way.
+            raise ConfigError(
+                "RAY_ADDRESS", f"{address!r} is not a HOST:PORT to connect to ({exc})"
+            ) from None
         if time.monotonic() >= deadline:
             raise ConfigError(
                 "RAY_ADDRESS",

@@ -19,10 +19,27 @@ from runtime.planner.plan import shown
 
 GIB = 2**30
 GB = 10**9
+MAX_COUNT = 2**53
+"""The largest integer a catalog field may hold (every count is used in float arithmetic)."""
 
 
 class CatalogError(ValueError):
     """A catalog entry or file is malformed; the message names the field."""
+
+
+def finite_number(value: Any, where: str) -> float:
+    """``value`` as a float, or ``CatalogError`` naming ``where`` unless it is a number (not a
+    bool) that a float holds and that is finite. An int past 1e308 is refused here: ``float()``
+    and ``math.isfinite`` raise ``OverflowError`` on it, which would escape as a traceback."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise CatalogError(f"{where}: must be a finite number, got {shown(value)}")
+    try:
+        number = float(value)
+    except OverflowError:
+        raise CatalogError(f"{where}: too large for a number ({shown(value)})") from None
+    if not math.isfinite(number):
+        raise CatalogError(f"{where}: must be a finite number, got {shown(value)}")
+    return number
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -54,13 +71,7 @@ class Accelerator:
             "intra_node_latency",
             "inter_node_latency",
         ):
-            value = getattr(self, field)
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, int | float)
-                or not math.isfinite(value)
-            ):
-                raise CatalogError(f"{self.name}.{field}: must be a finite number, got {value!r}")
+            finite_number(getattr(self, field), f"{self.name}.{field}")
         if isinstance(self.gpus_per_node, bool) or not isinstance(self.gpus_per_node, int):
             raise CatalogError(
                 f"{self.name}.gpus_per_node: must be an integer, got {self.gpus_per_node!r}"
@@ -119,10 +130,10 @@ class RopeScaling:
         _check_rope_type(self.rope_type)
         for field in ("factor", "low_freq_factor", "high_freq_factor"):
             value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                raise CatalogError(f"rope_scaling.{field}: must be a number, got {value!r}")
-            if not (math.isfinite(value) and value > 0):
-                raise CatalogError(f"rope_scaling.{field}: must be a positive number, got {value}")
+            if not finite_number(value, f"rope_scaling.{field}") > 0:
+                raise CatalogError(
+                    f"rope_scaling.{field}: must be a positive number, got {shown(value)}"
+                )
         if self.factor < 1:
             raise CatalogError(f"rope_scaling.factor: must be at least 1, got {self.factor}")
         if not self.low_freq_factor < self.high_freq_factor:
@@ -131,10 +142,10 @@ class RopeScaling:
                 f"{self.low_freq_factor}, got {self.high_freq_factor}"
             )
         value = self.original_max_position_embeddings
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_COUNT:
             raise CatalogError(
-                "rope_scaling.original_max_position_embeddings: must be a positive integer, "
-                f"got {value!r}"
+                "rope_scaling.original_max_position_embeddings: must be a positive integer "
+                f"up to {MAX_COUNT}, got {shown(value)}"
             )
 
     @classmethod
@@ -202,9 +213,10 @@ class ModelConfig:
             "num_kv_heads",
         ):
             value = getattr(self, field)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_COUNT:
                 raise CatalogError(
-                    f"{self.name}.{field}: must be a positive integer, got {value!r}"
+                    f"{self.name}.{field}: must be a positive integer up to {MAX_COUNT}, "
+                    f"got {shown(value)}"
                 )
         if self.hidden_size % self.num_heads:
             raise CatalogError(
@@ -212,8 +224,10 @@ class ModelConfig:
             )
         for field in ("rope_theta", "rms_norm_eps"):
             value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-                raise CatalogError(f"{self.name}.{field}: must be a positive number, got {value!r}")
+            if not finite_number(value, f"{self.name}.{field}") > 0:
+                raise CatalogError(
+                    f"{self.name}.{field}: must be a positive number, got {shown(value)}"
+                )
         if not isinstance(self.rope_scaling, RopeScaling | None):
             # Hugging Face's mapping, as a catalog file or a job's JSON record holds it.
             try:
@@ -537,10 +551,6 @@ def _section(data: dict, key: str) -> dict:
     if not isinstance(section, dict):
         raise CatalogError(f"catalog.{key}: must be a mapping of name to entry")
     return section
-
-
-MAX_COUNT = 2**53
-"""The largest integer a catalog field may hold (every count is used in float arithmetic)."""
 
 
 def _number(value: Any, where: str) -> float:

@@ -45,7 +45,7 @@ from runtime.engine.interface import StepReport
 from runtime.engine.slots import Pending, SlotError
 from runtime.planner import default_catalog
 from runtime.planner.calibration import samples_from_stages
-from runtime.planner.catalog import CPU_SLOT, CatalogError, ModelConfig, RopeScaling
+from runtime.planner.catalog import CPU_SLOT, CatalogError, ModelConfig, RopeScaling, finite_number
 from runtime.planner.plan import Plan
 from runtime.planner.search import on_ready
 from runtime.planner.workload import PpoWorkload
@@ -189,15 +189,14 @@ def _numerics_of(init_from: str) -> dict:
     if not isinstance(hf, dict):
         raise PpoConfigError(f"init_from: {path} is not a JSON object")
     out = {}
-    for key in ("rope_theta", "rms_norm_eps"):
-        if key in hf:
-            value = hf[key]
-            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-                raise PpoConfigError(
-                    f"init_from: {path} {key}: must be a positive number, got {value!r}"
-                )
-            out[key] = float(value)
     try:
+        for key in ("rope_theta", "rms_norm_eps"):
+            if key not in hf:
+                continue
+            number = finite_number(hf[key], key)  # refuses an int past 1e308, and 1e400 (inf)
+            if not number > 0:
+                raise CatalogError(f"{key}: must be a positive number, got {hf[key]!r:.60}")
+            out[key] = number
         out["rope_scaling"] = RopeScaling.from_hf(hf.get("rope_scaling"))
     except CatalogError as exc:
         raise PpoConfigError(f"init_from: {path} {exc}") from None

@@ -63,15 +63,22 @@ def _closed_port() -> int:
         ("celery", {"DATABASE_URL": "mysql://db.example/nereus"}, "DATABASE_URL"),
         ("web", {"RAY_ADDRESS": "127.0.0.1:{port}"}, "RAY_ADDRESS"),
         ("celery", {"RAY_ADDRESS": "127.0.0.1:{port}"}, "RAY_ADDRESS"),
+        ("web", {"RAY_ADDRESS": "a..b:6379"}, "RAY_ADDRESS"),  # was a UnicodeError traceback
     ],
-    ids=["web-missing-secret", "celery-database-scheme", "web-ray-down", "celery-ray-down"],
+    ids=[
+        "web-missing-secret",
+        "celery-database-scheme",
+        "web-ray-down",
+        "celery-ray-down",
+        "web-ray-host-label",
+    ],
 )
 def test_bad_configuration_fails_at_start_up_naming_the_setting(tmp_path, kind, values, setting):
     values = {k: v.format(port=_closed_port()) for k, v in values.items()}
     if setting != "NEREUS_SECRET_KEY":
         values.setdefault("NEREUS_SECRET_KEY", GOOD_KEY)
     done = _start(kind, _env(tmp_path, **values))
-    assert done.returncode != 0
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
     lines = [line for line in done.stderr.splitlines() if "configuration error" in line]
     assert lines, done.stderr[-3000:]
     assert setting in lines[0], lines
@@ -84,6 +91,16 @@ def test_the_ray_check_passes_once_something_answers_and_names_the_address_other
         address = f"127.0.0.1:{server.getsockname()[1]}"
         startup.check_ray_address(address, wait_s=0)
     startup.check_ray_address(None, wait_s=0)  # a local Ray: nothing to reach
+    with pytest.raises(ConfigError) as failed:
+        startup.check_ray_address(address, wait_s=0)
+    assert failed.value.variable == "RAY_ADDRESS" and address in str(failed.value)
+
+
+@pytest.mark.parametrize("address", ["a..b:6379", "a" * 64 + ".example:6379"])
+def test_an_address_the_socket_cannot_encode_is_named_not_a_traceback(address):
+    """Found by review: the IDNA codec refuses an empty or over-long host label with
+    UnicodeError, which escaped the probe (it caught OSError only). ``webapp.config`` refuses
+    such an address first; the probe still names it if one comes another way."""
     with pytest.raises(ConfigError) as failed:
         startup.check_ray_address(address, wait_s=0)
     assert failed.value.variable == "RAY_ADDRESS" and address in str(failed.value)

@@ -186,6 +186,36 @@ def test_plan_without_a_feasible_layout_names_the_constraint(tmp_path):
     assert done.returncode == 2 and "gpus: at most 65536 slots" in done.stderr, done.stderr
 
 
+def test_plan_names_a_catalog_number_no_float_holds(tmp_path):
+    """Found by review: a RoPE scaling factor of 401 digits raised OverflowError, a traceback
+    with exit 1."""
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 10**400,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    model = {
+        "vocab_size": 64,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_layers": 2,
+        "num_heads": 4,
+        "num_kv_heads": 4,
+        "rope_scaling": scaling,
+    }
+    catalog = tmp_path / "catalog.json"
+    catalog.write_text(json.dumps({"models": {"m": model}}))
+    done = _run(
+        ["plan", "--catalog", str(catalog), "--model", "m", "--gpus", "2"],
+        live.service_env(tmp_path),
+    )
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith("nereus plan: models.m.rope_scaling.factor: too large for a")
+    assert "Traceback" not in done.stderr
+
+
 def test_simulate_prints_simulated_figures_and_names_bad_input(tmp_path):
     env = live.service_env(tmp_path)
     done = _run(

@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import io
 import json
+import os
 import subprocess
 import sys
 import urllib.request
@@ -330,6 +331,8 @@ def test_a_bad_spec_field_is_named_and_exits_2(service, tmp_path):
         "ftp://example.org",
         "http://",
         "http://exa mple.com",
+        "http://a..b",  # the IDNA codec refuses an empty label and one over 63 characters
+        "http://" + "a" * 64 + ".example",
     ],
 )
 def test_a_malformed_service_url_names_the_variable(url):
@@ -337,6 +340,28 @@ def test_a_malformed_service_url_names_the_variable(url):
         client.ClientConfig.resolve(url=url, token="nrs_x")
     assert info.value.exit_code == client.EXIT_USAGE
     assert "NEREUS_URL (or --url)" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("url", "said"),
+    [
+        ("http://a..b", "'a..b' is not a valid host name"),
+        ("http://" + "a" * 64 + ".example", "is not a valid host name"),
+        ("http://127.0.0.1:9/\u00fc", "cannot send a request to"),  # a path urllib cannot send
+    ],
+)
+def test_a_url_urllib_cannot_encode_exits_2_naming_the_variable(url, said):
+    """Found by review: UnicodeError (the IDNA codec's, or ASCII's for the request line) escaped
+    as a traceback with exit 1, which says the job failed."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("NEREUS_") and k not in PROXY_VARIABLES
+    }
+    done = _run(["status", "1"], {**env, "NEREUS_URL": url, "NEREUS_TOKEN": "nrs_x"})
+    assert done.returncode == client.EXIT_USAGE, done.stderr
+    assert done.stderr.startswith("nereus status: NEREUS_URL (or --url): ") and said in done.stderr
+    _no_traceback(done)
 
 
 def test_a_revoked_token_exits_3_and_so_does_a_role_too_low(service, spec_file):

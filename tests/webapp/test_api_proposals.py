@@ -484,6 +484,45 @@ def test_an_override_plan_with_a_field_the_runtime_does_not_read_is_refused_nami
     assert not Proposal.objects.exists()
 
 
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda plan: plan.__setitem__("job", "a\x00b"), "plan.job: must not contain NUL"),
+        (
+            lambda plan: plan.__setitem__("accelerator", "cpu-slot\x00"),
+            "plan.accelerator: must not contain NUL",
+        ),
+        (
+            lambda plan: plan.__setitem__("models", {"actor": "tiny\x00"}),
+            "plan.models.actor: must not contain NUL",
+        ),
+        (
+            _set_first_stage("breakdown", {"gemm\x00": 1.0}),
+            "plan.model_stages[0].breakdown: a key must not contain NUL",
+        ),
+        (
+            _set_first_stage("name", "actor@generation\x00"),
+            "plan.model_stages[0].name: must not contain NUL",
+        ),
+        (
+            lambda plan: plan["stages"][0].__setitem__("stage", "generation\x00"),
+            "plan.stages[0].stage: must not contain NUL",
+        ),
+    ],
+)
+def test_an_override_plan_with_a_nul_character_is_refused_naming_where(
+    api, project, member, running, change, message
+):
+    """Found by review: PostgreSQL's jsonb cannot hold a NUL, so storing such a plan was a 500
+    (a DataError; SQLite stored it)."""
+    body = {"plan": _tampered(change), "reason": "try it"}
+    response = _override(api(user=member(project, Role.OPERATOR, "pat")), running.pk, body)
+    assert response.status_code == 400, response.content
+    (said,) = _fields(response)["plan"]
+    assert said.startswith(message), said
+    assert not Proposal.objects.exists()
+
+
 def test_an_override_of_an_unknown_or_unseen_job_is_a_404_and_viewers_get_403(
     api, project, other_project, member, running
 ):

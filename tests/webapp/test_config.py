@@ -108,6 +108,41 @@ def test_bad_values_name_their_variable(variable, value, tmp_path):
     assert str(info.value).startswith(f"{variable}: ")
 
 
+@pytest.mark.parametrize(
+    ("variable", "value", "words"),
+    [
+        ("DATABASE_URL", "postgresql://[::1/db", "malformed URL"),
+        ("DATABASE_URL", "postgresql://h/db?conn_max_age=\u00b2", "conn_max_age"),
+        ("DATABASE_URL", "postgresql://h/db?conn_max_age=" + "9" * 5000, "conn_max_age"),
+        ("REDIS_URL", "redis://[::1:6379/0", "malformed URL"),
+        ("REDIS_URL", "redis://127.0.0.1:6379/\u00b2", "database index"),
+        ("REDIS_URL", "redis://a..b:6379/0", "'a..b' is not a valid host name"),
+        ("RAY_ADDRESS", "[::1:6379", "'[::1' is not an IPv6 address in brackets"),
+        ("RAY_ADDRESS", "a..b:6379", "'a..b' is not a valid host name"),
+        ("RAY_ADDRESS", "a" * 64 + ".example:6379", "is not a valid host name"),
+        ("RAY_ADDRESS", "10.0.0.5:\u00b2", "expected HOST:PORT"),
+        ("NEREUS_PRODUCTION", "//[x", "expected one of"),
+    ],
+)
+def test_a_value_the_parsers_raise_on_is_refused_naming_its_variable(
+    variable, value, words, tmp_path
+):
+    """Found by review: ``urlsplit`` (an unclosed ``[``, also inside ``redact`` while the message
+    about a bad NEREUS_PRODUCTION was built), ``int("²")`` (``isdigit`` takes "²") and the IDNA
+    codec (an empty or over-long host label, when a worker or the start-up check connects)
+    raised ValueError or UnicodeError: a traceback and exit 1 instead of a line and exit 2."""
+    with pytest.raises(ConfigError) as info:
+        config.load({variable: value, "NEREUS_VAR_DIR": str(tmp_path)})
+    assert info.value.variable == variable
+    assert str(info.value).startswith(f"{variable}: ") and words in str(info.value)
+    assert len(str(info.value)) < 300
+
+
+def test_a_malformed_url_is_redacted_without_raising():
+    assert config.redact("postgresql://bob:hunter2@[::1/db") == "postgresql://***@[::1/db"
+    assert config.redact("//[x") == "//[x"
+
+
 def test_a_tls_redis_url_is_kept_only_where_celery_can_use_it(tmp_path):
     """Celery's Redis result backend refuses a rediss:// URL without ``ssl_cert_reqs`` (at the
     first task, stopping the worker); the template's URL, which has it, is one Celery takes."""
@@ -170,8 +205,16 @@ def test_local_secret_key_is_stable_across_loads(tmp_path):
     assert first == second and len(first) >= 50
 
 
-def test_a_process_with_a_bad_variable_refuses_to_start(tmp_path):
-    env = {"PATH": "/usr/bin:/bin", "NEREUS_VAR_DIR": str(tmp_path), "DATABASE_URL": "oracle://x/y"}
+@pytest.mark.parametrize(
+    ("database_url", "said"),
+    [
+        ("oracle://x/y", "DATABASE_URL: unsupported scheme"),
+        # Found by review: a ValueError traceback from urlsplit, exit 1, no variable named.
+        ("postgresql://bob:hunter2@[::1/db", "DATABASE_URL: malformed URL"),
+    ],
+)
+def test_a_process_with_a_bad_variable_refuses_to_start(tmp_path, database_url, said):
+    env = {"PATH": "/usr/bin:/bin", "NEREUS_VAR_DIR": str(tmp_path), "DATABASE_URL": database_url}
     done = subprocess.run(
         [sys.executable, str(REPO / "manage.py"), "check"],
         env=env,
@@ -181,8 +224,9 @@ def test_a_process_with_a_bad_variable_refuses_to_start(tmp_path):
         timeout=120,
     )
     assert done.returncode == 2
-    assert done.stderr.startswith("nereus: configuration error: DATABASE_URL: unsupported scheme")
+    assert done.stderr.startswith(f"nereus: configuration error: {said}")
     assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr  # one line
+    assert "hunter2" not in done.stderr
 
 
 def test_production_settings_pass_the_deploy_check(tmp_path):

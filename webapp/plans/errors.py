@@ -15,6 +15,8 @@ COMMENT_REQUIRED = "a comment is required: say why"
 COMMENT_NUL = "must not contain NUL characters"
 COMMENT_TOO_LONG = "at most {most} characters, got {got}"
 PLAN_UNKNOWN_FIELD = "{path}: unknown field"
+PLAN_NUL = "{path}: must not contain NUL characters"
+PLAN_NUL_KEY = "{path}: a key must not contain NUL characters"
 BAD_DECISION = "expected 'approve' or 'reject', got {decision!r}"
 BAD_EVENT = "event.{field}: {problem}"
 

@@ -343,7 +343,33 @@ def _plan_sent(plan: Any) -> dict[str, Any]:
     unknown = _unknown_fields(plan, read, "plan")
     if unknown:
         raise ValidationError({"plan": [errors.PLAN_UNKNOWN_FIELD.format(path=unknown)]})
+    nul = _nul_at(read, "plan")
+    if nul:
+        raise ValidationError({"plan": [nul]})
     return finite(read)
+
+
+def _nul_at(value: Any, path: str) -> str:
+    """Where a string or a key of ``value`` (a parsed plan's JSON: what is stored) holds a NUL
+    character, said as the refusal, or ``""``. PostgreSQL's jsonb cannot store one (SQLite
+    would), so it is refused here, as ``proposal_decide`` refuses it in a comment, rather than
+    a 500 from the database. Here, not in the runtime's ``Plan``: only the service's storage
+    minds it, and a person's plan reaches storage only through this function."""
+    if isinstance(value, str):
+        return errors.PLAN_NUL.format(path=path) if "\x00" in value else ""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if "\x00" in key:
+                return errors.PLAN_NUL_KEY.format(path=path)
+            found = _nul_at(item, f"{path}.{key}")
+            if found:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            found = _nul_at(item, f"{path}[{i}]")
+            if found:
+                return found
+    return ""
 
 
 def _unknown_fields(sent: Any, read: Any, path: str) -> str:

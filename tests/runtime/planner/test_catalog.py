@@ -6,7 +6,7 @@ import json
 import pytest
 
 from runtime.jobs.sft import TinyDecoder
-from runtime.planner.catalog import CatalogError, default_catalog
+from runtime.planner.catalog import Accelerator, CatalogError, ModelConfig, default_catalog
 
 # Totals as published (model cards; safetensors metadata where the card rounds differently).
 PUBLISHED = {
@@ -162,6 +162,42 @@ LLAMA3_SCALING = {
             "accelerators.x.peak_flops: too large for a number",
         ),
         ({"accelerators": {"x": {"peak_flops": "1e999"}}}, "peak_flops: expected a finite number"),
+        # Found by review: rope_scaling is checked by RopeScaling, whose math.isfinite raised
+        # OverflowError on these (a traceback and exit 1 from `nereus plan --catalog`).
+        (
+            {
+                "models": {
+                    "m": {**TINY_ENTRY, "rope_scaling": {**LLAMA3_SCALING, "factor": 10**400}}
+                }
+            },
+            "models.m.rope_scaling.factor: too large for a number (an integer of 1329 bits)",
+        ),
+        (
+            {
+                "models": {
+                    "m": {
+                        **TINY_ENTRY,
+                        "rope_scaling": {**LLAMA3_SCALING, "low_freq_factor": -(10**400)},
+                    }
+                }
+            },
+            "models.m.rope_scaling.low_freq_factor: too large for a number",
+        ),
+        (
+            {
+                "models": {
+                    "m": {
+                        **TINY_ENTRY,
+                        "rope_scaling": {
+                            **LLAMA3_SCALING,
+                            "original_max_position_embeddings": 10**400,
+                        },
+                    }
+                }
+            },
+            "models.m.rope_scaling.original_max_position_embeddings: must be a positive integer "
+            "up to 9007199254740992, got an integer of 1329 bits",
+        ),
     ],
 )
 def test_malformed_files_name_the_field(tmp_path, content, message):
@@ -170,6 +206,43 @@ def test_malformed_files_name_the_field(tmp_path, content, message):
     with pytest.raises(CatalogError) as info:
         default_catalog().extended(path)
     assert message in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"rope_theta": 10**400}, "m.rope_theta: too large for a number"),
+        ({"rope_theta": float("inf")}, "m.rope_theta: must be a finite number, got inf"),
+        ({"rms_norm_eps": 10**400}, "m.rms_norm_eps: too large for a number"),
+        ({"vocab_size": 10**400}, "m.vocab_size: must be a positive integer up to"),
+        (
+            {"rope_scaling": {**LLAMA3_SCALING, "factor": 10**400}},
+            "m.rope_scaling.factor: too large for a number",
+        ),
+    ],
+)
+def test_a_model_from_a_record_refuses_numbers_a_float_cannot_hold(fields, message):
+    """A model built from a JSON record without the file loader's checks (a job's job.json, read
+    by ``nereus export``): found by review, such numbers raised OverflowError, or were taken
+    (an infinite RoPE base), and failed later."""
+    with pytest.raises(CatalogError) as info:
+        ModelConfig(name="m", **{**TINY_ENTRY, **fields})
+    assert str(info.value).startswith(message), info.value
+
+
+def test_an_accelerator_refuses_a_number_a_float_cannot_hold():
+    entry = {
+        "peak_flops": 10**400,
+        "memory_bytes": 1e10,
+        "memory_bandwidth": 1e11,
+        "intra_node_bandwidth": 1e10,
+        "intra_node_latency": 0,
+        "inter_node_bandwidth": 1e9,
+        "inter_node_latency": 0,
+        "gpus_per_node": 8,
+    }
+    with pytest.raises(CatalogError, match=r"^x\.peak_flops: too large for a number"):
+        Accelerator(name="x", **entry)
 
 
 def test_unparseable_and_missing_files(tmp_path):

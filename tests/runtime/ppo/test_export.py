@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from nereus.cli import app
 from runtime import files
-from runtime.planner.catalog import ModelConfig, RopeScaling, default_catalog
+from runtime.planner.catalog import LLAMA_3_1_ROPE, ModelConfig, RopeScaling, default_catalog
 from runtime.ppo import export
 from runtime.ppo.model import build_model
 from runtime.ppo.weights import read_state_dict
@@ -340,6 +340,32 @@ def test_a_job_file_with_bad_fields_is_named(tmp_path, fields, message):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize(
+    ("model", "message"),
+    [
+        ({"rope_theta": 10**400}, "tiny-sft.rope_theta: too large for a number"),
+        (
+            {"rope_scaling": {**LLAMA_3_1_ROPE.to_hf(), "factor": 10**400}},
+            "tiny-sft.rope_scaling.factor: too large for a number",
+        ),
+        ({"vocab_size": 10**400}, "tiny-sft.vocab_size: must be a positive integer up to"),
+    ],
+)
+def test_a_job_file_with_a_model_number_no_float_holds_is_named(tmp_path, model, message):
+    """Found by review: ``ModelConfig(**info["model"])`` raised OverflowError on these (a
+    traceback from ``nereus export``), or took them and failed later."""
+    job_dir = tmp_path / "job"
+    job_dir.mkdir()
+    export.write_job_file(job_dir, TINY)
+    info = json.loads((job_dir / "job.json").read_text())
+    (job_dir / "job.json").write_text(json.dumps({**info, "model": {**info["model"], **model}}))
+    with pytest.raises(
+        export.ExportError, match=rf"^job_dir: .*job\.json is not readable \({message}"
+    ):
+        export.export_job_checkpoint(job_dir, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_failed_swap_puts_the_previous_export_back(tmp_path, monkeypatch):
     folder = export.write_hf_folder(
         tmp_path / "actor", TINY, build_model(TINY, scalar_head=False, seed=1).state_dict()
@@ -433,3 +459,25 @@ def test_a_job_started_from_a_hugging_face_folder_runs_its_rope_numerics(tmp_pat
         (folder / "config.json").write_text(json.dumps({**hf, **change}))
         with pytest.raises(PpoConfigError, match=f"init_from: .*{message}"):
             PpoJobConfig(model="tiny-sft", init_from=str(folder)).model_config()
+
+
+@pytest.mark.parametrize(
+    ("hf", "message"),
+    [
+        ({"rope_theta": 10**400}, "rope_theta: too large for a number"),
+        ({"rms_norm_eps": float("inf")}, "rms_norm_eps: must be a finite number, got inf"),
+        (
+            {"rope_scaling": {**LLAMA_3_1_ROPE.to_hf(), "factor": 10**400}},
+            "rope_scaling.factor: too large for a number",
+        ),
+    ],
+)
+def test_a_hugging_face_config_number_no_float_holds_is_named(tmp_path, hf, message):
+    """Found by review: ``float()`` of a 401-digit ``rope_theta`` and RopeScaling's check raised
+    OverflowError out of the job's configuration; an infinite epsilon (``1e400`` in the file)
+    was taken."""
+    from runtime.ppo.job import PpoConfigError, PpoJobConfig
+
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(PpoConfigError, match=rf"^init_from: .*config\.json {message}"):
+        PpoJobConfig(model="tiny-sft", init_from=str(tmp_path)).model_config()
