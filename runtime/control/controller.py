@@ -449,12 +449,12 @@ class Controller:
         """Learn from the step, fire triggers, and act on the most pressing one."""
         assert self.plan is not None
         self.at_step = report.step
-        for op_class, ideal, measured in report.op_times:
+        for sample in report.samples:
             try:
-                self.calibrator.observe(op_class, ideal_s=ideal, measured_s=measured)
+                self.calibrator.observe_sample(sample)
             except ValueError as exc:
                 logger.info("calibration sample dropped: %s", exc)
-        if report.op_times:
+        if report.samples:
             self._emit_calibration(report)
         triggers: list[Trigger] = []
         # The first step after a transition whose new units joined during it generated on part
@@ -1241,6 +1241,11 @@ class Controller:
         outcome = engine.transition(dag)
         self.transitions += 1
         self.transition_s += outcome.seconds
+        for sample in outcome.samples:
+            try:
+                self.calibrator.observe_sample(sample)
+            except ValueError as exc:
+                logger.info("calibration sample dropped: %s", exc)
         self.emit(
             {
                 "event": "control.transition",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Protocol
 
+from runtime.planner.calibration import Sample
 from runtime.planner.plan import Plan
 from runtime.planner.workload import PpoWorkload
 from runtime.transition.dag import TransitionDag
@@ -27,8 +28,9 @@ class StepReport:
     gen_len: float
     """Mean generated tokens per response this step."""
     stage_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
-    op_times: tuple[tuple[str, float, float], ...] = ()
-    """(operation class, ideal seconds, measured seconds): what calibration learns from."""
+    samples: tuple[Sample, ...] = ()
+    """What calibration learns from: each model-stage's measured seconds beside its classes'
+    ideal seconds (``calibration.samples_from_stages``)."""
     peak_memory: float = 0.0
     """The fullest slot's peak as a fraction of its capacity."""
     failure: str = ""
@@ -51,6 +53,9 @@ class TransitionOutcome:
     rebuild_s: float = 0.0
     """Of ``seconds``, the part spent rebuilding derived model-stages (an engine that rebuilds
     them at the next step instead reports 0 here and the time in that step)."""
+    samples: tuple[Sample, ...] = ()
+    """What calibration learns from: each primitive that ran, its classes' ideal seconds beside
+    its measured time (``Node.sample``)."""
 
 
 class Engine(Protocol):

@@ -396,6 +396,11 @@ class RayEngine:
             units=result.units,
             lost_slots=tuple(result.lost_slots),
             failure=failure,
+            samples=tuple(
+                sample
+                for node in dag.nodes.values()
+                if node.state == "done" and (sample := node.sample()) is not None
+            ),
         )
 
     def build_ahead(

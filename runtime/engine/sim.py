@@ -29,6 +29,7 @@ import random
 from runtime.engine.interface import StepReport, TransitionOutcome
 from runtime.engine.traces import Trace
 from runtime.planner import cost, memory
+from runtime.planner.calibration import TRAINING, samples_from_stages
 from runtime.planner.catalog import Accelerator
 from runtime.planner.cost import DEFAULT_EFFICIENCY
 from runtime.planner.plan import Plan
@@ -65,6 +66,13 @@ class TrueModel:
     """Process start, NCCL/Ray set-up, model load warm-up."""
     storage_bytes_per_s: float = 2e9
     """Checkpoint bandwidth per node."""
+    small_gemm_tokens: float = 256.0
+    """A GEMM over fewer rows runs further from its peak: in training and inference its
+    efficiency is the class's times ``tokens / (tokens + small_gemm_tokens)`` for the tokens of
+    one micro-batch. The planner's model has one GEMM efficiency whatever the micro-batch."""
+    launch_s: float = 40e-6
+    """Fixed seconds per layer, pass and micro-batch in training and inference (an eager step's
+    kernel launches; generation replays captured graphs). The planner's model has none."""
 
     @classmethod
     def draw(cls, seed: int, **overrides) -> TrueModel:
@@ -76,6 +84,25 @@ class TrueModel:
             family.setdefault(name, rng.uniform(0.6, 1.2))
             efficiency[op_class] = min(1.0, default * family[name] * rng.uniform(0.95, 1.05))
         return cls(efficiency=efficiency, **overrides)
+
+    def seconds(self, shape: LayoutShape, *, num_slots: int, at_s: float) -> float:
+        """True seconds of a model-stage's step as ``shape`` runs it at simulated time
+        ``at_s``, noise aside: the cost model's form at the true efficiencies, plus what that
+        form lacks (small GEMMs' lower efficiency, launch overheads), which calibration with one
+        efficiency per class can only average over the plans it has seen."""
+        total, breakdown = cost.predict(
+            shape, num_slots=num_slots, efficiency=self.efficiency_at(at_s)
+        )
+        seconds = float(total[0])
+        ms, w = shape.ms, shape.workload
+        if ms.stage in ("training", "inference"):
+            mb = float(shape.mb[0])
+            seconds += float(breakdown["gemm"][0]) * self.small_gemm_tokens / (mb * w.seq_len)
+            passes = (3 + (1 if w.recompute else 0)) if ms.stage == "training" else 1
+            epochs = w.ppo_epochs if ms.stage == "training" else 1
+            micro = math.ceil(float(shape.batch_per_unit[0]) / mb) * epochs
+            seconds += micro * ms.model.num_layers / shape.pp * passes * self.launch_s
+        return seconds
 
     def efficiency_at(self, seconds: float) -> dict[str, float]:
         """True efficiencies at a simulated time: communication slowed by the interference wave."""
@@ -109,7 +136,13 @@ class SimulatedEngine:
         self.trace = trace
         self.acc = accelerator
         self.truth = truth
-        self.rng = random.Random(seed)
+        self.seed = seed
+        # Each step's draws (its generated length's jitter, its model-stages' noise) come from
+        # a stream of that step alone, so that two policies run on the same trace and seed see
+        # the same step-to-step noise however their plans differ; transitions and builds have
+        # streams of their own.
+        self._transition_rng = random.Random(f"{seed}:transitions")
+        self._build_rng = random.Random(f"{seed}:builds")
         self.clock = 0.0
         self._units: dict = {}
         self._lost: set[int] = set()
@@ -185,25 +218,19 @@ class SimulatedEngine:
                 failure=f"{name}: the unit on slots {list(unit)} is gone (simulated)",
                 simulated=True,
             )
-        gen_len = self.trace.gen_len_at(step) * math.exp(self.rng.gauss(0, 0.02))
+        rng = random.Random(f"{self.seed}:step:{step}")
+        gen_len = self.trace.gen_len_at(step) * math.exp(rng.gauss(0, 0.02))
         now = workload.with_gen_len(max(1, round(gen_len)))
         runs_on, building_s, blocked_s = self._joined(plan, now)
-        eff = self.truth.efficiency_at(self.clock)
         modes = {s.stage: s.mode for s in plan.stages}
         per_stage: dict[str, list[float]] = {}
-        op_times: list[tuple[str, float, float]] = []
+        measured: dict[str, float] = {}  # what the slots time: each model-stage, whole
         peak = 0.0
         for ms in now.model_stages():
             shape = LayoutShape.of_plan(ms, now, self.acc, runs_on)
-            ideal, _ = cost.ideal_breakdown(shape, num_slots=plan.num_slots)
-            total, _ = cost.predict(shape, num_slots=plan.num_slots, efficiency=eff)
-            jitter = math.exp(self.rng.gauss(0, self.truth.noise))
-            per_stage.setdefault(ms.stage, []).append(float(total[0]) * jitter)
-            for op_class, seconds in ideal.items():
-                ideal_s = float(seconds[0])
-                if ideal_s > 0:
-                    measured = ideal_s / eff[op_class] * math.exp(self.rng.gauss(0, 0.03))
-                    op_times.append((op_class, ideal_s, measured))
+            true_s = self.truth.seconds(shape, num_slots=plan.num_slots, at_s=self.clock)
+            measured[ms.name] = true_s * math.exp(rng.gauss(0, self.truth.noise))
+            per_stage.setdefault(ms.stage, []).append(measured[ms.name])
             use = memory.memory_breakdown(shape, num_slots=plan.num_slots)
             scaled = sum(
                 float(v[0]) * (self.truth.memory_factor if k in ("activations", "kv_cache") else 1)
@@ -261,7 +288,15 @@ class SimulatedEngine:
             seconds=seconds,
             gen_len=gen_len,
             stage_seconds=stage_seconds,
-            op_times=tuple(op_times),
+            samples=samples_from_stages(
+                runs_on,
+                now,
+                self.acc,
+                measured=measured,
+                training_s=sum(measured.get(name, 0.0) for name in TRAINING),
+            )
+            if ok
+            else (),
             peak_memory=peak,
             failure=failure,
             simulated=True,
@@ -306,11 +341,20 @@ class SimulatedEngine:
     def transition(self, dag: TransitionDag) -> TransitionOutcome:
         eff = self.truth.efficiency_at(self.clock)
 
+        took_s: dict[str, float] = {}  # each node's true seconds, as the executor times them
+
         def true_seconds(node) -> float:
             predicted = transition_cost.predict(node.primitive, self.acc, eff).seconds
-            return predicted * EMU_OVERHEAD * math.exp(self.rng.gauss(0, self.truth.noise))
+            noise = self._transition_rng.gauss(0, self.truth.noise)
+            took_s[node.node_id] = predicted * EMU_OVERHEAD * math.exp(noise)
+            return took_s[node.node_id]
 
         result = simulate(dag, durations=true_seconds)
+        samples = tuple(
+            sample
+            for node_id, seconds in took_s.items()
+            if result.ok and (sample := dag.nodes[node_id].sample(seconds)) is not None
+        )
         took = {name: self._build_s(name) for name in dag.rebuilds}
         rebuild = dag.rebuild_makespan(took)
         built_here = {
@@ -359,6 +403,7 @@ class SimulatedEngine:
             units=self.units(),
             simulated=True,
             rebuild_s=rebuild,
+            samples=samples,
         )
 
     def build_ahead(
@@ -389,7 +434,7 @@ class SimulatedEngine:
     def _build_s(self, model_stage: str) -> float:
         """The true seconds one unit of ``model_stage`` takes to build now."""
         stage = model_stage.partition("@")[2]
-        noise = math.exp(self.rng.gauss(0, self.truth.noise))
+        noise = math.exp(self._build_rng.gauss(0, self.truth.noise))
         return dict(DEFAULT_REBUILD_S)[stage] * REBUILD_TRUTH * noise
 
     def _learn_build(self, model_stage: str, seconds: float) -> None:

@@ -1,25 +1,40 @@
 """Online calibration: one efficiency per operation class (and link type), learned from the running
 job's measured times.
 
-Each observation is an operation class's ideal seconds (hardware peak, from the cost model) beside
-the seconds the job measured for it; ``ideal / measured`` is a sample of that class's efficiency.
-The estimate is robust to outliers: samples further than 3 scaled median absolute deviations from
-the median (in log space) are dropped and the rest averaged. A class never observed borrows the
-correction (learned / default) of observed classes of the same family (e.g. ``dp_allreduce:intra``
-for ``dp_allreduce:inter``), else of the same link type, else keeps its default. Calibrations are
-saved per job and per cluster kind, so a new job on a known cluster starts from what the last one
-learned.
+A job measures what its slots can time: a whole model-stage (several operation classes run
+together), a transition node, or one class alone. Each measurement is a ``Sample``: the ideal
+seconds of each class in it (hardware peak, from the cost model; the pipeline's stretch
+included) and the seconds it took. The efficiencies are those that best explain every sample in
+the window at once, ``measured = sum(ideal_c / efficiency_c)``, in relative error: a class that runs
+in several model-stages, or in one stage whose mix changes with the generated length or the
+layout, is told apart from the classes it runs with. What the samples cannot tell apart (two
+classes that only ever run together, in the same proportions) keeps the prior's ratio between
+them: the solve moves the efficiencies as little as explaining the samples needs (a least-squares
+fit that leaves the directions the samples do not determine where they were). Samples further
+than 3 scaled median absolute deviations from the fit (in log space) are dropped and the fit made
+again. A class never observed borrows the correction (learned / default) of observed classes of
+the same family (e.g. ``dp_allreduce:intra`` for ``dp_allreduce:inter``), else of the same link
+type, else keeps its default. Calibrations are saved per job and per cluster kind, so a new job
+on a known cluster starts from what the last one learned.
+
+Splitting a model-stage's time among its classes in proportion to their predicted time instead
+gives every class of the stage the same correction: on a cluster whose links are slow and whose
+decode is not, generation's decode is then learned as slow as its tensor-parallel all-reduce, and
+the planner takes more tensor parallelism, the slow thing, to cut decode.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import math
 import os
 import statistics
 from collections.abc import Mapping
 from pathlib import Path
+
+import numpy as np
 
 from runtime.planner import cost
 from runtime.planner.catalog import Accelerator
@@ -30,6 +45,21 @@ from runtime.planner.workload import PpoWorkload
 
 _MAD_SCALE = 1.4826  # MAD of a normal distribution -> its standard deviation
 _OUTLIER_MADS = 3.0
+_RCOND = 0.01
+"""Directions of the fit whose singular value is under this fraction of the largest are not
+determined by the samples (noise would decide them): the fit leaves them where they were."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+    """One measurement: the classes that ran in it, each with its ideal seconds (the pipeline's
+    stretch included), and the seconds they took together."""
+
+    source: str
+    """What was timed (``actor@generation``, ``training``, a transition primitive, a class):
+    the window keeps each source's last measurements."""
+    terms: Mapping[str, float]
+    measured_s: float
 
 
 class Calibrator:
@@ -45,70 +75,94 @@ class Calibrator:
                 raise ValueError(f"prior.{op_class}: must be a number in (0, 1], got {value!r}")
         self.prior = {**DEFAULT_EFFICIENCY, **(prior or {})}
         self.window = window
-        self._samples: dict[str, collections.deque[float]] = {}
+        self._rows: dict[str, collections.deque[tuple[dict[str, float], float]]] = {}
+        self._fit: _Fit | None = None
 
     def observe(self, op_class: str, *, ideal_s: float, measured_s: float) -> None:
-        """Record one measurement of an operation class."""
-        if op_class not in OPERATION_CLASSES:
+        """Record one measurement of an operation class alone."""
+        self.observe_sample(Sample(op_class, {op_class: ideal_s}, measured_s))
+
+    def observe_sample(self, sample: Sample) -> None:
+        """Record one measurement of classes that ran together."""
+        terms = {}
+        for op_class, ideal_s in sample.terms.items():
+            if op_class not in OPERATION_CLASSES:
+                raise ValueError(
+                    f"op_class: unknown {op_class!r}; valid: {', '.join(OPERATION_CLASSES)}"
+                )
+            if not (isinstance(ideal_s, int | float) and math.isfinite(ideal_s) and ideal_s >= 0):
+                raise ValueError(f"ideal_s: {op_class}: must be finite and not negative")
+            if ideal_s > 0:
+                terms[op_class] = float(ideal_s)
+        ideal, measured = sum(terms.values()), sample.measured_s
+        if not (ideal > 0 and measured > 0 and math.isfinite(measured)):
             raise ValueError(
-                f"op_class: unknown {op_class!r}; valid: {', '.join(OPERATION_CLASSES)}"
+                f"measured_s: times must be positive and finite, got {ideal}, {measured}"
             )
-        if not (
-            ideal_s > 0 and measured_s > 0 and math.isfinite(ideal_s) and math.isfinite(measured_s)
-        ):
-            raise ValueError(
-                f"measured_s: times must be positive and finite, got {ideal_s}, {measured_s}"
-            )
-        ratio = math.log(ideal_s) - math.log(measured_s)
-        if abs(ratio) > 50:  # an efficiency of e**±50 is a broken measurement, not a slow cluster
-            raise ValueError(
-                f"measured_s: {measured_s} s against {ideal_s} s ideal is not plausible"
-            )
-        samples = self._samples.setdefault(op_class, collections.deque(maxlen=self.window))
-        samples.append(ratio)
+        if abs(math.log(ideal) - math.log(measured)) > 50:
+            # an efficiency of e**±50 is a broken measurement, not a slow cluster
+            raise ValueError(f"measured_s: {measured} s against {ideal} s ideal is not plausible")
+        rows = self._rows.setdefault(sample.source, collections.deque(maxlen=self.window))
+        rows.append((terms, float(measured)))
+        self._fit = None
 
     def num_samples(self, op_class: str) -> int:
-        return len(self._samples.get(op_class, ()))
+        """Samples in the window in which ``op_class`` ran."""
+        return sum(op_class in terms for rows in self._rows.values() for terms, _ in rows)
 
-    def _estimate(self, op_class: str) -> tuple[float, float] | None:
-        """(log efficiency, robust spread) of an observed class, None if unobserved."""
-        samples = list(self._samples.get(op_class, ()))
-        if not samples:
-            return None
-        center = statistics.median(samples)
-        spread = _MAD_SCALE * statistics.median(abs(s - center) for s in samples)
-        # A floor on the spread (1% in log space) so that identical samples still reject outliers.
-        limit = _OUTLIER_MADS * max(spread, 0.01)
-        kept = [s for s in samples if abs(s - center) <= limit]
-        return statistics.fmean(kept), spread
+    def _fitted(self) -> _Fit:
+        """The fit of every sample in the window, made twice: a class that the samples do not
+        determine (it never took a twentieth of a sample's time) starts the second from what
+        its relatives learned in the first, and stays there."""
+        if self._fit is None:
+            rows = [row for source in self._rows.values() for row in source]
+            first = _fit(rows, self.prior)
+            self._fit = _fit(rows, self._borrowed(first))
+        return self._fit
 
-    def efficiency(self) -> dict[str, float]:
-        """The calibrated efficiency of every operation class."""
-        learned = {c: e[0] for c in OPERATION_CLASSES if (e := self._estimate(c)) is not None}
-        corrections = {c: v - math.log(self.prior[c]) for c, v in learned.items()}
+    def _borrowed(self, fit: _Fit) -> dict[str, float]:
+        """Each class's efficiency where ``fit`` determined it, else its prior shifted by the
+        mean correction (learned / prior) of the determined classes of its family and link
+        (``dp_allreduce:intra`` for ``dp_allreduce:inter``), else of its link, else none."""
+        corrections = {
+            c: v - math.log(self.prior[c])
+            for c, v in fit.log_efficiency.items()
+            if c in fit.determined
+        }
         out = {}
         for op_class in OPERATION_CLASSES:
-            if op_class in learned:
-                out[op_class] = math.exp(learned[op_class])
+            if op_class in corrections:
+                out[op_class] = math.exp(fit.log_efficiency[op_class])
                 continue
             family, _, link = op_class.partition(":")
             related = [v for c, v in corrections.items() if c.partition(":")[0] == family and link]
             if not related and link:
                 related = [v for c, v in corrections.items() if c.partition(":")[2] == link]
             shift = statistics.fmean(related) if related else 0.0
-            out[op_class] = self.prior[op_class] * math.exp(shift)
+            out[op_class] = min(1.0, self.prior[op_class] * math.exp(shift))
+        return out
+
+    def efficiency(self) -> dict[str, float]:
+        """The calibrated efficiency of every operation class."""
+        fit = self._fitted()
+        out = self._borrowed(fit)
+        out.update({c: math.exp(v) for c, v in fit.log_efficiency.items()})
         return {c: min(v, 1.0) for c, v in out.items()}
 
     def confidence(self) -> dict[str, float]:
-        """0 for a class never observed, towards 1 with many consistent observations."""
+        """0 for a class never observed, towards 1 with many samples that the fit explains well
+        and in which the class takes a real share of the time."""
+        fit = self._fitted()
         out = {}
         for op_class in OPERATION_CLASSES:
-            estimate = self._estimate(op_class)
-            if estimate is None:
+            residuals = fit.residuals.get(op_class)
+            if not residuals:
                 out[op_class] = 0.0
                 continue
-            n = self.num_samples(op_class)
-            out[op_class] = round(n / (n + 2) / (1.0 + 10.0 * estimate[1]), 4)
+            n = len(residuals)
+            center = statistics.median(residuals)
+            spread = _MAD_SCALE * statistics.median(abs(r - center) for r in residuals)
+            out[op_class] = round(n / (n + 2) / (1.0 + 10.0 * spread), 4)
         return out
 
     # --- persistence ----------------------------------------------------------------------------
@@ -117,20 +171,33 @@ class Calibrator:
         return {
             "prior": self.prior,
             "window": self.window,
-            "samples": {c: list(s) for c, s in self._samples.items()},
+            "rows": {
+                source: [[terms, measured] for terms, measured in rows]
+                for source, rows in self._rows.items()
+            },
         }
 
     @classmethod
     def from_json(cls, data: Mapping) -> Calibrator:
         try:
             calibrator = cls(prior=data["prior"], window=data["window"])
-            for op_class, samples in data["samples"].items():
+            # Files written before samples of several classes: one log ratio per sample.
+            for op_class, samples in data.get("samples", {}).items():
                 if op_class not in OPERATION_CLASSES:
                     raise ValueError(f"samples.{op_class}: unknown operation class")
                 values = [float(s) for s in samples]
-                if not all(math.isfinite(v) for v in values):
+                if not all(math.isfinite(v) and abs(v) <= 50 for v in values):
                     raise ValueError(f"samples.{op_class}: values must be finite")
-                calibrator._samples[op_class] = collections.deque(values, maxlen=calibrator.window)
+                for ratio in values:
+                    calibrator.observe(op_class, ideal_s=1.0, measured_s=math.exp(-ratio))
+            for source, rows in data.get("rows", {}).items():
+                for i, row in enumerate(rows):
+                    if not (isinstance(row, list) and len(row) == 2 and isinstance(row[0], dict)):
+                        raise ValueError(f"rows.{source}[{i}]: must be [terms, measured seconds]")
+                    try:
+                        calibrator.observe_sample(Sample(str(source), row[0], float(row[1])))
+                    except ValueError as exc:
+                        raise ValueError(f"rows.{source}[{i}]: {exc}") from None
         except (KeyError, TypeError) as exc:
             raise ValueError(f"calibration: malformed file ({exc})") from None
         return calibrator
@@ -151,6 +218,84 @@ class Calibrator:
         return cls.from_json(json.loads(Path(path).read_text()))
 
 
+@dataclasses.dataclass(frozen=True)
+class _Fit:
+    log_efficiency: dict[str, float]
+    """Of each class some kept sample ran."""
+    determined: frozenset[str]
+    """The classes that took a twentieth or more of some kept sample's time."""
+    residuals: dict[str, list[float]]
+    """Of each class, the fit's log residual in each kept sample where it took a tenth of the
+    time or more."""
+
+
+def _fit(rows: list[tuple[dict[str, float], float]], start: Mapping[str, float]) -> _Fit:
+    """The efficiencies that best explain ``rows`` (least squares of the log of predicted over
+    measured seconds, from ``start``, leaving the directions the rows do not determine there),
+    the outliers of a first fit dropped."""
+    if not rows:
+        return _Fit({}, frozenset(), {})
+    classes = sorted({c for terms, _ in rows for c in terms})
+    column = {c: i for i, c in enumerate(classes)}
+    ideal = np.zeros((len(rows), len(classes)))
+    for j, (terms, _) in enumerate(rows):
+        for op_class, seconds in terms.items():
+            ideal[j, column[op_class]] = seconds
+    measured = np.log([m for _, m in rows])
+    begin = np.array([-math.log(start[c]) for c in classes])  # log(1 / efficiency)
+    slowness = _solve(ideal, measured, begin)
+    residual = np.log(ideal @ np.exp(slowness)) - measured
+    center = float(np.median(residual))
+    spread = _MAD_SCALE * float(np.median(np.abs(residual - center)))
+    kept = np.abs(residual - center) <= _OUTLIER_MADS * max(spread, 0.01)
+    if not kept.all():
+        ideal, measured = ideal[kept], measured[kept]
+        seen = ideal.any(axis=0)  # a class only the outliers ran is not learned
+        ideal, begin = ideal[:, seen], begin[seen]
+        classes = [c for c, s in zip(classes, seen, strict=True) if s]
+        slowness = _solve(ideal, measured, begin)
+        residual = np.log(ideal @ np.exp(slowness)) - measured
+    time = ideal * np.exp(slowness)
+    shares = time / time.sum(axis=1, keepdims=True)
+    return _Fit(
+        log_efficiency={c: -float(v) for c, v in zip(classes, slowness, strict=True)},
+        determined=frozenset(c for i, c in enumerate(classes) if shares[:, i].max() >= 0.05),
+        residuals={
+            c: [float(r) for r in residual[shares[:, i] >= 0.1]] for i, c in enumerate(classes)
+        },
+    )
+
+
+def _solve(ideal: np.ndarray, measured: np.ndarray, start: np.ndarray) -> np.ndarray:
+    """Gauss-Newton on ``log(ideal @ exp(y)) = measured`` from ``start``, with ``y >= 0`` (no
+    efficiency above 1): each step is the least-squares step of least length, cut where it
+    would not lower the error."""
+    y = start.copy()
+
+    def error(at):
+        return float(np.sum((np.log(ideal @ np.exp(at)) - measured) ** 2))
+
+    current = error(y)
+    for _ in range(50):
+        time = ideal * np.exp(y)
+        predicted = time.sum(axis=1)
+        jacobian = time / predicted[:, None]  # each class's share of its sample's time
+        step = np.linalg.lstsq(jacobian, measured - np.log(predicted), rcond=_RCOND)[0]
+        scale = 1.0
+        while scale > 1e-4:
+            trial = np.maximum(y + scale * step, 0.0)
+            if (value := error(trial)) < current:
+                break
+            scale /= 2
+        else:
+            break
+        moved = float(np.max(np.abs(trial - y)))
+        y, current = trial, value
+        if moved < 1e-9:
+            break
+    return y
+
+
 TRAINING = ("actor@training", "critic@training")
 
 
@@ -161,36 +306,32 @@ def samples_from_stages(
     *,
     measured: Mapping[str, float],
     training_s: float,
-) -> tuple[tuple[str, float, float], ...]:
-    """(operation class, ideal seconds, measured seconds) samples from a step's measured seconds
-    per model-stage (``measured``; the two training models, which update in the same calls, are
-    timed together as ``training_s``), at ``workload`` (the step's own generated length).
-
-    Slots time model-stages, not operations: a model-stage's measured time is shared among its
-    classes in proportion to the time the cost model gives them at one efficiency, the 1F1B
-    bubble included (it stretches the classes inside the pipeline); each class's sample is its
-    share net of the bubble, which ``cost.predict`` adds back. A job that runs exactly as the
-    cost model says at one efficiency is learned exactly, at any pipeline degree."""
-    ideal: dict[str, dict[str, float]] = {}
-    stretched: dict[str, float] = {}  # the model-stage's ideal seconds, bubble included
+) -> tuple[Sample, ...]:
+    """Calibration samples from a step's measured seconds per model-stage (``measured``; the two
+    training models, which update in the same calls, are timed together as ``training_s``), at
+    ``workload`` (the step's own generated length): one per model-stage timed, its classes'
+    ideal seconds with the 1F1B bubble's stretch on those inside the pipeline, as
+    ``cost.predict`` adds it. A job that runs exactly as the cost model says is learned exactly,
+    at any pipeline degree."""
+    terms: dict[str, dict[str, float]] = {}
     for ms in workload.model_stages():
         shape = LayoutShape.of_plan(ms, workload, accelerator, plan)
         seconds, stretches = cost.ideal_breakdown(shape, num_slots=plan.num_slots)
         stretch = float(stretches[0])
-        ideal[ms.name] = {op: float(v[0]) for op, v in seconds.items() if float(v[0]) > 0}
-        stretched[ms.name] = sum(
-            s * (stretch if cost.in_pipeline(op) else 1.0) for op, s in ideal[ms.name].items()
-        )
-    measured = {k: v for k, v in measured.items() if k not in TRAINING}
-    training = sum(stretched[name] for name in TRAINING)
+        terms[ms.name] = {
+            op: float(v[0]) * (stretch if cost.in_pipeline(op) else 1.0)
+            for op, v in seconds.items()
+            if float(v[0]) > 0
+        }
+    training: dict[str, float] = {}
     for name in TRAINING:
-        share = stretched[name] / training if training > 0 else 0.5
-        measured[name] = training_s * share
-    out = []
-    for name, ops in ideal.items():
-        if stretched[name] <= 0 or name not in measured:
-            continue
-        out += [(op, s, measured[name] * s / stretched[name]) for op, s in ops.items()]
+        for op, s in terms.pop(name, {}).items():
+            training[op] = training.get(op, 0.0) + s
+    out = [
+        Sample(name, ops, measured[name]) for name, ops in terms.items() if ops and name in measured
+    ]
+    if training and training_s > 0:
+        out.append(Sample("training", training, training_s))
     return tuple(out)
 
 

@@ -761,7 +761,7 @@ class PpoRuntime:
             **totals,
         )
         self.stats.append(stats)
-        op_times = self._op_times(ran, workload, stage_s["training"])
+        samples = self._samples(ran, workload, stage_s["training"])
         self.state.next_step = step + 1
         self.state.kl_coef = self.kl.value
         peak = max(m["peak_bytes"] for m in self._memory(engine))
@@ -777,7 +777,7 @@ class PpoRuntime:
             gen_len=float(lengths.mean()),
             stage_seconds=stage_s,
             peak_memory=peak / default_catalog().accelerator(plan.accelerator).memory_bytes,
-            op_times=op_times,
+            samples=samples,
             rebuild_seconds=rebuild_s,
             extra={
                 "stats": stats.to_json(),
@@ -787,7 +787,7 @@ class PpoRuntime:
             },
         )
 
-    def _op_times(self, plan: Plan, workload: PpoWorkload, training_s: float):
+    def _samples(self, plan: Plan, workload: PpoWorkload, training_s: float):
         """Calibration samples of this step (see ``calibration.samples_from_stages``): at the
         length it generated."""
         measured = dict(self._measured)

@@ -19,6 +19,8 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from runtime.emu.primitives import Destroy, Extend, Merge, Primitive, Split, Unit
+from runtime.planner.calibration import Sample
+from runtime.transition.cost import OVERHEAD_S
 
 STAGE_ORDER = {"generation": 0, "inference": 1, "training": 2}
 NODE_STATES = ("pending", "running", "done", "failed", "skipped")
@@ -75,6 +77,15 @@ class Node:
         if self.started_s is None or self.finished_s is None:
             return None
         return self.finished_s - self.started_s
+
+    def sample(self, seconds: float | None = None) -> Sample | None:
+        """What calibration learns from this node having taken ``seconds`` (default: what it
+        took): its classes' ideal seconds beside that time, net of the fixed overhead the cost
+        model adds to every primitive; None for a node without classes or without a time."""
+        seconds = self.actual_s if seconds is None else seconds
+        if not self.ideal_s or seconds is None or seconds <= OVERHEAD_S:
+            return None
+        return Sample(f"transition.{self.kind}", dict(self.ideal_s), seconds - OVERHEAD_S)
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -22,7 +22,6 @@ from runtime.emu.engine import UnitEngine
 from runtime.emu.primitives import Destroy, Extend, Merge, Split, Unit
 from runtime.engine.slots import SlotError
 from runtime.planner.calibration import Calibrator
-from runtime.transition.cost import OVERHEAD_S
 from runtime.transition.dag import Node, TransitionDag
 
 logger = logging.getLogger(__name__)
@@ -212,20 +211,13 @@ class Executor:
         node.actual_bytes = report.bytes_moved
 
     def _calibrate(self, node: Node) -> None:
-        """Feed the measured time back, split over the node's classes as the prediction was."""
-        if self.calibrator is None or not node.ideal_s or node.actual_s is None:
+        """Feed the node's measured time back: one sample of the classes it ran."""
+        if self.calibrator is None or (sample := node.sample()) is None:
             return
-        predicted = node.predicted_s - OVERHEAD_S
-        measured = node.actual_s - OVERHEAD_S
-        if predicted <= 0 or measured <= 0:
-            return
-        eff = self.calibrator.efficiency()
-        for op_class, ideal in node.ideal_s.items():
-            share = ideal / eff[op_class] / predicted
-            try:
-                self.calibrator.observe(op_class, ideal_s=ideal, measured_s=measured * share)
-            except ValueError as exc:  # an implausible sample is dropped, never fatal
-                logger.info("calibration sample dropped: %s", exc)
+        try:
+            self.calibrator.observe_sample(sample)
+        except ValueError as exc:  # an implausible sample is dropped, never fatal
+            logger.info("calibration sample dropped: %s", exc)
 
     # --- state ----------------------------------------------------------------------------------
 

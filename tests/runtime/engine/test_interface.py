@@ -97,9 +97,30 @@ def test_the_simulated_step_is_labelled_and_calibratable():
     engine.start(FIRST, WORKLOAD)
     report = engine.step(FIRST, WORKLOAD, 0)
     assert report.ok and report.simulated and report.seconds > 0
-    assert report.op_times and all(ideal > 0 and real > 0 for _, ideal, real in report.op_times)
+    assert report.samples and all(
+        s.measured_s > 0 and s.terms and min(s.terms.values()) > 0 for s in report.samples
+    )
     assert abs(report.gen_len - 64) / 64 < 0.1
     assert engine.now() == pytest.approx(report.seconds)
+
+
+def test_a_step_draws_the_same_noise_whatever_ran_before_it():
+    """Two policies compared on one trace and seed see the same generated lengths and the same
+    model-stage noise at each step, however their plans and transitions differ (one stream of
+    draws per step; found by review: one shared stream made the lengths diverge once the plans
+    did, and the comparison measured the noise)."""
+    trace = Trace(name="flat", steps=10, accelerator=ACC.name, gpus=SLOTS, gen_len=((0, 64.0),))
+    truth = TrueModel.draw(1, interference=0.0)  # the same efficiencies at any clock
+    one = SimulatedEngine(trace, ACC, truth=truth, seed=5)
+    other = SimulatedEngine(trace, ACC, truth=truth, seed=5)
+    one.start(FIRST, WORKLOAD)
+    other.start(SECOND, WORKLOAD)
+    for step in range(3):  # a different history: other steps, on another plan
+        one.step(FIRST, WORKLOAD, step)
+    a, b = one.step(FIRST, WORKLOAD, 3), other.step(SECOND, WORKLOAD, 3)
+    assert a.gen_len == b.gen_len
+    assert a.stage_seconds["inference"] == pytest.approx(b.stage_seconds["inference"])
+    assert other.step(SECOND, WORKLOAD, 4).gen_len != b.gen_len  # and each step its own
 
 
 def _simulated(gen_len, *, checkpoint_every=3) -> SimulatedEngine:
@@ -157,3 +178,23 @@ def test_a_restart_without_an_intact_copy_redoes_the_steps_since_the_checkpoint(
 def test_checkpoint_every_is_checked():
     with pytest.raises(ValueError, match="checkpoint_every: must be at least 1"):
         _simulated(((0, 64.0),), checkpoint_every=0)
+
+
+def test_the_true_model_is_not_the_planners_at_any_efficiencies():
+    """Calibration learns one efficiency per class; the simulated truth also has what that form
+    lacks (small GEMMs run further from peak, eager steps pay launches per micro-batch), so a
+    planner given the true efficiencies still misprices micro-batches: smaller ones more."""
+    from runtime.planner.cost import predict
+    from runtime.planner.shapes import LayoutShape
+
+    acc = CATALOG.accelerator("h100-sxm")
+    workload = PpoWorkload.for_model(CATALOG.model("llama-3.1-8b"), gen_len=1024, micro_batch=4)
+    truth = TrueModel.draw(2, interference=0.0)
+    ms = next(m for m in workload.model_stages() if m.name == "actor@training")
+
+    def excess(micro_batch: int) -> float:
+        shape = LayoutShape.of_layout(ms, workload, acc, Layout(dp=8, tp=1, pp=1), micro_batch)
+        planned = float(predict(shape, num_slots=8, efficiency=truth.efficiency)[0][0])
+        return truth.seconds(shape, num_slots=8, at_s=0.0) / planned - 1
+
+    assert 0 < excess(4) < excess(1)

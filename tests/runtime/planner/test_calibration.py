@@ -174,12 +174,114 @@ def test_samples_from_model_stage_times_learn_the_truth_at_any_pipeline_degree(p
     measured = seconds(truth)
     training_s = measured["actor@training"] + measured["critic@training"]
     calibrator = Calibrator()
-    for op_class, ideal_s, measured_s in samples_from_stages(
+    for sample in samples_from_stages(
         plan_, workload, acc, measured=measured, training_s=training_s
     ):
-        calibrator.observe(op_class, ideal_s=ideal_s, measured_s=measured_s)
+        calibrator.observe_sample(sample)
     learned = calibrator.efficiency()
-    assert learned["gemm"] == pytest.approx(0.37, rel=1e-9)
+    assert learned["gemm"] == pytest.approx(0.37, rel=0.01)
     calibrated = seconds(learned)
     for name, real in measured.items():
-        assert calibrated[name] == pytest.approx(real, rel=1e-6), name
+        assert calibrated[name] == pytest.approx(real, rel=0.01), name
+
+
+def test_classes_timed_together_are_told_apart_by_their_mixes():
+    """A slot times a model-stage, not its classes: two stages that run the same classes in
+    other proportions determine each class's efficiency. Splitting each stage's time in
+    proportion to the prediction (the earlier rule) gives both classes of a stage one
+    correction, and cannot learn these."""
+    from runtime.planner.calibration import Sample
+
+    truth = {"gemm": 0.5, "tp_allreduce:intra": 0.1}
+    mixes = {
+        "inference": {"gemm": 1.0, "tp_allreduce:intra": 0.1},
+        "generation": {"gemm": 0.2, "tp_allreduce:intra": 1.0},
+    }
+    calibrator = Calibrator()
+    for _ in range(3):
+        for source, terms in mixes.items():
+            measured = sum(s / truth[c] for c, s in terms.items())
+            calibrator.observe_sample(Sample(source, terms, measured))
+    learned = calibrator.efficiency()
+    assert learned["gemm"] == pytest.approx(0.5, rel=1e-6)
+    assert learned["tp_allreduce:intra"] == pytest.approx(0.1, rel=1e-6)
+    assert calibrator.confidence()["tp_allreduce:intra"] > 0
+
+
+def test_what_the_samples_cannot_tell_apart_keeps_the_prior_ratio():
+    """One mix, always in the same proportions: the samples fix the mix's total, not how it
+    divides; the fit moves the efficiencies as little as that needs, and stays at or under 1."""
+    from runtime.planner.calibration import Sample
+
+    terms = {"decode": 1.0, "tp_allreduce:intra": 1.0}
+    prior_s = sum(s / DEFAULT_EFFICIENCY[c] for c, s in terms.items())
+    calibrator = Calibrator()
+    for _ in range(4):
+        calibrator.observe_sample(Sample("actor@generation", terms, 2 * prior_s))
+    learned = calibrator.efficiency()
+    assert sum(s / learned[c] for c, s in terms.items()) == pytest.approx(2 * prior_s, rel=1e-6)
+    assert all(0 < learned[c] < DEFAULT_EFFICIENCY[c] for c in terms)  # both slower, neither alone
+    fast = Calibrator()
+    for _ in range(4):
+        fast.observe_sample(Sample("actor@generation", terms, 0.2 * prior_s))
+    assert max(fast.efficiency().values()) <= 1.0
+
+
+def test_model_stage_times_calibrate_where_classes_differ_from_their_defaults_unevenly():
+    """What a real job measures (each model-stage's seconds, the training models together) on a
+    cluster whose links are slow and whose arithmetic is not, at the lengths a run goes through:
+    the running plan is then predicted within 5%, and the plan picked is within 10% of the
+    truth's best (what one plan's stages never tell apart keeps its prior: here decode, which
+    runs only beside generation's all-reduce, in proportions the length does not change).
+    Splitting each stage's time in proportion to the prediction, one sample per class, predicts
+    the running plan 15% fast and keeps it, 47% slower than the best."""
+    from runtime.planner.calibration import samples_from_stages
+    from runtime.planner.cost import predict
+
+    acc = CATALOG.accelerator("a100-80gb")
+    workload = PpoWorkload.for_model(CATALOG.model("llama-3.1-8b"), gen_len=2048)
+    truth = dict(DEFAULT_EFFICIENCY)
+    for op_class in OPERATION_CLASSES:
+        if op_class.partition(":")[2]:  # every link class at a tenth of its default
+            truth[op_class] = DEFAULT_EFFICIENCY[op_class] * 0.1
+    running = plan(workload, acc, 32, num_alternatives=0).best
+    calibrator = Calibrator()
+    rng = random.Random(4)
+    for step in range(16):
+        now = workload.with_gen_len(int(2048 * (0.8 + 0.4 * step / 15)))
+        measured = {
+            ms.name: float(
+                predict(LayoutShape.of_plan(ms, now, acc, running), num_slots=32, efficiency=truth)[
+                    0
+                ][0]
+            )
+            * math.exp(rng.gauss(0, 0.03))
+            for ms in now.model_stages()
+        }
+        training_s = measured["actor@training"] + measured["critic@training"]
+        for sample in samples_from_stages(
+            running, now, acc, measured=measured, training_s=training_s
+        ):
+            calibrator.observe_sample(sample)
+    calibrated = calibrator.efficiency()
+    true_running = price_plan(running, workload, acc, efficiency=truth)
+    assert price_plan(running, workload, acc, efficiency=calibrated) == pytest.approx(
+        true_running, rel=0.05
+    )
+    picked = plan(workload, acc, 32, efficiency=calibrated, num_alternatives=0).best
+    optimum = plan(workload, acc, 32, efficiency=truth, num_alternatives=0).best
+    assert price_plan(picked, workload, acc, efficiency=truth) <= 1.10 * optimum.predicted_step_s
+
+
+def test_a_malformed_sample_in_a_file_is_refused_naming_it(tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text('{"prior": {}, "window": 8, "rows": {"training": [[{"gemm": 1.0}]]}}')
+    with pytest.raises(ValueError, match=r"rows\.training\[0\]: must be \[terms, measured"):
+        Calibrator.load(path)
+    path.write_text('{"prior": {}, "window": 8, "rows": {"training": [[{"gemm": -1}, 2.0]]}}')
+    with pytest.raises(ValueError, match=r"rows\.training\[0\]: ideal_s: gemm"):
+        Calibrator.load(path)
+    calibrator = Calibrator()
+    calibrator.observe("gemm", ideal_s=1.0, measured_s=2.0)
+    calibrator.save(path)
+    assert Calibrator.load(path).efficiency() == calibrator.efficiency()
