@@ -149,7 +149,11 @@ def simulate(
         return 2
     if events_file:
         try:
-            Path(events_file).write_text("\n".join(json.dumps(e) for e in controller.events) + "\n")
+            # Every line says it is simulated, the plans and decisions too, not only the steps
+            # and transitions that the engine labels: a line read alone must not pass for a
+            # real job's.
+            lines = (json.dumps({**e, "simulated": True}) for e in controller.events)
+            Path(events_file).write_text("\n".join(lines) + "\n")
         except OSError as exc:
             typer.echo(f"nereus simulate: --events: cannot write {events_file}: {exc}", err=True)
             return 2

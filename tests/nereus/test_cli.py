@@ -226,8 +226,13 @@ def test_simulate_prints_simulated_figures_and_names_bad_input(tmp_path):
     assert data["simulated"] is True and data["steps"] == 20 and data["mean_step_s"] > 0
     assert 0 <= data["built_ahead"] <= data["transitions"]
     assert 0 <= data["joined"] <= data["transitions"]
-    text = _run(["simulate", "--trace", "gen:growth", "--gpus", "16", "--steps", "5"], env)
+    events = tmp_path / "events.jsonl"
+    short = ["simulate", "--trace", "gen:growth", "--gpus", "16", "--steps", "5"]
+    text = _run([*short, "--events", str(events)], env)
     assert text.stdout.startswith("SIMULATED:")
+    lines = [json.loads(line) for line in events.read_text().splitlines()]
+    assert {e["event"] for e in lines} >= {"control.plan", "step"}
+    assert all(e["simulated"] is True for e in lines)  # the plans and decisions too
     trace = tmp_path / "bad.jsonl"
     trace.write_text(
         '{"trace": "t", "version": 1, "steps": 5, "accelerator": "h100-sxm", "gpus": 8}\n'
