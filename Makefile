@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml
 KERNEL_SOURCES := $(shell find csrc -name '*.h' -o -name '*.cuh' -o -name '*.cpp' -o -name '*.cu')
 KERNEL_STAMP := build/kernels/.built
 
-$(KERNEL_STAMP): $(STAMP) $(KERNEL_SOURCES)
+$(KERNEL_STAMP): $(STAMP) $(KERNEL_SOURCES) runtime/kernels/build.py
 	$(BIN)/python -m runtime.kernels.build || echo "kernels: using the pure-PyTorch fallback"
 	@mkdir -p $(dir $@) && touch $@
 

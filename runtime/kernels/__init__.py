@@ -85,6 +85,11 @@ def _stale_because(path) -> str:
         return f"built for torch {built_for}, this is torch {torch.__version__}"
     if paths.CSRC.is_dir() and paths.source_digest() != built_from:
         return "csrc/ changed since it was built"
+    from runtime.kernels.build import compile_flags
+
+    flags = " ".join(compile_flags())
+    if record.get("flags") != flags:
+        return f"built with flags {record.get('flags')!r}, this build uses {flags!r}"
     return ""
 
 

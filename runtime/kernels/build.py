@@ -44,6 +44,16 @@ def builds_device_kernels(
     return bool((cuda and cuda_home) or (hip and rocm_home))
 
 
+def compile_flags() -> list[str]:
+    """The C++ flags: optimized, and OpenMP where ATen's parallel backend is OpenMP (its
+    default). ``at::parallel_for`` is a header template whose ``#pragma omp parallel`` is
+    compiled into the extension: without ``-fopenmp`` the pragma is ignored and every CPU kernel
+    runs on one thread, while torch's own copies use them all."""
+    import torch
+
+    return ["-O3", "-fopenmp"] if torch._C.has_openmp else ["-O3"]
+
+
 def build(*, verbose: bool = False) -> Path:
     """Compile (or reuse an up-to-date build of) the kernels; returns the shared library's path."""
     from torch.utils import cpp_extension
@@ -56,7 +66,8 @@ def build(*, verbose: bool = False) -> Path:
         name=paths.NAME,
         sources=files,
         build_directory=str(paths.BUILD_DIR),
-        extra_cflags=["-O3"],
+        extra_cflags=compile_flags(),
+        extra_ldflags=["-fopenmp"] if "-fopenmp" in compile_flags() else [],
         extra_cuda_cflags=["-O3"],
         is_python_module=False,
         with_cuda=any(f.endswith(".cu") for f in files),
@@ -70,7 +81,11 @@ def stamp() -> dict[str, str]:
     """What a library built now is built from (compared with the record when it is loaded)."""
     import torch
 
-    return {"sources": paths.source_digest(), "torch": torch.__version__}
+    return {
+        "sources": paths.source_digest(),
+        "torch": torch.__version__,
+        "flags": " ".join(compile_flags()),
+    }
 
 
 def main() -> int:

@@ -59,6 +59,7 @@ def test_a_library_that_will_not_load_says_why(elsewhere):
         ("source", "csrc/ changed since it was built"),
         ("torch", "built for torch 0.0.1, this is torch"),
         ("record", "no record of what nereus_kernels.so was built from"),
+        ("flags", "built with flags '-O3', this build uses"),
     ],
 )
 def test_a_stale_library_is_not_loaded_and_says_so(elsewhere, change, why):
@@ -70,6 +71,10 @@ def test_a_stale_library_is_not_loaded_and_says_so(elsewhere, change, why):
         )
     elif change == "torch":
         record["torch"] = "0.0.1"
+    elif change == "flags":
+        if "-fopenmp" not in build.compile_flags():
+            pytest.skip("this torch has no OpenMP: its flags are -O3 alone")  # not in CI's
+        record["flags"] = "-O3"  # a library built before the kernels were parallel
     _library(None if change == "record" else record)
     status = kernels.library_status()
     # Not even tried: the loader would have said the file is no library ("failed").
@@ -109,6 +114,16 @@ def test_the_build_records_what_it_built_from_only_when_it_succeeds(elsewhere, m
 def test_the_library_in_use_matches_its_record():
     require(kernels.library_status().state == "compiled", "the kernels are not compiled here")
     assert json.loads(paths.stamp_path().read_text()) == build.stamp()
+
+
+def test_the_cpu_kernels_run_on_atens_threads():
+    """``at::parallel_for`` compiles its ``#pragma omp parallel`` into the extension: built
+    without ``-fopenmp`` the pragma was ignored and every CPU kernel ran on one thread (found by
+    comparing pack's throughput with torch's own copy). A library parallel with OpenMP calls
+    libgomp's entry point for a parallel region."""
+    require(kernels.library_status().state == "compiled", "the kernels are not compiled here")
+    require(torch._C.has_openmp, "this torch's parallel backend is not OpenMP")
+    assert b"GOMP_parallel" in paths.library_path().read_bytes()
 
 
 def test_doctor_says_when_a_gpu_has_no_compiled_kernels(monkeypatch):
