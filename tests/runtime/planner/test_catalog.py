@@ -230,17 +230,21 @@ def test_a_model_from_a_record_refuses_numbers_a_float_cannot_hold(fields, messa
     assert str(info.value).startswith(message), info.value
 
 
+ACCELERATOR_ENTRY = {
+    "peak_flops": 1e12,
+    "memory_bytes": 1e10,
+    "memory_bandwidth": 1e11,
+    "intra_node_bandwidth": 1e10,
+    "intra_node_latency": 0,
+    "inter_node_bandwidth": 1e9,
+    "inter_node_latency": 0,
+    "gpus_per_node": 8,
+}
+"""A valid accelerator's fields, for the tests to spoil one."""
+
+
 def test_an_accelerator_refuses_a_number_a_float_cannot_hold():
-    entry = {
-        "peak_flops": 10**400,
-        "memory_bytes": 1e10,
-        "memory_bandwidth": 1e11,
-        "intra_node_bandwidth": 1e10,
-        "intra_node_latency": 0,
-        "inter_node_bandwidth": 1e9,
-        "inter_node_latency": 0,
-        "gpus_per_node": 8,
-    }
+    entry = {**ACCELERATOR_ENTRY, "peak_flops": 10**400}
     with pytest.raises(CatalogError, match=r"^x\.peak_flops: too large for a number"):
         Accelerator(name="x", **entry)
 
@@ -260,16 +264,7 @@ def test_unparseable_and_missing_files(tmp_path):
 
 def test_gpus_per_node_must_be_a_power_of_two(tmp_path):
     path = tmp_path / "odd.json"
-    entry = {
-        "peak_flops": 1e12,
-        "memory_bytes": 1e10,
-        "memory_bandwidth": 1e11,
-        "intra_node_bandwidth": 1e10,
-        "intra_node_latency": 0,
-        "inter_node_bandwidth": 1e9,
-        "inter_node_latency": 0,
-        "gpus_per_node": 6,
-    }
+    entry = {**ACCELERATOR_ENTRY, "gpus_per_node": 6}
     path.write_text(json.dumps({"accelerators": {"odd": entry}}))
     with pytest.raises(
         CatalogError, match=r"accelerators\.odd\.gpus_per_node: must be a power of two"
