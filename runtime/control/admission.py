@@ -114,3 +114,37 @@ def amortized_step_s(step_s: float, move_s: float, lasts_steps: float) -> float:
     move to and lasts ``lasts_steps`` steps before memory forces the next move: its step time
     plus its move's cost spread over those steps (at least one)."""
     return step_s + move_s / max(1.0, lasts_steps)
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """A plan a move could go to, as ``windowed_step_s`` weighs it."""
+
+    step_s: float
+    move_s: float
+    """Seconds of the move to it (0: the running plan, or its layouts in other micro-batches)."""
+    lasts_steps: float
+    """Steps before memory forces the next move (the window's end at most)."""
+
+
+def windowed_step_s(options: list[Option]) -> list[float]:
+    """Each option's seconds per step over one window shared by all of them: the longest any
+    option lasts. An option that ends sooner is followed by a forced move to the option that
+    lasts longest (the cheapest per step of those, if several), priced at that option's move
+    and steps. Comparing each option's move spread over its own life alone (``amortized_step_s``)
+    lets the running plan, which costs nothing to keep, win whenever a faster plan would have to
+    move again soon, even when the running plan must move sooner still: both moves happen, only
+    in another order. With every option lasting the window, this is ``amortized_step_s``."""
+    if not options:
+        return []
+    window = max(1.0, max(o.lasts_steps for o in options))
+    longest = [o for o in options if max(1.0, o.lasts_steps) >= window]
+    after = min(longest, key=lambda o: amortized_step_s(o.step_s, o.move_s, window))
+    rates = []
+    for o in options:
+        lasts = min(window, max(1.0, o.lasts_steps))
+        total = o.move_s + o.step_s * lasts
+        if lasts < window:
+            total += after.move_s + after.step_s * (window - lasts)
+        rates.append(total / window)
+    return rates

@@ -14,7 +14,7 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from runtime.control.admission import Verdict, amortized_step_s, decide
+from runtime.control.admission import Option, Verdict, decide, windowed_step_s
 from runtime.control.monitor import POOL, Monitor, Trigger
 from runtime.control.policy import JobPolicy
 from runtime.engine.interface import Engine, StepReport
@@ -663,10 +663,15 @@ class Controller:
         trigger: Trigger,
         candidate: Plan,
         floor: float,
-    ) -> Plan:
-        """The plan to move to: of the planner's ``candidate`` and the other options, the one
+    ) -> tuple[Plan, bool]:
+        """The plan to move to, and whether only a checkpoint/restart reaches it: of the
+        planner's ``candidate`` and the other options, the one
         with the least step time plus its move's cost spread over the steps it lasts (before
-        memory forces the next move, or the runway ends). The other options: for each length
+        memory forces the next move, or the runway ends), over one window for all
+        (``windowed_step_s``: one that must move sooner pays for that move too). When no live
+        move reaches the planner's plan, the fastest plan one reaches is weighed beside it, and
+        it is weighed at a checkpoint/restart's cost (a restart to a much faster plan can repay
+        where the live moves left save too little). The other options: for each length
         the memory runway asks a plan to fit, the fastest plan that fits it, the fastest
         that changes only the model-stages whose layouts no longer fit it (so rebuilding no
         engine it need not), which is the running plan itself when every layout still fits,
@@ -675,9 +680,8 @@ class Controller:
         steps its plan lasts is not asked for. A plan that must move again in ten steps
         carries a tenth of its move's cost in each step; a plan for a longer length, its
         slower steps; a plan that rebuilds the generation engines, their start-up. When no
-        live move reaches the planner's plan, the other options are weighed without it; when
-        no live move reaches any, the planner's plan goes on to admission, which weighs the
-        next-best plans a live move can reach and a checkpoint/restart."""
+        live move reaches any, the planner's plan goes on to admission, which weighs a
+        checkpoint/restart."""
         assert self.plan is not None
         # A move away from a plan about to outgrow memory is not staged (admission's rule).
         stage = trigger.kind != "memory"
@@ -685,6 +689,17 @@ class Controller:
         runway = self._runway(trigger.step)
         shortest = self.policy.memory_runway == "shortest"
         options = [candidate] if shortest and candidate_cost is not None else []
+        restart_cost = None
+        if candidate_cost is None:
+            # No live move reaches the planner's plan: the fastest that one reaches is weighed
+            # (else staying, which costs nothing, might be all that is left), and so is a
+            # checkpoint/restart to the planner's plan.
+            found = self._reachable(engine, workload, candidate, broken=False, fits_at=floor)
+            if found is not None:
+                options.append(found[0])
+            if self.policy.admission == "payback":
+                restart_cost = self._restart_estimate(candidate, workload)
+                options.append(candidate)
         for length in self._runway_lengths(floor, runway):
             kept = self._still_fitting(length)
             found = []
@@ -699,24 +714,23 @@ class Controller:
             options += found
             if found and self.policy.memory_runway == "longest":
                 break  # the furthest length that some plan fits
-        best: tuple[float, Plan] | None = None
-        seen: list[Plan] = []
+        weighed: list[tuple[Plan, Option]] = []
         for option in options:
-            if any(self._same_plan(option, p) for p in seen):
+            if any(self._same_plan(option, p) for p, _ in weighed):
                 continue
-            seen.append(option)
-            cost = (
-                candidate_cost
-                if option is candidate
-                else self._move_cost(engine, option, workload, stage=stage)
-            )
+            if option is candidate:
+                cost = candidate_cost if candidate_cost is not None else restart_cost
+            else:
+                cost = self._move_cost(engine, option, workload, stage=stage)
             if cost is None:
                 continue
             step_s = self._price(option, workload)
-            rate = amortized_step_s(step_s, cost, self._lasts(option, runway))
-            if best is None or rate < best[0]:
-                best = (rate, option)
-        return candidate if best is None else best[1]
+            weighed.append((option, Option(step_s, cost, self._lasts(option, runway))))
+        if not weighed:
+            return candidate, False
+        rates = windowed_step_s([o for _, o in weighed])
+        chosen = weighed[min(range(len(rates)), key=rates.__getitem__)][0]
+        return chosen, chosen is candidate and candidate_cost is None
 
     def _rebatched(self, workload: PpoWorkload, fits_at: float) -> Plan | None:
         """The running layouts, each in the micro-batch (generation: the waves) that the
@@ -817,9 +831,10 @@ class Controller:
         except PlanningError as exc:
             self.emit(self._decision(trigger, None, None, f"no feasible plan: {exc}"))
             return
+        by_restart = False
         if not (trigger.urgent or broken) and self.policy.admission == "payback":
             floor = max(gen_len, envelope)
-            candidate = self._cheapest(engine, workload, trigger, candidate, floor)
+            candidate, by_restart = self._cheapest(engine, workload, trigger, candidate, floor)
         if not broken and candidate.places_like(self.plan):
             if self._same_plan(candidate, self.plan):
                 self.emit(
@@ -836,7 +851,9 @@ class Controller:
             try:
                 dag = self._compile(engine, candidate, workload)
             except TransitionRefusedError as exc:
-                found = self._reachable(engine, workload, candidate, broken)
+                # Weighed already against the plans a live move reaches, and chosen at a
+                # restart's cost: no alternative is looked for.
+                found = None if by_restart else self._reachable(engine, workload, candidate, broken)
                 if found is None and not broken:
                     # No order of the primitives reaches the candidate, nor any alternative:
                     # a checkpoint/restart still can. It is one more route with its own (much
@@ -1038,16 +1055,27 @@ class Controller:
         """H for admission: the longest effective horizon among the signals the saving rests on."""
         return max(self.monitor.effective_horizon(s, step) for s in signals)
 
-    def _reachable(self, engine: Engine, workload: PpoWorkload, refused: Plan, broken: bool):
+    def _reachable(
+        self,
+        engine: Engine,
+        workload: PpoWorkload,
+        refused: Plan,
+        broken: bool,
+        *,
+        fits_at: float = 0.0,
+    ):
         """The planner's best plan could not be reached live (no order of the primitives fits
         the slots' memory): the fastest plan that can, among the planner's next alternatives and
-        the running layouts with data parallelism replanned. Feasibility is the transition's as
-        much as the target's. None when no such plan differs from the running one."""
+        the running layouts with data parallelism replanned (fitting up to ``fits_at`` too).
+        Feasibility is the transition's as much as the target's. None when no such plan differs
+        from the running one."""
         assert self.plan is not None
         plans: list[Plan] = []
         for keep, count in ((None, REACHABLE_ALTERNATIVES), (_layouts(self.plan), 0)):
             try:
-                plans += self._plans(engine, workload, keep=keep, alternatives=count)
+                plans += self._plans(
+                    engine, workload, keep=keep, alternatives=count, fits_at=fits_at
+                )
             except PlanningError:
                 continue
         found = []

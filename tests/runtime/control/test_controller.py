@@ -674,8 +674,10 @@ def _growing_length(
     gpus: int = 16,
     to: float = 4000.0,
     workload: PpoWorkload = PINNED,
+    make: type[Controller] = Controller,
 ) -> tuple[Controller, object]:
-    """``steps`` steps on ``gpus`` slots while the length grows from the workload's to ``to``."""
+    """``steps`` steps on ``gpus`` slots while the length grows from the workload's to ``to``,
+    under a controller of class ``make``."""
     trace = Trace(
         name="grow",
         steps=steps,
@@ -685,7 +687,7 @@ def _growing_length(
         pool=(),
     )
     engine = SimulatedEngine(trace, ACC, truth=TrueModel.draw(3, noise=0.0), seed=1)
-    controller = Controller(workload, ACC, policy)
+    controller = make(workload, ACC, policy)
     return controller, run_job(engine, controller, steps)
 
 
@@ -765,14 +767,17 @@ def test_generation_whose_kv_cache_outgrows_decodes_in_waves_instead_of_failing(
     the generation units' KV caches soon cannot hold all of their sequences at once. Planned,
     a unit decodes as many as fit and the rest in later waves, which moves no state (the
     controller also moves layouts where a move that leaves more room costs less than the waves
-    do): no restart and no failed step. The inference units' micro-batches shrink too, as their
-    logits (2.5 fp32 copies per token and vocabulary column) grow with the length; past about
-    7,800 tokens the training units would have to move, which only a checkpoint/restart can do
-    here. Decoding all at once (pinned), a step runs out of memory, and no plan then holds every
-    sequence at once: the job cannot go on."""
+    do): no failed step, and no restart forced by one. The inference units' micro-batches
+    shrink too, as their logits (2.5 fp32 copies per token and vocabulary column) grow with the
+    length; near 7,000 tokens a much faster plan is one only a checkpoint/restart reaches, and
+    it is taken when it repays its cost within the horizon like any move. Decoding all at once
+    (pinned), a step runs out of memory, and no plan then holds every sequence at once: the job
+    cannot go on."""
     many = dataclasses.replace(WORKLOAD, gen_len=1000, global_batch=1024)
     controller, summary = _growing_length(JobPolicy(), gpus=16, to=7500.0, workload=many)
-    assert summary.failed_steps == 0 and summary.restarts == 0
+    assert summary.failed_steps == 0
+    for restart in (e for e in controller.events if e["event"] == "control.restart"):
+        assert restart["reason"].startswith("pays back in "), restart["reason"]
     changes = [e["changed"] for e in controller.events if e["event"] == "control.micro_batches"]
     assert len(changes) == summary.rebatches > 0
     waves = [change["actor@generation"] for change in changes if "actor@generation" in change]
@@ -792,6 +797,30 @@ def test_generation_whose_kv_cache_outgrows_decodes_in_waves_instead_of_failing(
     assert failures[0].startswith("out of memory")
     last = [e for e in stuck.events if e["event"] == "control.decision"][-1]
     assert last["reason"].startswith("no feasible plan: memory: actor@generation")
+
+
+class _NeverRestartsByChoice(Controller):
+    """A controller to which a checkpoint/restart costs too much ever to repay."""
+
+    def _restart_estimate(self, candidate, workload) -> float:
+        return math.inf
+
+
+def test_a_restart_to_a_much_faster_plan_is_weighed_beside_the_live_moves():
+    """Near 7,000 tokens the 16-slot job's best plan is one no live move reaches, and the live
+    moves left save little. A checkpoint/restart to it costs minutes, and repays them within a
+    few steps: it is weighed as one more way to move (and admitted on payback like any move),
+    and the run is shorter for it than one in which restarting is priced out."""
+    many = dataclasses.replace(WORKLOAD, gen_len=1000, global_batch=1024)
+    controller, summary = _growing_length(JobPolicy(), gpus=16, to=7500.0, workload=many)
+    restarts = [e for e in controller.events if e["event"] == "control.restart"]
+    assert restarts and all(r["reason"].startswith("pays back in ") for r in restarts)
+    _, live_only = _growing_length(
+        JobPolicy(), gpus=16, to=7500.0, workload=many, make=_NeverRestartsByChoice
+    )
+    assert live_only.restarts == 0 and live_only.failed_steps == 0
+    # simulated seconds of the whole run, restarts and transitions included
+    assert summary.seconds < live_only.seconds
 
 
 def _runway(memory_runway: str, gpus: int = 128):

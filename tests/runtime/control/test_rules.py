@@ -5,7 +5,7 @@ import math
 import pytest
 
 from runtime.control import DriftHorizon, JobPolicy, Monitor, PolicyError, Trigger, decide
-from runtime.control.admission import amortized_step_s
+from runtime.control.admission import Option, amortized_step_s, windowed_step_s
 
 
 def test_the_drift_horizon_is_an_ema_of_steps_between_crossings():
@@ -158,6 +158,25 @@ def test_a_move_s_cost_is_spread_over_the_steps_its_plan_lasts():
     # A plan that must move again at once carries its whole move; staying put costs nothing.
     assert amortized_step_s(50.0, 10.0, 0) == 60.0
     assert amortized_step_s(50.0, 0.0, 3) == 50.0
+
+
+def test_a_plan_that_must_move_sooner_pays_for_that_move_too():
+    # Staying (20 s/step, free) lasts 10 steps; a 19.5 s/step plan costs 15 s to move to and
+    # lasts 10 as well; an 18 s/step plan costs 30 s and lasts 40. Each move spread over its
+    # own plan's life alone would rate staying at 20 s/step whatever it must do at step 10.
+    stay, soon, long = Option(20.0, 0.0, 10), Option(19.5, 15.0, 10), Option(18.0, 30.0, 40)
+    rates = windowed_step_s([stay, soon, long])
+    # A 40-step window: stay 10 steps then move to the long plan (0 + 200 + 30 + 540) / 40;
+    # move to the 19.5 plan, then to the long one (15 + 195 + 30 + 540) / 40; the long plan
+    # alone (30 + 720) / 40.
+    assert rates == pytest.approx([19.25, 19.5, 18.75])
+    # Where every option lasts the window, it is each move spread over that window.
+    same = [Option(20.0, 0.0, 40), Option(19.0, 30.0, 40)]
+    assert windowed_step_s(same) == [amortized_step_s(o.step_s, o.move_s, 40) for o in same]
+    # The order stays what matters: with only two short-lived options, staying wins by what
+    # the move costs, whatever comes after both (the same forced move).
+    assert windowed_step_s([stay, soon])[0] < windowed_step_s([stay, soon])[1]
+    assert windowed_step_s([]) == []
 
 
 @pytest.mark.parametrize(
