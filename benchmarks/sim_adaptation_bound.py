@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import _report
-from benchmarks.sim_experiments import CATALOG, _oracle_step_s
+from benchmarks.sim_experiments import CATALOG, oracle_pair
 from runtime.engine.sim import TrueModel
 from runtime.planner import PlanningError, PpoWorkload, plan
 
@@ -64,8 +64,7 @@ def main() -> None:
                 for n in LENGTHS:
                     at = workload.with_gen_len(n)
                     try:
-                        free = _oracle_step_s(at, acc, truth, gpus, None)
-                        kept = _oracle_step_s(at, acc, truth, gpus, fixed)
+                        free, kept = oracle_pair(at, acc, truth, gpus, fixed)
                     except PlanningError:
                         cuts[n] = None
                         continue
