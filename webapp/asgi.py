@@ -1,4 +1,5 @@
-"""ASGI entry point: HTTP through Django, websockets through Channels (session or bearer token)."""
+"""ASGI entry point: HTTP through Django, websockets through Channels (session or bearer token),
+both behind the caps on what a client may send (``webapp/limits.py``)."""
 
 import os
 
@@ -17,10 +18,13 @@ from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E40
 
 from webapp.jobs.routing import websocket_urlpatterns  # noqa: E402
 from webapp.jobs.ws_auth import websocket_application  # noqa: E402
+from webapp.limits import BodyLimitMiddleware  # noqa: E402
 
 application = ProtocolTypeRouter(
     {
-        "http": django_asgi_app,
-        "websocket": AllowedHostsOriginValidator(websocket_application(websocket_urlpatterns)),
+        "http": BodyLimitMiddleware(django_asgi_app),
+        "websocket": BodyLimitMiddleware(
+            AllowedHostsOriginValidator(websocket_application(websocket_urlpatterns))
+        ),
     }
 )

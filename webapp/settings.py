@@ -215,6 +215,16 @@ NEREUS_JOBS_DIR = CONFIG.jobs_dir or VAR_DIR / "jobs"
 # Whether the person who proposed a plan override may approve it too (two people by default).
 NEREUS_ALLOW_SELF_APPROVAL = False
 
+# --- What a client may send (webapp/limits.py) ---------------------------------------------
+# An HTTP request body over this many bytes is refused with 413, whatever parses it: Django's
+# default (2.5 MB), stated here because webapp/limits.py and the API's JSON parser apply it to
+# every body, not only to forms as Django does. The largest legitimate one, a plan override for
+# 1,024 GPUs, is 20-300 KB (see webapp/limits.py).
+DATA_UPLOAD_MAX_MEMORY_SIZE = 2_621_440
+# A websocket message from a client over this many bytes closes the socket (4413). The job
+# websocket only expects {"type": "resume", "after": N}; Daphne's own cap is 1 MiB.
+NEREUS_WS_MAX_MESSAGE_BYTES = 64 * 1024
+
 # --- REST framework -------------------------------------------------------------------------
 REST_FRAMEWORK = {
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",

@@ -76,7 +76,9 @@ def exception_handler(exc: Exception, context: dict):
     else:
         detail = exc.detail if isinstance(exc, exceptions.APIException) else response.data
         code = getattr(detail, "code", None) or getattr(exc, "default_code", "error")
-        body = {"code": str(code), "message": str(detail), "fields": {}}
+        field = getattr(exc, "field", None)  # an error about one field that is not a validation's
+        fields = {field: [str(detail).removeprefix(f"{field}: ")]} if field else {}
+        body = {"code": str(code), "message": str(detail), "fields": fields}
     response.data = body
     return response
 
