@@ -22,6 +22,7 @@ from runtime.events import finite
 from runtime.planner import PlanningError, plan
 from runtime.planner.calibration import Calibrator
 from runtime.planner.catalog import Accelerator
+from runtime.planner.cost import OPERATION_CLASSES
 from runtime.planner.memory import memory_breakdown, memory_budget, total_bytes
 from runtime.planner.plan import Plan
 from runtime.planner.search import PlanResult, on_ready, price_plan, rebatched, stage_prices
@@ -36,9 +37,11 @@ logger = logging.getLogger(__name__)
 RESTART_ESTIMATE_S = 120.0
 """The controller's estimate of a restart's fixed part (the engine knows the truth)."""
 STORAGE_ESTIMATE_BYTES_PER_S = 2e9
+"""Checkpoint bandwidth per node the controller assumes."""
 REACHABLE_ALTERNATIVES = 3
 """Next-best plans tried when the best one cannot be reached by a live transition."""
-"""Checkpoint bandwidth per node the controller assumes."""
+PLAN_CLASSES = frozenset(c for c in OPERATION_CLASSES if not c.startswith("transition"))
+"""The operation classes that rank plans (the transitions' price moves only)."""
 
 Event = dict[str, Any]
 
@@ -240,6 +243,9 @@ class Controller:
         self._ids = itertools.count(1)
         self._calibration_shown: tuple[int, dict[str, float]] | None = None
         """The step and efficiencies of the last ``control.calibration`` event."""
+        self._weighed_with: dict[str, float] = {}
+        """The calibrated efficiencies plans were last weighed with (the ``calibration``
+        signal measures from them)."""
         self.transitions = 0
         self.rebatches = 0
         self.restarts = 0
@@ -433,7 +439,31 @@ class Controller:
             fits_at=self._workload(fits_at) if fits_at > workload.gen_len else None,
         )
 
+    def _weigh(self) -> None:
+        """Plans are weighed now: the ``calibration`` signal measures from here."""
+        self._weighed_with = {
+            c: e for c, e in self.calibrator.efficiency().items() if c in PLAN_CLASSES
+        }
+
+    def _calibration_drift(self) -> float:
+        """The ``calibration`` signal: the largest factor by which an operation class that
+        ranks plans (every class but the transitions') and that the job's samples determine
+        has moved in calibration since plans were last weighed, either way (a halving and a
+        doubling count alike); 1 where none moved. A class the samples do not determine
+        moves with its relatives, or on noise: it does not count on its own."""
+        now = self.calibrator.efficiency()
+        determined = self.calibrator.determined()
+        return max(
+            (
+                max(now[c] / was, was / now[c])
+                for c, was in self._weighed_with.items()
+                if c in determined and was > 0 and now.get(c, 0.0) > 0
+            ),
+            default=1.0,
+        )
+
     def initial_plan(self, engine: Engine) -> Plan:
+        self._weigh()
         candidate = self._candidate(engine, self.workload)
         if not self.fixed:
             self.fixed = {ms.name: (ms.layout.tp, ms.layout.pp) for ms in candidate.model_stages}
@@ -473,6 +503,7 @@ class Controller:
                     "step_time": report.seconds,
                     "peak_memory": report.peak_memory,
                     "efficiency": predicted / report.seconds if report.seconds > 0 else 1.0,
+                    "calibration": self._calibration_drift(),
                 }
             # The pool signal counts the live slots: one lost outside the plan (an idle slot
             # failing) changes what the job may use as a revocation does.
@@ -811,6 +842,7 @@ class Controller:
             gen_len = max(gen_len, trigger.value, nearest or 0.0)
         workload = self._workload(gen_len)
         self.monitor.replanned()
+        self._weigh()
         self.deferred = None
         self.staged = None
         broken = trigger.kind == "failure" or self._off_pool(engine)
@@ -897,7 +929,7 @@ class Controller:
                 staged = self._staged_cost(dag, candidate, workload, current_s)
                 ahead = staged < cost
                 cost = min(cost, staged)
-        outlook = Outlook(signals=(trigger.signal,))
+        outlook = Outlook(signals=(_resting_signal(trigger.signal),))
         if not broken and trigger.kind in ("drift", "pool") and candidate_s < current_s:
             outlook = self._outlook(candidate, trigger)
         verdict = decide(
@@ -1035,7 +1067,8 @@ class Controller:
         assert self.plan is not None
         recent = self._recent_lengths()
         lengths = sorted({*_quantiles(recent), self._gen_len}) if recent else [self._gen_len]
-        longer = self._horizon((trigger.signal, POOL), trigger.step)
+        resting = _resting_signal(trigger.signal)
+        longer = self._horizon((resting, POOL), trigger.step)
         window = int(min(self.policy.gamma * longer, self._steps_left(trigger.step)))
         ahead = self._forecast(window) if window > 0 else None
         trend = None if ahead is None else max(1.0, ahead)
@@ -1043,7 +1076,7 @@ class Controller:
             self._price(self.plan, w) > self._price(candidate, w)
             for w in map(self._workload, [*lengths, *([trend] if trend else [])])
         )
-        signals = (trigger.signal, POOL) if robust else (trigger.signal,)
+        signals = (resting, POOL) if robust else (resting,)
         return Outlook(
             signals=tuple(dict.fromkeys(signals)),
             lengths=tuple(lengths),
@@ -1595,6 +1628,14 @@ class Controller:
             "built_ahead": ahead,
             "steps_left": None if self.last_step is None else self._steps_left(step),
         }
+
+
+def _resting_signal(signal: str) -> str:
+    """The signal whose horizon a saving found at ``signal``'s trigger lasts for: its own,
+    but for calibration, which shows the running plan was misjudged all along: a plan found
+    better then stays better until the world moves (the generated length, or the pool where
+    the saving is robust)."""
+    return "gen_len" if signal == "calibration" else signal
 
 
 def _layouts(plan_: Plan) -> dict[str, tuple[int, int]]:

@@ -80,6 +80,8 @@ class DriftHorizon:
 
 PLAN_SIGNALS = ("step_time", "peak_memory")
 """Signals whose level is the running plan's: a new plan starts them afresh."""
+RELATIVE_SIGNALS = ("calibration",)
+"""Signals measured from the last replan already (1 there): their reference is always 1."""
 
 
 class Monitor:
@@ -113,7 +115,7 @@ class Monitor:
                 raise ValueError(f"signals.{name}: unknown signal")
             self.history[name].append((step, value))
             self.horizon[name].start(step)
-            reference = self.reference.setdefault(name, value)
+            reference = 1.0 if name in RELATIVE_SIGNALS else self.reference.setdefault(name, value)
             if reference and abs(value - reference) / abs(reference) > self.policy.threshold(name):
                 self.horizon[name].crossed(step)
                 triggers.append(

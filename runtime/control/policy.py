@@ -8,9 +8,11 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-SIGNALS = ("gen_len", "step_time", "peak_memory", "efficiency")
+SIGNALS = ("gen_len", "step_time", "peak_memory", "efficiency", "calibration")
 """Drift signals: mean generated length, measured step seconds, the fullest slot's peak memory
-fraction, and achieved efficiency (predicted over measured step time)."""
+fraction, achieved efficiency (predicted over measured step time), and calibration (how far the
+calibrated efficiency of some operation class has moved since plans were last weighed: the
+ranking of plans may have changed even where the running plan's prediction is right)."""
 DEFAULT_THRESHOLD = 0.30
 APPROVAL_MODES = ("auto", "manual", "manual_above")
 ADMISSIONS = ("payback", "always_faster", "never", "restart")

@@ -149,6 +149,11 @@ class Calibrator:
         out.update({c: math.exp(v) for c, v in fit.log_efficiency.items()})
         return {c: min(v, 1.0) for c, v in out.items()}
 
+    def determined(self) -> frozenset[str]:
+        """The classes the samples in the window determine (each took at least a twentieth of
+        some sample's time); the others' efficiencies are borrowed from their relatives."""
+        return self._fitted().determined
+
     def confidence(self) -> dict[str, float]:
         """0 for a class never observed, towards 1 with many samples that the fit explains well
         and in which the class takes a real share of the time."""
