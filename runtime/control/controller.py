@@ -448,11 +448,11 @@ class Controller:
     def _calibration_drift(self) -> float:
         """The ``calibration`` signal: the largest factor by which an operation class that
         ranks plans (every class but the transitions') and that the job's samples determine
-        has moved in calibration since plans were last weighed, either way (a halving and a
+        with confidence has moved in calibration since plans were last weighed, either way (a halving and a
         doubling count alike); 1 where none moved. A class the samples do not determine
         moves with its relatives, or on noise: it does not count on its own."""
         now = self.calibrator.efficiency()
-        determined = self.calibrator.determined()
+        determined = self.calibrator.settled()
         return max(
             (
                 max(now[c] / was, was / now[c])
@@ -929,7 +929,7 @@ class Controller:
                 staged = self._staged_cost(dag, candidate, workload, current_s)
                 ahead = staged < cost
                 cost = min(cost, staged)
-        outlook = Outlook(signals=(_resting_signal(trigger.signal),))
+        outlook = Outlook(signals=(trigger.signal,))
         if not broken and trigger.kind in ("drift", "pool") and candidate_s < current_s:
             outlook = self._outlook(candidate, trigger)
         verdict = decide(
@@ -1067,8 +1067,7 @@ class Controller:
         assert self.plan is not None
         recent = self._recent_lengths()
         lengths = sorted({*_quantiles(recent), self._gen_len}) if recent else [self._gen_len]
-        resting = _resting_signal(trigger.signal)
-        longer = self._horizon((resting, POOL), trigger.step)
+        longer = self._horizon((trigger.signal, POOL), trigger.step)
         window = int(min(self.policy.gamma * longer, self._steps_left(trigger.step)))
         ahead = self._forecast(window) if window > 0 else None
         trend = None if ahead is None else max(1.0, ahead)
@@ -1076,7 +1075,7 @@ class Controller:
             self._price(self.plan, w) > self._price(candidate, w)
             for w in map(self._workload, [*lengths, *([trend] if trend else [])])
         )
-        signals = (resting, POOL) if robust else (resting,)
+        signals = (trigger.signal, POOL) if robust else (trigger.signal,)
         return Outlook(
             signals=tuple(dict.fromkeys(signals)),
             lengths=tuple(lengths),
@@ -1628,14 +1627,6 @@ class Controller:
             "built_ahead": ahead,
             "steps_left": None if self.last_step is None else self._steps_left(step),
         }
-
-
-def _resting_signal(signal: str) -> str:
-    """The signal whose horizon a saving found at ``signal``'s trigger lasts for: its own,
-    but for calibration, which shows the running plan was misjudged all along: a plan found
-    better then stays better until the world moves (the generated length, or the pool where
-    the saving is robust)."""
-    return "gen_len" if signal == "calibration" else signal
 
 
 def _layouts(plan_: Plan) -> dict[str, tuple[int, int]]:

@@ -12,9 +12,12 @@ classes that only ever run together, in the same proportions) keeps the prior's 
 them: the solve moves the efficiencies as little as explaining the samples needs (a least-squares
 fit that leaves the directions the samples do not determine where they were). Samples further
 than 3 scaled median absolute deviations from the fit (in log space) are dropped and the fit made
-again. A class never observed borrows the correction (learned / default) of observed classes of
-the same family (e.g. ``dp_allreduce:intra`` for ``dp_allreduce:inter``), else of the same link
-type, else keeps its default. Calibrations are saved per job and per cluster kind, so a new job
+again. A class the window no longer determines (the plan moved off what ran it) keeps what
+was last learned of it with confidence: a job that left a slow link because it was slow must
+not forget that it is, or the next replan takes it again. A class never learned borrows the
+correction (learned / default) of learned classes of the same family (e.g.
+``dp_allreduce:intra`` for ``dp_allreduce:inter``), else of the same link type, else keeps its
+default. Calibrations are saved per job and per cluster kind, so a new job
 on a known cluster starts from what the last one learned.
 
 Splitting a model-stage's time among its classes in proportion to their predicted time instead
@@ -45,6 +48,8 @@ from runtime.planner.workload import PpoWorkload
 
 _MAD_SCALE = 1.4826  # MAD of a normal distribution -> its standard deviation
 _OUTLIER_MADS = 3.0
+SETTLED_CONFIDENCE = 0.5
+"""The confidence at which a determined class is taken as learned (see ``settled``)."""
 _RCOND = 0.01
 """Directions of the fit whose singular value is under this fraction of the largest are not
 determined by the samples (noise would decide them): the fit leaves them where they were."""
@@ -77,6 +82,8 @@ class Calibrator:
         self.window = window
         self._rows: dict[str, collections.deque[tuple[dict[str, float], float]]] = {}
         self._fit: _Fit | None = None
+        self._learned: dict[str, float] = {}
+        """Each class's efficiency as last determined by the window (capped at 1)."""
 
     def observe(self, op_class: str, *, ideal_s: float, measured_s: float) -> None:
         """Record one measurement of an operation class alone."""
@@ -116,23 +123,25 @@ class Calibrator:
         its relatives learned in the first, and stays there."""
         if self._fit is None:
             rows = [row for source in self._rows.values() for row in source]
-            first = _fit(rows, self.prior)
+            first = _fit(rows, {**self.prior, **self._learned})
             self._fit = _fit(rows, self._borrowed(first))
+            self._learned.update(
+                {c: min(1.0, math.exp(self._fit.log_efficiency[c])) for c in self.settled()}
+            )
         return self._fit
 
     def _borrowed(self, fit: _Fit) -> dict[str, float]:
-        """Each class's efficiency where ``fit`` determined it, else its prior shifted by the
-        mean correction (learned / prior) of the determined classes of its family and link
-        (``dp_allreduce:intra`` for ``dp_allreduce:inter``), else of its link, else none."""
-        corrections = {
-            c: v - math.log(self.prior[c])
-            for c, v in fit.log_efficiency.items()
-            if c in fit.determined
-        }
+        """Each class's efficiency where ``fit`` determined it, else as last learned, else its
+        prior shifted by the mean correction (learned / prior) of the learned classes of its
+        family and link (``dp_allreduce:intra`` for ``dp_allreduce:inter``), else of its link,
+        else none."""
+        known = {c: math.log(v) for c, v in self._learned.items()}
+        known.update({c: fit.log_efficiency[c] for c in fit.determined})
+        corrections = {c: v - math.log(self.prior[c]) for c, v in known.items()}
         out = {}
         for op_class in OPERATION_CLASSES:
-            if op_class in corrections:
-                out[op_class] = math.exp(fit.log_efficiency[op_class])
+            if op_class in known:
+                out[op_class] = math.exp(known[op_class])
                 continue
             family, _, link = op_class.partition(":")
             related = [v for c, v in corrections.items() if c.partition(":")[0] == family and link]
@@ -153,6 +162,16 @@ class Calibrator:
         """The classes the samples in the window determine (each took at least a twentieth of
         some sample's time); the others' efficiencies are borrowed from their relatives."""
         return self._fitted().determined
+
+    def settled(self) -> frozenset[str]:
+        """The classes the window determines with confidence (``SETTLED_CONFIDENCE``: several
+        samples in which the class takes a real share, explained alike). One step's samples
+        can pin a small class anywhere; what is remembered, and what moves the controller's
+        ``calibration`` signal, is only what the samples agree on."""
+        confidence = self.confidence()
+        return frozenset(
+            c for c in self._fitted().determined if confidence[c] >= SETTLED_CONFIDENCE
+        )
 
     def confidence(self) -> dict[str, float]:
         """0 for a class never observed, towards 1 with many samples that the fit explains well
@@ -176,6 +195,7 @@ class Calibrator:
         return {
             "prior": self.prior,
             "window": self.window,
+            "learned": self._learned,
             "rows": {
                 source: [[terms, measured] for terms, measured in rows]
                 for source, rows in self._rows.items()
@@ -186,6 +206,17 @@ class Calibrator:
     def from_json(cls, data: Mapping) -> Calibrator:
         try:
             calibrator = cls(prior=data["prior"], window=data["window"])
+            learned = data.get("learned", {})
+            if not isinstance(learned, dict):
+                raise ValueError("learned: must be an object of operation class to efficiency")
+            for op_class, value in learned.items():
+                if op_class not in OPERATION_CLASSES:
+                    raise ValueError(f"learned.{op_class}: unknown operation class")
+                if isinstance(value, bool) or not isinstance(value, int | float):
+                    raise ValueError(f"learned.{op_class}: must be a number in (0, 1]")
+                if not 0 < value <= 1:
+                    raise ValueError(f"learned.{op_class}: must be a number in (0, 1]")
+                calibrator._learned[op_class] = float(value)
             # Files written before samples of several classes: one log ratio per sample.
             for op_class, samples in data.get("samples", {}).items():
                 if op_class not in OPERATION_CLASSES:

@@ -910,7 +910,8 @@ def test_a_forced_move_changes_only_what_it_must_when_that_is_cheaper():
     small gain that the next memory move, a few steps on, would not let it repay: the controller
     moves to the best plan that changes only the model-stages that no longer fit (and the
     inference units, rebuilt every step anyway), whenever that is cheaper per step with the
-    move's cost spread over its life."""
+    move's cost spread over its life (calibrated prices may, once in the run, find a faster
+    generation layout worth its rebuild)."""
     controller, summary = _runway("shortest", gpus=64)
     moves = [e for e in controller.events if e["event"] == "control.decision" and e["admit"]]
     assert len(moves) == summary.transitions
@@ -920,6 +921,7 @@ def test_a_forced_move_changes_only_what_it_must_when_that_is_cheaper():
     moves = [m for m in moves if m["trigger"]["kind"] == "memory"]
     assert len(moves) > 5
     outgrown = set()
+    rebuilt = 0
     for move in moves:
         before = {m["name"]: m["layout"] for m in move["current"]["model_stages"]}
         after = {m["name"]: m["layout"] for m in move["candidate"]["model_stages"]}
@@ -929,11 +931,14 @@ def test_a_forced_move_changes_only_what_it_must_when_that_is_cheaper():
         # the inference units, rebuilt every step anyway, may be rebalanced with it; the
         # generation engines are not rebuilt.
         outgrown.add(move["trigger"]["detail"].partition(" needs ")[0])
-        assert changed and "actor@generation" not in changed
+        assert changed
+        rebuilt += "actor@generation" in changed
+    assert rebuilt <= 1 < len(moves) - rebuilt
     assert {"actor@training", "critic@training"} <= outgrown
     transitions = [e for e in controller.events if e["event"] == "control.transition"]
     engine_start = dict(DEFAULT_REBUILD_S)["generation"]
-    assert all(t["ok"] and t["rebuild_s"] < engine_start for t in transitions)
+    assert all(t["ok"] for t in transitions)
+    assert sum(t["rebuild_s"] >= engine_start for t in transitions) <= rebuilt
 
 
 class _FailsFirstTransition(SimulatedEngine):

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from runtime.planner import PpoWorkload, default_catalog, plan
-from runtime.planner.calibration import Calibrator, calibration_path
+from runtime.planner.calibration import Calibrator, Sample, calibration_path
 from runtime.planner.cost import DEFAULT_EFFICIENCY, OPERATION_CLASSES, ideal_breakdown
 from runtime.planner.search import price_plan
 from runtime.planner.shapes import LayoutShape
@@ -285,3 +285,37 @@ def test_a_malformed_sample_in_a_file_is_refused_naming_it(tmp_path):
     calibrator.observe("gemm", ideal_s=1.0, measured_s=2.0)
     calibrator.save(path)
     assert Calibrator.load(path).efficiency() == calibrator.efficiency()
+
+
+def test_a_class_the_window_no_longer_shows_keeps_what_was_learned_of_it(tmp_path):
+    """A job that moved off a slow link (its samples rolled out of the window) must not forget
+    that the link is slow, or the next replan takes it again; the memory survives a reload."""
+    slow = DEFAULT_EFFICIENCY["tp_allreduce:intra"] / 8
+    calibrator = Calibrator(window=4)
+    for share in (0.5, 1.0, 2.0, 4.0):  # lengths mix the two classes differently
+        calibrator.observe_sample(
+            Sample(
+                "actor@generation",
+                {"decode": 1.0, "tp_allreduce:intra": share},
+                1.0 / DEFAULT_EFFICIENCY["decode"] + share / slow,
+            )
+        )
+    assert calibrator.efficiency()["tp_allreduce:intra"] == pytest.approx(slow, rel=0.05)
+    # The new plan runs generation without tensor parallelism: the window fills with decode.
+    for _ in range(4):
+        calibrator.observe_sample(
+            Sample("actor@generation", {"decode": 1.0}, 1.0 / DEFAULT_EFFICIENCY["decode"])
+        )
+    assert "tp_allreduce:intra" not in calibrator.determined()
+    assert calibrator.efficiency()["tp_allreduce:intra"] == pytest.approx(slow, rel=0.05)
+    # A relative never determined borrows from what was learned.
+    assert calibrator.efficiency()["tp_allreduce:inter"] < DEFAULT_EFFICIENCY["tp_allreduce:inter"]
+    path = tmp_path / "c.json"
+    calibrator.save(path)
+    assert Calibrator.load(path).efficiency()["tp_allreduce:intra"] == pytest.approx(slow, rel=0.05)
+    path.write_text('{"prior": {}, "window": 8, "learned": {"decode": 1.5}}')
+    with pytest.raises(ValueError, match=r"learned\.decode: must be a number in \(0, 1\]"):
+        Calibrator.load(path)
+    path.write_text('{"prior": {}, "window": 8, "learned": {"matmul": 0.5}}')
+    with pytest.raises(ValueError, match=r"learned\.matmul: unknown operation class"):
+        Calibrator.load(path)
