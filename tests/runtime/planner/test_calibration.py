@@ -319,3 +319,25 @@ def test_a_class_the_window_no_longer_shows_keeps_what_was_learned_of_it(tmp_pat
     path.write_text('{"prior": {}, "window": 8, "learned": {"matmul": 0.5}}')
     with pytest.raises(ValueError, match=r"learned\.matmul: unknown operation class"):
         Calibrator.load(path)
+
+
+def test_one_step_pins_a_class_but_only_agreeing_samples_settle_it():
+    """A class is remembered, and moves the controller's calibration signal, only once several
+    samples agree on it: one sample determines it (it takes a real share) without settling it."""
+    calibrator = Calibrator()
+    truth = {"gemm": 0.4, "dp_allreduce:intra": 0.2}
+
+    def step(share: float) -> None:
+        terms = {"gemm": 1.0, "dp_allreduce:intra": share}
+        measured = sum(s / truth[c] for c, s in terms.items())
+        calibrator.observe_sample(Sample("actor@training", terms, measured))
+
+    step(0.5)
+    assert "dp_allreduce:intra" in calibrator.determined()
+    assert "dp_allreduce:intra" not in calibrator.settled()
+    for share in (0.25, 1.0, 2.0, 0.5, 1.5, 0.75, 3.0):
+        step(share)
+    assert {"gemm", "dp_allreduce:intra"} <= calibrator.settled()
+    eff = calibrator.efficiency()
+    assert eff["dp_allreduce:intra"] == pytest.approx(0.2, rel=0.02)
+    assert eff["gemm"] == pytest.approx(0.4, rel=0.02)
