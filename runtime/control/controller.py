@@ -451,16 +451,22 @@ class Controller:
         with confidence has moved in calibration since plans were last weighed, either way (a halving and a
         doubling count alike); 1 where none moved. A class the samples do not determine
         moves with its relatives, or on noise: it does not count on its own."""
+        return self._calibration_moved()[0]
+
+    def _calibration_moved(self) -> tuple[float, str]:
+        """The ``calibration`` signal's value, and what moved: ``class was -> now``."""
         now = self.calibrator.efficiency()
-        determined = self.calibrator.settled()
-        return max(
-            (
-                max(now[c] / was, was / now[c])
-                for c, was in self._weighed_with.items()
-                if c in determined and was > 0 and now.get(c, 0.0) > 0
-            ),
-            default=1.0,
-        )
+        settled = self.calibrator.settled()
+        moves = [
+            (max(now[c] / was, was / now[c]), f"{c} {was:.3g} -> {now[c]:.3g}")
+            for c, was in self._weighed_with.items()
+            if c in settled and was > 0 and now.get(c, 0.0) > 0
+        ]
+        return max(moves, default=(1.0, ""))
+
+    def _calibration_detail(self) -> str:
+        factor, moved = self._calibration_moved()
+        return f"calibration: {moved} (x{factor:.2f} since plans were weighed)"
 
     def initial_plan(self, engine: Engine) -> Plan:
         self._weigh()
@@ -507,9 +513,15 @@ class Controller:
                 }
             # The pool signal counts the live slots: one lost outside the plan (an idle slot
             # failing) changes what the job may use as a revocation does.
+            fired = self.monitor.observe(report.step, signals, pool=len(self._alive(engine)))
             triggers += [
-                dataclasses.replace(t, spared=t.kind == "pool" and not self._off_pool(engine))
-                for t in self.monitor.observe(report.step, signals, pool=len(self._alive(engine)))
+                dataclasses.replace(
+                    t,
+                    spared=t.kind == "pool" and not self._off_pool(engine),
+                    # which efficiency moved, not only by how much
+                    detail=self._calibration_detail() if t.signal == "calibration" else t.detail,
+                )
+                for t in fired
             ]
             triggers += self._memory_ahead(report.step)
         else:

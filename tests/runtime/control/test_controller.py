@@ -3,6 +3,7 @@
 import dataclasses
 import itertools
 import math
+import re
 
 import pytest
 
@@ -231,6 +232,11 @@ def test_a_plan_the_catalog_misjudged_is_replaced_once_calibration_shows_it():
         and e.get("admit")
     ]
     assert moves and summary.transitions + summary.restarts >= 1
+    # The trigger says which efficiency moved (the links inside a node are what was misjudged).
+    assert re.fullmatch(
+        r"calibration: \w+:intra [\d.]+ -> [\d.]+ \(x[\d.]+ since plans were weighed\)",
+        moves[0]["trigger"]["detail"],
+    ), moves[0]["trigger"]["detail"]
     assert {e["signal"] for e in controller.events if e["event"] == "control.trigger"} <= {
         "calibration",
         "efficiency",
