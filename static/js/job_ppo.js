@@ -169,6 +169,10 @@
       traces.push({ ...line(S.predicted[st], `${st} predicted`), line: { color: colour, dash: "dash", shape: "hv" } });
     });
     traces.push(markers((t) => t.signal === "step_time", valueAt(S.stage.generation), "step-time trigger", "diamond"));
+    // Where the prices moved rather than the world: achieved efficiency, or a calibrated class
+    // (its hover names the class and how far it moved).
+    traces.push(markers((t) => t.signal === "efficiency" || t.signal === "calibration", valueAt(S.stage.generation),
+      "calibration trigger", "star"));
     Plotly.react("chart-latency", traces, NereusLive.layout("seconds"), plotConfig);
     drawPpo();
   }
