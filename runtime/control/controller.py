@@ -445,16 +445,12 @@ class Controller:
             c: e for c, e in self.calibrator.efficiency().items() if c in PLAN_CLASSES
         }
 
-    def _calibration_drift(self) -> float:
-        """The ``calibration`` signal: the largest factor by which an operation class that
-        ranks plans (every class but the transitions') and that the job's samples determine
-        with confidence has moved in calibration since plans were last weighed, either way (a halving and a
-        doubling count alike); 1 where none moved. A class the samples do not determine
-        moves with its relatives, or on noise: it does not count on its own."""
-        return self._calibration_moved()[0]
-
     def _calibration_moved(self) -> tuple[float, str]:
-        """The ``calibration`` signal's value, and what moved: ``class was -> now``."""
+        """The ``calibration`` signal, and what moved (``class was -> now``): the largest
+        factor by which an operation class that ranks plans (every class but the
+        transitions') and that the job's samples settle has moved since plans were last
+        weighed, either way (a halving and a doubling count alike); 1 where none moved. A class
+        the samples do not settle moves with its relatives, or on noise: it does not count."""
         now = self.calibrator.efficiency()
         settled = self.calibrator.settled()
         moves = [
@@ -463,10 +459,6 @@ class Controller:
             if c in settled and was > 0 and now.get(c, 0.0) > 0
         ]
         return max(moves, default=(1.0, ""))
-
-    def _calibration_detail(self) -> str:
-        factor, moved = self._calibration_moved()
-        return f"calibration: {moved} (x{factor:.2f} since plans were weighed)"
 
     def initial_plan(self, engine: Engine) -> Plan:
         self._weigh()
@@ -503,13 +495,15 @@ class Controller:
         if report.ok:
             self._gen_len = report.gen_len
             signals = {"gen_len": report.gen_len}
+            moved = ""
             if not settling:
+                calibration, moved = self._calibration_moved()
                 predicted = self._price(self.plan, self._workload(report.gen_len))
                 signals |= {
                     "step_time": report.seconds,
                     "peak_memory": report.peak_memory,
                     "efficiency": predicted / report.seconds if report.seconds > 0 else 1.0,
-                    "calibration": self._calibration_drift(),
+                    "calibration": calibration,
                 }
             # The pool signal counts the live slots: one lost outside the plan (an idle slot
             # failing) changes what the job may use as a revocation does.
@@ -519,7 +513,11 @@ class Controller:
                     t,
                     spared=t.kind == "pool" and not self._off_pool(engine),
                     # which efficiency moved, not only by how much
-                    detail=self._calibration_detail() if t.signal == "calibration" else t.detail,
+                    detail=(
+                        f"calibration: {moved} (x{t.value:.2f} since plans were weighed)"
+                        if t.signal == "calibration"
+                        else t.detail
+                    ),
                 )
                 for t in fired
             ]

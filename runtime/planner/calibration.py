@@ -212,9 +212,8 @@ class Calibrator:
             for op_class, value in learned.items():
                 if op_class not in OPERATION_CLASSES:
                     raise ValueError(f"learned.{op_class}: unknown operation class")
-                if isinstance(value, bool) or not isinstance(value, int | float):
-                    raise ValueError(f"learned.{op_class}: must be a number in (0, 1]")
-                if not 0 < value <= 1:
+                number = isinstance(value, int | float) and not isinstance(value, bool)
+                if not (number and 0 < value <= 1):
                     raise ValueError(f"learned.{op_class}: must be a number in (0, 1]")
                 calibrator._learned[op_class] = float(value)
             # Files written before samples of several classes: one log ratio per sample.

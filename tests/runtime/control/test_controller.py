@@ -21,12 +21,12 @@ CATALOG = default_catalog()
 ACC = CATALOG.accelerator("h100-sxm")
 WORKLOAD = PpoWorkload.for_model(CATALOG.model("llama-3.1-8b"), gen_len=1024)
 PINNED = dataclasses.replace(WORKLOAD, adaptive_micro_batch=False)
+"""Micro-batches pinned to the workload's: a plan that memory outgrows cannot keep its layouts
+with smaller micro-batches, so the growing-length tests below must move state."""
 QUIET_CALIBRATION = {"calibration": 10.0}
 """Thresholds for scenarios that test another mechanism: their true efficiencies are within
 0.6-1.2 of the catalog's, far from the elevenfold move this asks of calibration, so its trigger
 (a replan as soon as the first steps show the catalog wrong) leaves the scenario as built."""
-"""Micro-batches pinned to the workload's: a plan that memory outgrows cannot keep its layouts
-with smaller micro-batches, so the growing-length tests below must move state."""
 GEN_AS_ONE = dataclasses.replace(WORKLOAD, gen_micro_batch=WORKLOAD.global_batch)
 """Generation units decode all their sequences as one micro-batch, so that a generation pipeline
 idles (as the torch backend's does): the plans for 16 and 32 slots then share generation's layout
@@ -193,8 +193,8 @@ def test_revoked_slots_take_the_urgent_path_before_the_next_step():
 class _WithoutCalibrationSignal(Controller):
     """A controller that never reads how far calibration has moved."""
 
-    def _calibration_drift(self) -> float:
-        return 1.0
+    def _calibration_moved(self) -> tuple[float, str]:
+        return 1.0, ""
 
 
 def test_a_plan_the_catalog_misjudged_is_replaced_once_calibration_shows_it():

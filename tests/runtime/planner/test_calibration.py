@@ -313,12 +313,14 @@ def test_a_class_the_window_no_longer_shows_keeps_what_was_learned_of_it(tmp_pat
     path = tmp_path / "c.json"
     calibrator.save(path)
     assert Calibrator.load(path).efficiency()["tp_allreduce:intra"] == pytest.approx(slow, rel=0.05)
-    path.write_text('{"prior": {}, "window": 8, "learned": {"decode": 1.5}}')
-    with pytest.raises(ValueError, match=r"learned\.decode: must be a number in \(0, 1\]"):
-        Calibrator.load(path)
-    path.write_text('{"prior": {}, "window": 8, "learned": {"matmul": 0.5}}')
-    with pytest.raises(ValueError, match=r"learned\.matmul: unknown operation class"):
-        Calibrator.load(path)
+    for learned, error in (
+        ('{"decode": 1.5}', r"learned\.decode: must be a number in \(0, 1\]"),
+        ('{"decode": true}', r"learned\.decode: must be a number in \(0, 1\]"),
+        ('{"matmul": 0.5}', r"learned\.matmul: unknown operation class"),
+    ):
+        path.write_text(f'{{"prior": {{}}, "window": 8, "learned": {learned}}}')
+        with pytest.raises(ValueError, match=error):
+            Calibrator.load(path)
 
 
 def test_one_step_pins_a_class_but_only_agreeing_samples_settle_it():
