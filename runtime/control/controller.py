@@ -25,6 +25,7 @@ from runtime.planner.catalog import Accelerator
 from runtime.planner.cost import OPERATION_CLASSES
 from runtime.planner.memory import memory_breakdown, memory_budget, total_bytes
 from runtime.planner.plan import Plan
+from runtime.planner.probes import probes_for
 from runtime.planner.search import PlanResult, on_ready, price_plan, rebatched, stage_prices
 from runtime.planner.shapes import LayoutShape, batchings
 from runtime.planner.space import only_layouts
@@ -267,6 +268,10 @@ class Controller:
         """An admitted transition building its units ahead; it runs after the next step."""
         self._settling = False
         """The next step follows a transition whose new units join during it (``joining``)."""
+        self.probe_s = 0.0
+        """Seconds spent timing calibration probes (``_run_probes``)."""
+        self._probed_nodes = 0
+        """How many nodes the live pool spanned when it was last probed."""
 
     # --- events ---------------------------------------------------------------------------------
 
@@ -460,7 +465,46 @@ class Controller:
         ]
         return max(moves, default=(1.0, ""))
 
+    def _run_probes(self, engine: Engine) -> None:
+        """Time alone each communication class that the live pool can run and calibration has
+        not learned (``runtime/planner/probes.py``), before plans are weighed: at the start,
+        and when the pool first spans more nodes than it did (a link no probe could reach
+        before). Stage samples cannot tell apart classes that always run together; a probe
+        can, and the fit starts from what it measured."""
+        if not self.policy.calibration_probes:
+            return
+        alive = self._alive(engine)
+        nodes = len({s // self.acc.gpus_per_node for s in alive})
+        if nodes <= self._probed_nodes:
+            return
+        self._probed_nodes = nodes
+        probes = probes_for(self.workload, self.acc, alive, skip=self.calibrator.learned())
+        if not probes:
+            return
+        report = engine.run_probes(probes)
+        self.probe_s += report.seconds
+        measured = {}
+        for probe, runs in zip(probes, report.measured_s, strict=False):
+            try:
+                measured[probe.op_class] = self.calibrator.measure(
+                    probe.op_class, ideal_s=probe.ideal_s(self.acc), measured_s=runs
+                )
+            except ValueError as exc:
+                logger.info("calibration probe dropped: %s", exc)
+        self.emit(
+            {
+                "event": "control.probes",
+                "step": self.at_step,
+                "efficiency": measured,
+                "slots": {p.op_class: list(p.slots) for p in probes},
+                "seconds": report.seconds,
+                "failure": report.failure,
+                "simulated": report.simulated,
+            }
+        )
+
     def initial_plan(self, engine: Engine) -> Plan:
+        self._run_probes(engine)
         self._weigh()
         candidate = self._candidate(engine, self.workload)
         if not self.fixed:
@@ -852,6 +896,8 @@ class Controller:
             gen_len = max(gen_len, trigger.value, nearest or 0.0)
         workload = self._workload(gen_len)
         self.monitor.replanned()
+        if self.staged is None:  # else its units are building: the probes would wait for them
+            self._run_probes(engine)
         self._weigh()
         self.deferred = None
         self.staged = None
@@ -1659,6 +1705,8 @@ class RunSummary:
     """Plan changes of micro-batches alone (no state moved; not transitions)."""
     restart_seconds: float
     failed_steps: int
+    probe_seconds: float = 0.0
+    """Of ``seconds``, the calibration probes' (``Controller._run_probes``)."""
     simulated: bool
     stopped: bool = False
     """The job was told to stop before its last step."""
@@ -1712,6 +1760,7 @@ def run_job(
         restart_seconds=controller.restart_s,
         rebatches=controller.rebatches,
         failed_steps=failed,
+        probe_seconds=controller.probe_s,
         simulated=engine.simulated,
         stopped=done < steps,
     )

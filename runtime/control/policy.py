@@ -58,6 +58,11 @@ class JobPolicy:
     measures that error), so such a move is as likely to be undone by the next replan as to
     pay; 0 turns the band off."""
 
+    calibration_probes: bool = True
+    """Time each communication class alone on the job's slots before plans are first weighed
+    (and when the pool first spans more nodes), so that calibration can tell apart classes the
+    steps only ever run together (``runtime/planner/probes.py``)."""
+
     def __post_init__(self) -> None:
         for name, value in self.thresholds.items():
             if name not in SIGNALS:
@@ -97,10 +102,11 @@ class JobPolicy:
                 f"policy.memory_runway: expected one of {', '.join(RUNWAYS)}, "
                 f"got {self.memory_runway!r}"
             )
-        if not isinstance(self.fixed_layouts, bool):
-            raise PolicyError(
-                f"policy.fixed_layouts: must be true or false, got {self.fixed_layouts!r}"
-            )
+        for field in ("fixed_layouts", "calibration_probes"):
+            if not isinstance(getattr(self, field), bool):
+                raise PolicyError(
+                    f"policy.{field}: must be true or false, got {getattr(self, field)!r}"
+                )
         if (
             isinstance(self.lookahead_steps, bool)
             or not isinstance(self.lookahead_steps, int)

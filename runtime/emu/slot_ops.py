@@ -255,6 +255,38 @@ def _group(ctx: SlotContext, ranks) -> dist.ProcessGroup:
     return ctx.state["groups"][tuple(sorted(ranks))]
 
 
+def time_collective(
+    ctx: SlotContext, *, pattern: str, slots: tuple[int, ...], nbytes: int, repeats: int
+) -> list[float]:
+    """A calibration probe on this slot (``runtime/planner/probes.py``): one untimed run, then
+    ``repeats`` timed runs of ``pattern`` among ``slots`` over ``nbytes``, each started together
+    (a barrier) and timed to its end on the device. Returns this rank's seconds of each run."""
+    group = _group(ctx, slots)
+    buffer = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=ctx.device)
+    cuda = ctx.device.type == "cuda"
+
+    def once() -> None:
+        if pattern == "all_reduce":
+            dist.all_reduce(buffer, group=group)
+        elif ctx.rank == slots[0]:
+            dist.send(buffer, dst=slots[1], group=group)
+        else:
+            dist.recv(buffer, src=slots[0], group=group)
+        if cuda:
+            torch.cuda.synchronize(ctx.device)
+
+    if pattern not in ("all_reduce", "send"):
+        raise ValueError(f"pattern: {pattern!r} is not a probe's collective")
+    once()
+    out = []
+    for _ in range(repeats):
+        dist.barrier(group=group)
+        started = time.perf_counter()
+        once()
+        out.append(time.perf_counter() - started)
+    return out
+
+
 def reference_values(shard: ShardSpec, seed: int) -> torch.Tensor:
     """Deterministic values for a shard that depend only on each element's global index, the
     tensor's key and the seed, so every layout of a unit holds the same logical state."""

@@ -8,10 +8,12 @@ which one runs, except that every report of the simulated one says ``simulated=T
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Protocol
 
 from runtime.planner.calibration import Sample
 from runtime.planner.plan import Plan
+from runtime.planner.probes import Probe
 from runtime.planner.workload import PpoWorkload
 from runtime.transition.dag import TransitionDag
 from runtime.transition.units import Units
@@ -58,6 +60,21 @@ class TransitionOutcome:
     its measured time (``Node.sample``)."""
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ProbeReport:
+    """Calibration probes as the engine ran them (``runtime/planner/probes.py``)."""
+
+    measured_s: tuple[tuple[float, ...], ...]
+    """Of each probe that ran, in the order asked, the seconds of each timed run (the slowest
+    rank's). Fewer than asked when a slot failed part-way (``failure``)."""
+    seconds: float
+    """What probing took in all, group set-up and warm-up included (simulated seconds on the
+    simulated engine): time the job spent not stepping."""
+    simulated: bool = False
+    failure: str = ""
+    """Why the probes stopped early (a slot failed): the job goes on without the rest."""
+
+
 class Engine(Protocol):
     """Where a job's units live and its steps run."""
 
@@ -101,3 +118,9 @@ class Engine(Protocol):
 
     def restart(self, plan: Plan, workload: PpoWorkload) -> float:
         """Checkpoint/restart onto ``plan``; returns its seconds."""
+
+    def run_probes(self, probes: Sequence[Probe]) -> ProbeReport:
+        """Time each probe's collective alone on its slots, one probe after another, on slots
+        no step or build is using (before the job's first step, or between steps). A probe
+        naming a slot that is not a live slot of the pool is refused, before anything runs,
+        with a ``ValueError`` naming it (``probes[i].slots``)."""

@@ -27,6 +27,7 @@ import tempfile
 import time
 import uuid
 import zlib
+from collections.abc import Sequence
 from pathlib import Path
 
 from ray import exceptions as ray_exceptions
@@ -35,9 +36,10 @@ from runtime.emu import checkpoint, slot_ops
 from runtime.emu.checkpoint import UnusableCheckpointError
 from runtime.emu.engine import _POOL_GROUPS, IntegrityError, UnitEngine
 from runtime.emu.primitives import Destroy
-from runtime.engine.interface import StepReport, TransitionOutcome
+from runtime.engine.interface import ProbeReport, StepReport, TransitionOutcome
 from runtime.engine.slots import SlotError, SlotPool
 from runtime.planner.plan import Plan
+from runtime.planner.probes import Probe, check_probes
 from runtime.planner.workload import PpoWorkload
 from runtime.transition.dag import TransitionDag
 from runtime.transition.executor import Executor
@@ -541,6 +543,33 @@ class RayEngine:
                         f"{paths[name]}, saved {want:#x}"
                     )
                 self.engine.verified[unit.unit_id] = got
+
+    def run_probes(self, probes: Sequence[Probe]) -> ProbeReport:
+        """Time each probe's collective on its slots' processes (gloo here, NCCL on GPUs), the
+        groups made first over the whole pool; a slot failing stops the probing, and the next
+        liveness check finds it."""
+        started = time.monotonic()
+        check_probes(probes, self.visible, self.lost_slots())
+        measured: list[tuple[float, ...]] = []
+        failure = ""
+        try:
+            self.engine.prepare_groups([probe.slots for probe in probes])
+            for probe in probes:
+                per_rank = self.engine.pool.run(
+                    slot_ops.time_collective,
+                    on=probe.slots,
+                    pattern=probe.pattern,
+                    slots=probe.slots,
+                    nbytes=probe.nbytes,
+                    repeats=probe.repeats,
+                )
+                measured.append(tuple(max(runs) for runs in zip(*per_rank, strict=True)))
+        except SlotError as exc:
+            failure = f"probing stopped: {exc}"
+            logger.warning("%s", failure)
+        return ProbeReport(
+            measured_s=tuple(measured), seconds=time.monotonic() - started, failure=failure
+        )
 
     def save_checkpoint(self) -> Path:
         """Commit the job's checkpoint now (DCP of one replica of each training model-stage)."""

@@ -25,14 +25,16 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+from collections.abc import Sequence
 
-from runtime.engine.interface import StepReport, TransitionOutcome
+from runtime.engine.interface import ProbeReport, StepReport, TransitionOutcome
 from runtime.engine.traces import Trace
 from runtime.planner import cost, memory
 from runtime.planner.calibration import TRAINING, samples_from_stages
 from runtime.planner.catalog import Accelerator
 from runtime.planner.cost import DEFAULT_EFFICIENCY
 from runtime.planner.plan import Plan
+from runtime.planner.probes import Probe, check_probes
 from runtime.planner.search import on_ready, stage_time
 from runtime.planner.shapes import LayoutShape
 from runtime.planner.workload import PpoWorkload
@@ -51,6 +53,8 @@ REBUILD_TRUTH = 1.25
 """True time to build a derived unit over the compiler's default (which the engine learns)."""
 EMU_OVERHEAD = 1.6
 """True primitive time over the ideal one (the EMU benchmark measures 1.25–2× on real slots)."""
+PROBE_SETUP_S = 2.0
+"""Simulated seconds of making the probes' process groups (once per ``probe`` call)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -71,6 +75,10 @@ class TrueModel:
     efficiency is the class's times ``tokens / (tokens + small_gemm_tokens)`` for the tokens of
     one micro-batch. The planner's model has one GEMM efficiency whatever the micro-batch."""
     launch_s: float = 40e-6
+    isolated: float = 1.1
+    """A collective timed alone (a calibration probe) runs this much faster than the same
+    class inside a step, where compute contends with it for memory bandwidth and SMs: a probe's
+    efficiency is optimistic, and the stage samples must correct it."""
     """Fixed seconds per layer, pass and micro-batch in training and inference (an eager step's
     kernel launches; generation replays captured graphs). The planner's model has none."""
 
@@ -143,6 +151,7 @@ class SimulatedEngine:
         # streams of their own.
         self._transition_rng = random.Random(f"{seed}:transitions")
         self._build_rng = random.Random(f"{seed}:builds")
+        self._probe_rng = random.Random(f"{seed}:probes")
         self.clock = 0.0
         self._units: dict = {}
         self._lost: set[int] = set()
@@ -471,6 +480,25 @@ class SimulatedEngine:
         self._lost -= before
         self._joining.clear()
         return seconds
+
+    def run_probes(self, probes: Sequence[Probe]) -> ProbeReport:
+        """Each probe's runs at the true efficiency of its class now (interference included),
+        a little faster than inside a step (``TrueModel.isolated``), with the step's noise; the
+        clock moves by the group set-up, a warm-up run and the timed runs of each."""
+        check_probes(probes, self._pool, self._lost)
+        eff = self.truth.efficiency_at(self.clock)
+        measured = []
+        seconds = PROBE_SETUP_S if probes else 0.0
+        for probe in probes:
+            true_s = probe.ideal_s(self.acc) / min(1.0, eff[probe.op_class] * self.truth.isolated)
+            runs = tuple(
+                true_s * math.exp(self._probe_rng.gauss(0, self.truth.noise))
+                for _ in range(probe.repeats)
+            )
+            seconds += true_s + sum(runs)
+            measured.append(runs)
+        self._advance(seconds)
+        return ProbeReport(measured_s=tuple(measured), seconds=seconds, simulated=True)
 
     # --- the world moving on ----------------------------------------------------------------------
 

@@ -34,7 +34,7 @@ import json
 import math
 import os
 import statistics
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -112,6 +112,36 @@ class Calibrator:
         rows = self._rows.setdefault(sample.source, collections.deque(maxlen=self.window))
         rows.append((terms, float(measured)))
         self._fit = None
+
+    def measure(self, op_class: str, *, ideal_s: float, measured_s: Sequence[float]) -> float:
+        """A class timed alone, outside the steps (a calibration probe, ``probes.py``): its
+        efficiency, ideal seconds over the median measured run, is taken as learned of it. The
+        fit starts there, so what the stage samples cannot tell apart keeps the probes' ratio
+        between classes, not the catalog's; what they do determine they correct. Returns the
+        efficiency."""
+        if op_class not in OPERATION_CLASSES:
+            raise ValueError(
+                f"op_class: unknown {op_class!r}; valid: {', '.join(OPERATION_CLASSES)}"
+            )
+        runs = [float(m) for m in measured_s]
+        if not runs or not all(math.isfinite(m) and m > 0 for m in runs):
+            raise ValueError(
+                f"measured_s: {op_class}: runs must be positive and finite, got {runs}"
+            )
+        if not (math.isfinite(ideal_s) and ideal_s > 0):
+            raise ValueError(f"ideal_s: {op_class}: must be positive and finite, got {ideal_s}")
+        value = min(1.0, ideal_s / statistics.median(runs))
+        if abs(math.log(value)) > 50:
+            raise ValueError(f"measured_s: {op_class}: {runs} against {ideal_s} s is not plausible")
+        self._learned[op_class] = value
+        self._fit = None
+        return value
+
+    def learned(self) -> frozenset[str]:
+        """The classes something has taught the calibration: settled by the stage samples, or
+        measured by a probe (here or by an earlier job on this cluster, from its file)."""
+        self._fitted()
+        return frozenset(self._learned)
 
     def num_samples(self, op_class: str) -> int:
         """Samples in the window in which ``op_class`` ran."""

@@ -50,7 +50,7 @@ OPERATION_CLASSES = tuple(DEFAULT_EFFICIENCY)
 OPTIMIZER_BYTES_PER_PARAM = 32  # read grads, master, moments; write master, moments, weights
 
 
-def _ring(n: int | np.ndarray, nbytes, bandwidth: float, latency: float):
+def ring_seconds(n: int | np.ndarray, nbytes, bandwidth: float, latency: float):
     """Seconds of one ring all-reduce among ``n`` ranks."""
     n = np.asarray(n, dtype=float)
     return np.where(n > 1, 2 * (n - 1) / n * nbytes / bandwidth + 2 * (n - 1) * latency, 0.0)
@@ -78,7 +78,7 @@ def ideal_breakdown(
     tp_link, pp_link = "intra", acc.link(slots)
 
     def tp_allreduce(count, nbytes):
-        return count * _ring(tp, nbytes, acc.bandwidth(tp_link), acc.latency(tp_link))
+        return count * ring_seconds(tp, nbytes, acc.bandwidth(tp_link), acc.latency(tp_link))
 
     def p2p(count, nbytes):
         if pp == 1:
@@ -108,8 +108,8 @@ def ideal_breakdown(
             inside = (block <= acc.gpus_per_node) & ((block & (block - 1)) == 0)
             crosses_nodes = np.where(inside, 0.0, 1.0)
             grads = shape.params_per_slot * FP32_GRADIENT_BYTES_PER_PARAM
-            intra = _ring(shape.dp, grads, acc.intra_node_bandwidth, acc.intra_node_latency)
-            inter = _ring(shape.dp, grads, acc.inter_node_bandwidth, acc.inter_node_latency)
+            intra = ring_seconds(shape.dp, grads, acc.intra_node_bandwidth, acc.intra_node_latency)
+            inter = ring_seconds(shape.dp, grads, acc.inter_node_bandwidth, acc.inter_node_latency)
             out["dp_allreduce:intra"] = flushes * intra * (1 - crosses_nodes)
             out["dp_allreduce:inter"] = flushes * inter * crosses_nodes
             shards = shape.dp if w.distributed_optimizer else 1.0

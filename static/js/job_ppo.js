@@ -328,7 +328,12 @@
       $("calibration-none").hidden = true;
       $("chart-calibration").hidden = false;
       const eff = S.calibration.efficiency || {};
-      Plotly.react("chart-calibration", [{ type: "bar", x: Object.keys(eff), y: Object.values(eff), name: "efficiency" }],
+      const traces = [{ type: "bar", x: Object.keys(eff), y: Object.values(eff), name: "calibrated" }];
+      const probed = (S.probes && S.probes.efficiency) || {};
+      if (Object.keys(probed).length) {  // control.probes: each class timed alone at the start
+        traces.push({ type: "bar", x: Object.keys(probed), y: Object.values(probed), name: "probed alone" });
+      }
+      Plotly.react("chart-calibration", traces,
         NereusLive.layout("efficiency (achieved ÷ peak)", { xaxis: { title: { text: "operation class" }, tickangle: -35, automargin: true } }), plotConfig);
     }
   }
@@ -502,6 +507,15 @@
       case "control.calibration":
         S.calibration = d; drawCalibration();
         break;
+      case "control.probes": {
+        S.probes = d;
+        const timed = Object.keys(d.efficiency || {}).length;
+        log("probes", "", `${timed} operation class${timed === 1 ? "" : "es"} timed alone in ${num(d.seconds)} s`,
+          d.failure || "calibration starts from what they measured", "");
+        label(d.simulated);
+        drawCalibration();
+        break;
+      }
       case "job.exported":
         if ($("artifacts") && $("artifacts").hidden) {
           $("artifacts").hidden = false;

@@ -27,6 +27,15 @@ QUIET_CALIBRATION = {"calibration": 10.0}
 """Thresholds for scenarios that test another mechanism: their true efficiencies are within
 0.6-1.2 of the catalog's, far from the elevenfold move this asks of calibration, so its trigger
 (a replan as soon as the first steps show the catalog wrong) leaves the scenario as built."""
+
+
+def _policy(**fields) -> JobPolicy:
+    """The policy of a scenario that tests another mechanism than the calibration probes: the
+    scenarios were built on the catalog's view of the cluster and on a clock the probes would
+    shift (a pool that grows during the first step would grow during the probes instead)."""
+    return JobPolicy(**{"calibration_probes": False, **fields})
+
+
 GEN_AS_ONE = dataclasses.replace(WORKLOAD, gen_micro_batch=WORKLOAD.global_batch)
 """Generation units decode all their sequences as one micro-batch, so that a generation pipeline
 idles (as the torch backend's does): the plans for 16 and 32 slots then share generation's layout
@@ -53,7 +62,7 @@ def _kinds(controller):
 
 def test_a_manual_job_keeps_running_until_a_person_approves():
     engine = _engine()
-    controller = Controller(WORKLOAD, ACC, JobPolicy(admission="always_faster", approval="manual"))
+    controller = Controller(WORKLOAD, ACC, _policy(admission="always_faster", approval="manual"))
     controller.initial_plan(engine)
     _steps(controller, engine, range(3))  # the pool grows to 32 during step 0
     proposal = controller.pending
@@ -86,7 +95,7 @@ def test_a_waiting_proposal_builds_its_new_units_ahead_so_the_approved_move_wait
     steps. Meanwhile its new units on the granted slots are built (those slots are idle
     anyway): once approved, the transition waits only for what is left of their build."""
     engine = _engine()
-    controller = Controller(WORKLOAD, ACC, JobPolicy(admission="always_faster", approval="manual"))
+    controller = Controller(WORKLOAD, ACC, _policy(admission="always_faster", approval="manual"))
     controller.initial_plan(engine)
     _steps(controller, engine, range(4))
     proposal = controller.pending
@@ -118,7 +127,7 @@ def test_the_same_change_asked_again_keeps_the_waiting_proposal():
     from runtime.control.monitor import Trigger
 
     engine = _engine()
-    controller = Controller(WORKLOAD, ACC, JobPolicy(admission="always_faster", approval="manual"))
+    controller = Controller(WORKLOAD, ACC, _policy(admission="always_faster", approval="manual"))
     controller.initial_plan(engine)
     _steps(controller, engine, range(1))
     waiting = controller.pending
@@ -135,7 +144,7 @@ def test_the_same_change_asked_again_keeps_the_waiting_proposal():
 
 def test_a_rejected_or_expired_proposal_keeps_the_plan():
     engine = _engine()
-    policy = JobPolicy(admission="always_faster", approval="manual", approval_timeout_s=30)
+    policy = _policy(admission="always_faster", approval="manual", approval_timeout_s=30)
     controller = Controller(WORKLOAD, ACC, policy)
     first = controller.initial_plan(engine)
     _steps(controller, engine, range(1))
@@ -153,7 +162,7 @@ def test_a_rejected_or_expired_proposal_keeps_the_plan():
 
 def test_manual_above_lets_cheap_transitions_through():
     engine = _engine()
-    policy = JobPolicy(admission="always_faster", approval="manual_above", approval_above_s=1e6)
+    policy = _policy(admission="always_faster", approval="manual_above", approval_above_s=1e6)
     controller = Controller(WORKLOAD, ACC, policy)
     controller.initial_plan(engine)
     _steps(controller, engine, range(2))
@@ -162,7 +171,7 @@ def test_manual_above_lets_cheap_transitions_through():
 
 def test_revoked_slots_take_the_urgent_path_before_the_next_step():
     engine = _engine(pool=((1.0, 8),), gpus=16)
-    controller = Controller(WORKLOAD, ACC, JobPolicy(approval="manual"))
+    controller = Controller(WORKLOAD, ACC, _policy(approval="manual"))
     controller.initial_plan(engine)
     reports = []
     for step in range(3):
@@ -220,7 +229,7 @@ def test_a_plan_the_catalog_misjudged_is_replaced_once_calibration_shows_it():
 
     def run(make):
         engine = SimulatedEngine(trace, acc, truth=truth, seed=2)
-        controller = make(work, acc, JobPolicy())
+        controller = make(work, acc, _policy())
         return controller, run_job(engine, controller, trace.steps)
 
     controller, summary = run(Controller)
@@ -249,7 +258,7 @@ def test_a_plan_the_catalog_misjudged_is_replaced_once_calibration_shows_it():
 
 def test_the_step_loop_accounts_for_all_the_time():
     engine = _engine()
-    controller = Controller(WORKLOAD, ACC, JobPolicy(admission="always_faster"))
+    controller = Controller(WORKLOAD, ACC, _policy(admission="always_faster"))
     summary = run_job(engine, controller, 6)
     assert summary.simulated and summary.steps == 6 and summary.failed_steps == 0
     assert summary.seconds == pytest.approx(
@@ -280,7 +289,7 @@ def test_a_failed_slot_is_replanned_from_the_intact_units():
     """Slot 0 fails during the first step: the actor's training unit on it is broken, its replica
     on other slots is intact, so the job moves on by a live transition, not a restart."""
     engine = _failing(0)
-    controller = Controller(WORKLOAD, ACC, JobPolicy())
+    controller = Controller(WORKLOAD, ACC, _policy())
     first = controller.initial_plan(engine)
     units = first.model_stage("actor@training").units
     assert len(units) == 2 and units[0][0] == 0 and 0 not in units[1]
@@ -296,7 +305,7 @@ def test_without_an_intact_replica_the_job_restarts_from_its_checkpoint():
     """A slot of each of the actor's two training units fails: no replica holds its state, so
     the urgent path falls back to checkpoint/restart, and says why."""
     engine = _failing(0, 8)
-    controller = Controller(WORKLOAD, ACC, JobPolicy())
+    controller = Controller(WORKLOAD, ACC, _policy())
     first = controller.initial_plan(engine)
     assert [u[0] for u in first.model_stage("actor@training").units] == [0, 8]
     _steps(controller, engine, range(3))
@@ -313,7 +322,7 @@ def test_an_unreachable_best_plan_gives_way_to_the_fastest_reachable_one(monkeyp
     from runtime.transition import TransitionRefusedError
 
     engine = _engine()
-    controller = Controller(GEN_AS_ONE, ACC, JobPolicy(admission="always_faster"))
+    controller = Controller(GEN_AS_ONE, ACC, _policy(admission="always_faster"))
     controller.initial_plan(engine)
     compile_ = control.Controller._compile
     refused, tried = [], []
@@ -371,7 +380,7 @@ def test_a_saving_that_survives_the_swing_repays_over_the_pools_horizon(monkeypa
     from runtime.control.monitor import Trigger
 
     engine = _engine(pool=((1.0, 32),), gpus=16)
-    controller = Controller(WORKLOAD, ACC, JobPolicy())
+    controller = Controller(WORKLOAD, ACC, _policy())
     first = controller.initial_plan(engine)
     engine.step(first, WORKLOAD, 0)  # the simulated clock passes 1 s: the pool is 32 now
     assert engine.pool_size() == 32
@@ -412,7 +421,7 @@ def test_a_saving_the_trend_erodes_within_the_longer_window_rests_on_the_trigger
     from runtime.control.monitor import Trigger
 
     engine = _engine(pool=((1.0, 32),), gpus=16)
-    controller = Controller(WORKLOAD, ACC, JobPolicy())
+    controller = Controller(WORKLOAD, ACC, _policy())
     first = controller.initial_plan(engine)
     engine.step(first, WORKLOAD, 0)
     _swinging(controller)
@@ -452,7 +461,7 @@ def test_a_deferred_move_is_priced_again_when_it_is_reconsidered(monkeypatch):
     from runtime.control.monitor import Trigger
 
     engine = _engine(pool=((1.0, 32),), gpus=16)
-    controller = Controller(WORKLOAD, ACC, JobPolicy())
+    controller = Controller(WORKLOAD, ACC, _policy())
     first = controller.initial_plan(engine)
     engine.step(first, WORKLOAD, 0)  # the pool is 32 now
     candidate = controller._candidate(engine, WORKLOAD)
@@ -499,7 +508,7 @@ def test_without_a_live_route_a_move_that_pays_goes_by_checkpoint_restart(monkey
     checkpoint/restart, priced as one, and the policy's admission weighs that price."""
     _no_live_route(monkeypatch)
     engine = _engine()
-    policy = JobPolicy(admission="always_faster", thresholds=QUIET_CALIBRATION)
+    policy = _policy(admission="always_faster", thresholds=QUIET_CALIBRATION)
     controller = Controller(WORKLOAD, ACC, policy)
     controller.initial_plan(engine)
     _steps(controller, engine, range(2))
@@ -530,7 +539,7 @@ def test_payback_waits_until_a_restart_repays_within_the_horizon(monkeypatch):
 
     monkeypatch.setattr(controller_module, "decide", recorded)
     engine = _engine()
-    controller = Controller(WORKLOAD, ACC, JobPolicy())
+    controller = Controller(WORKLOAD, ACC, _policy())
     first = controller.initial_plan(engine)
     _steps(controller, engine, range(1))
     refused = _decisions(controller)[0]
@@ -559,7 +568,7 @@ def test_a_move_that_would_repay_only_after_the_run_ends_is_not_made(monkeypatch
 
     def run(last_step):
         engine = _engine()
-        controller = Controller(WORKLOAD, ACC, JobPolicy())
+        controller = Controller(WORKLOAD, ACC, _policy())
         controller.initial_plan(engine)
         controller.last_step = last_step
         step = 0
@@ -581,7 +590,7 @@ def test_a_move_that_would_repay_only_after_the_run_ends_is_not_made(monkeypatch
 def test_an_approved_restart_proposal_restarts(monkeypatch):
     _no_live_route(monkeypatch)
     engine = _engine()
-    policy = JobPolicy(admission="always_faster", approval="manual")
+    policy = _policy(admission="always_faster", approval="manual")
     controller = Controller(WORKLOAD, ACC, policy)
     controller.initial_plan(engine)
     _steps(controller, engine, range(1))
@@ -599,7 +608,7 @@ def test_a_proposal_rejected_expired_or_superseded_frees_the_units_it_built_ahea
 ):
     """Its units on idle slots will not be used: the engine is told to free them."""
     engine = _engine()
-    policy = JobPolicy(
+    policy = _policy(
         admission="always_faster",
         approval="manual",
         approval_timeout_s=60.0 if ending == "expire" else 86_400.0,
@@ -635,7 +644,7 @@ def _growing(
         name="g", steps=20, accelerator=ACC.name, gpus=16, gen_len=((0, 1024.0),), pool=pool
     )
     engine = engine_class(trace, ACC, truth=TrueModel.draw(3, noise=0.0), seed=1)
-    return engine, Controller(workload, ACC, JobPolicy(thresholds=QUIET_CALIBRATION))
+    return engine, Controller(workload, ACC, _policy(thresholds=QUIET_CALIBRATION))
 
 
 def test_new_units_on_granted_slots_are_built_ahead_during_one_more_step():
@@ -674,7 +683,7 @@ def test_a_move_whose_generation_joins_is_priced_by_what_its_first_step_loses():
     cluster then shows is the one charged, but for the builds taking longer than the engine has
     yet measured (it learns that from this one)."""
     engine, controller = _growing(((60.0, 32),), workload=GEN_AS_ONE)
-    controller.policy = JobPolicy(admission="never")  # the test makes the move itself
+    controller.policy = _policy(admission="never")  # the test makes the move itself
     controller.initial_plan(engine)
     _steps(
         controller, engine, range(8), GEN_AS_ONE
@@ -755,7 +764,7 @@ def _growing_length(
     return controller, run_job(engine, controller, steps)
 
 
-@pytest.mark.parametrize("policy", [JobPolicy(admission="never"), JobPolicy(approval="manual")])
+@pytest.mark.parametrize("policy", [_policy(admission="never"), _policy(approval="manual")])
 def test_a_memory_trigger_fires_at_most_once_more_in_its_quiet_period(policy):
     """After a memory trigger the controller is quiet for a lookahead, but for one escalation
     when the devices themselves will not hold a step; a replan that cannot move (a policy that
@@ -773,7 +782,7 @@ def test_a_memory_trigger_fires_at_most_once_more_in_its_quiet_period(policy):
     # until the period ends (it fired on every step from 29 to 38 before); under half of the 60
     # steps in all. A period's escalation may fall on its last step and the next period's
     # trigger on the step after, so two periods may fire on three steps in a row.
-    lookahead = JobPolicy().lookahead_steps
+    lookahead = _policy().lookahead_steps
     periods: list[list[int]] = []
     for step in fired:
         if periods and step < periods[-1][0] + lookahead:
@@ -788,13 +797,13 @@ def test_a_plan_forecast_to_outgrow_memory_is_left_before_a_step_fails():
     """The length grows from 1024 to 4000 tokens. An out-of-memory step loses the job's state
     back to its checkpoint, so the controller leaves a plan the trend says will not fit before
     it fails, on feasibility alone; a job that never adapts runs out and restarts instead."""
-    controller, summary = _growing_length(JobPolicy())
+    controller, summary = _growing_length(_policy())
     moves = [
         e["reason"] for e in controller.events if e["event"] == "control.decision" and e["admit"]
     ]
     assert moves and all(r.startswith("the running plan will not fit (") for r in moves)
     assert summary.failed_steps == 0 and summary.transitions > 0
-    never, stayed = _growing_length(JobPolicy(admission="never"))
+    never, stayed = _growing_length(_policy(admission="never"))
     failures = [e for e in never.events if e["event"] == "step" and not e["ok"]]
     assert failures and all(e["failure"].startswith("out of memory") for e in failures)
     assert stayed.restarts == len(failures)  # each time from the checkpoint
@@ -811,7 +820,7 @@ def test_memory_a_layout_outgrows_is_first_freed_by_smaller_micro_batches():
     the pool; at the longer lengths training them one after the other on all of it is faster,
     and a memory trigger may rightly make that move)."""
     grown = dataclasses.replace(WORKLOAD, gen_len=512, micro_batch=16)
-    quiet = JobPolicy(thresholds=QUIET_CALIBRATION)
+    quiet = _policy(thresholds=QUIET_CALIBRATION)
     controller, summary = _growing_length(quiet, gpus=16, to=5000.0, workload=grown)
     assert summary.failed_steps == 0 and summary.restarts == 0 and summary.rebatches > 0
     changes = [e for e in controller.events if e["event"] == "control.micro_batches"]
@@ -839,7 +848,7 @@ def test_generation_whose_kv_cache_outgrows_decodes_in_waves_instead_of_failing(
     (pinned), a step runs out of memory, and no plan then holds every sequence at once: the job
     cannot go on."""
     many = dataclasses.replace(WORKLOAD, gen_len=1000, global_batch=1024)
-    controller, summary = _growing_length(JobPolicy(), gpus=16, to=7500.0, workload=many)
+    controller, summary = _growing_length(_policy(), gpus=16, to=7500.0, workload=many)
     assert summary.failed_steps == 0
     for restart in (e for e in controller.events if e["event"] == "control.restart"):
         assert restart["reason"].startswith("pays back in "), restart["reason"]
@@ -856,7 +865,7 @@ def test_generation_whose_kv_cache_outgrows_decodes_in_waves_instead_of_failing(
     assert any(n.endswith("@inference") for n, _, _ in others)
     assert controller.plan.model_stage("actor@generation").micro_batch > 0
     pinned = dataclasses.replace(many, adaptive_micro_batch=False)
-    stuck, moved = _growing_length(JobPolicy(), gpus=16, to=7500.0, workload=pinned)
+    stuck, moved = _growing_length(_policy(), gpus=16, to=7500.0, workload=pinned)
     assert moved.rebatches == 0 and moved.failed_steps > 0
     failures = [e["failure"] for e in stuck.events if e["event"] == "step" and not e["ok"]]
     assert failures[0].startswith("out of memory")
@@ -877,7 +886,7 @@ def test_a_restart_to_a_much_faster_plan_is_weighed_beside_the_live_moves():
     few steps: it is weighed as one more way to move (and admitted on payback like any move),
     and the run is shorter for it than one in which restarting is priced out."""
     many = dataclasses.replace(WORKLOAD, gen_len=1000, global_batch=1024)
-    quiet = JobPolicy(thresholds=QUIET_CALIBRATION)
+    quiet = _policy(thresholds=QUIET_CALIBRATION)
     controller, summary = _growing_length(quiet, gpus=16, to=7500.0, workload=many)
     restarts = [e for e in controller.events if e["event"] == "control.restart"]
     assert restarts and all(r["reason"].startswith("pays back in ") for r in restarts)
@@ -891,7 +900,7 @@ def test_a_restart_to_a_much_faster_plan_is_weighed_beside_the_live_moves():
 
 def _runway(memory_runway: str, gpus: int = 128):
     """200 steps on ``gpus`` slots while the length grows from 1024 to 8000 tokens."""
-    policy = JobPolicy(memory_runway=memory_runway)
+    policy = _policy(memory_runway=memory_runway)
     return _growing_length(policy, steps=200, gpus=gpus, to=8000.0)
 
 
@@ -985,7 +994,7 @@ def test_a_decision_reports_the_horizon_its_verdict_weighed():
     from runtime.control.monitor import Trigger
 
     engine = _engine()
-    controller = Controller(WORKLOAD, ACC, JobPolicy())
+    controller = Controller(WORKLOAD, ACC, _policy())
     controller.initial_plan(engine)
     controller.monitor.observe(0, {"gen_len": 1024.0}, pool=16)
     assert controller.monitor.observe(10, {"gen_len": 2000.0}, pool=16)  # a crossing at 10
@@ -1033,7 +1042,7 @@ def test_a_plan_the_planner_picks_under_a_measured_memory_factor_is_one_the_cont
     planner had just picked 'not fitting', prompting memory triggers that replanned to it)."""
     engine = _engine(gpus=16)
     for gen_len in (2048, 4096, 8192):
-        controller = Controller(dataclasses.replace(WORKLOAD, gen_len=gen_len), ACC, JobPolicy())
+        controller = Controller(dataclasses.replace(WORKLOAD, gen_len=gen_len), ACC, _policy())
         controller.memory_factor = factor
         try:
             chosen = controller._candidate(engine, controller.workload)
@@ -1095,7 +1104,7 @@ def test_when_every_node_lost_a_slot_plans_keep_their_groups_inside_real_nodes()
     old = place(plan(WORKLOAD, ACC, len(alive)).best, alive, 32, ACC.gpus_per_node)
     assert _straddling(old, ACC.gpus_per_node)  # what the controller ran before
 
-    controller = Controller(WORKLOAD, ACC, JobPolicy())
+    controller = Controller(WORKLOAD, ACC, _policy())
     controller._alive = lambda engine: alive
     chosen = controller._candidate(_engine(gpus=32), WORKLOAD)
     assert {s for ms in chosen.model_stages for s in ms.slots} <= set(alive)
@@ -1118,7 +1127,7 @@ def test_no_live_slot_is_a_stall_not_an_exception():
         failures=(*((14.0 + 0.1 * s, s) for s in range(8)), (400.0, 0)),
     )
     engine = SimulatedEngine(trace, ACC, truth=TrueModel.draw(3, noise=0.0), seed=1)
-    controller = Controller(WORKLOAD, ACC, JobPolicy())
+    controller = Controller(WORKLOAD, ACC, _policy())
     run_job(engine, controller, trace.steps)
     assert not [s for s in range(engine.pool_size()) if s not in engine.lost_slots()]
     decisions = [e for e in controller.events if e["event"] == "control.decision"]
@@ -1141,7 +1150,7 @@ def test_idle_slots_lost_while_a_move_waits_are_replanned_around_and_not_urgentl
         failures=tuple((100 + 7.0 * k, 17 + k) for k in range(8)),
     )
     engine = SimulatedEngine(trace, ACC, truth=TrueModel.draw(0), seed=0)
-    controller = Controller(dataclasses.replace(WORKLOAD, gen_len=1000), ACC, JobPolicy())
+    controller = Controller(dataclasses.replace(WORKLOAD, gen_len=1000), ACC, _policy())
     run_job(engine, controller, trace.steps)
     shrinks = [
         e
@@ -1163,7 +1172,7 @@ def test_fixed_layouts_are_kept_after_losses_on_several_nodes_where_some_packing
     (On 32 slots that critic unit takes the whole pool, and no packing of 28 live slots holds
     it.)"""
     engine = _engine(pool=(), gpus=64)
-    controller = Controller(WORKLOAD, ACC, JobPolicy(fixed_layouts=True))
+    controller = Controller(WORKLOAD, ACC, _policy(fixed_layouts=True))
     controller.initial_plan(engine)
     assert (2, 16) in controller.fixed.values() and (4, 1) in controller.fixed.values()
     alive = [s for s in range(64) if s % 8 != 3]
@@ -1201,7 +1210,7 @@ def test_the_urgent_trigger_names_the_plan_s_slots_that_are_gone_or_leaving(lost
     from runtime.ppo.job import PpoJobConfig, plan_by_hand
 
     workload = PpoJobConfig().workload()
-    controller = Controller(workload, CATALOG.accelerator("cpu-slot"), JobPolicy())
+    controller = Controller(workload, CATALOG.accelerator("cpu-slot"), _policy())
     controller.plan = plan_by_hand(  # on slots 0 to 2 (slot 3 is not the plan's any more)
         workload,
         {"actor@training": (1, 1, 1)},
@@ -1222,7 +1231,7 @@ def test_what_the_cost_model_learns_is_said_at_first_and_then_only_when_it_moves
     they move by more than 2% (not once a step)."""
     trace = Trace(name="t", steps=40, accelerator=ACC.name, gpus=16, gen_len=((0, 1024.0),))
     engine = SimulatedEngine(trace, ACC, truth=TrueModel.draw(3, noise=0.05), seed=1)
-    controller = Controller(WORKLOAD, ACC, JobPolicy())
+    controller = Controller(WORKLOAD, ACC, _policy())
     run_job(engine, controller, 40)
     said = [e for e in controller.events if e["event"] == "control.calibration"]
     assert said and said[0]["step"] == 0 and said[0]["simulated"]

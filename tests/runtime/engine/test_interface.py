@@ -14,6 +14,7 @@ from runtime.engine.slots import SlotPool
 from runtime.engine.traces import Trace
 from runtime.planner import default_catalog
 from runtime.planner.plan import Layout, Plan
+from runtime.planner.probes import Probe, probes_for
 from runtime.planner.workload import PpoWorkload
 from runtime.transition import Cluster, diff
 
@@ -89,6 +90,25 @@ def test_an_engine_places_transitions_and_restarts(engine, tmp_path):
     # The Ray engine saved into a folder of that restart's own, under its checkpoint folder
     # (``tmp_path``), and removed it once loaded.
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_engine_times_each_probe_alone_and_leaves_the_units_be(engine):
+    """Calibration probes: each communication class's collective timed on its slots (gloo on
+    the Ray engine's processes; the true model's, a little optimistic, on the simulated one)."""
+    engine.start(FIRST, WORKLOAD)
+    probes = probes_for(WORKLOAD, ACC, range(SLOTS))  # one node: the four intra classes
+    assert len(probes) == 4 and max(len(p.slots) for p in probes) == 4
+    before = engine.now()
+    report = engine.run_probes(probes)
+    assert not report.failure and report.simulated == engine.simulated
+    assert len(report.measured_s) == len(probes)
+    for probe, runs in zip(probes, report.measured_s, strict=True):
+        assert len(runs) == probe.repeats and min(runs) > 0
+    assert report.seconds >= sum(sum(runs) for runs in report.measured_s)
+    assert engine.now() - before >= report.seconds
+    assert _shape(engine.units()) == _expected(FIRST)
+    with pytest.raises(ValueError, match=rf"probes\[0\]\.slots: slot {SLOTS} is not a live slot"):
+        engine.run_probes([Probe(op_class="pp_p2p:intra", slots=(0, SLOTS), nbytes=1024)])
 
 
 def test_the_simulated_step_is_labelled_and_calibratable():

@@ -24,8 +24,10 @@ def _job(steps: int, workload=WORKLOAD, **trace) -> tuple[SimulatedEngine, Contr
     )
     engine = SimulatedEngine(world, ACC, truth=TrueModel.draw(0), seed=0)
     # The losses are the subject: the calibration trigger (which would replan as soon as the
-    # first steps show the catalog wrong, and so lay the job out otherwise) is kept quiet.
-    return engine, Controller(workload, ACC, JobPolicy(thresholds={"calibration": 10.0}))
+    # first steps show the catalog wrong, and so lay the job out otherwise) is kept quiet, and
+    # no probe shifts the clock the trace's losses are timed on.
+    policy = JobPolicy(thresholds={"calibration": 10.0}, calibration_probes=False)
+    return engine, Controller(workload, ACC, policy)
 
 
 def _run(steps: int, **trace):

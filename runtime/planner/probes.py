@@ -1,0 +1,156 @@
+"""Calibration probes: each communication class timed alone, on the job's own slots, before plans
+are weighed.
+
+A step times whole model-stages, in which several classes always run together: the weight sync
+over a node's links and over the network, or tensor-parallel all-reduces over a link no plan has
+used yet. Stage-level timing cannot tell such classes apart, and the calibration then keeps the
+catalog's ratio between them, which may be far from the cluster's (a PCIe box catalogued as
+NVLink). Like NCCL's tests or Alpa's profiler, the job times each class's collective alone
+first, at the size the job's own operations of that class have (one micro-batch's activations
+for tensor-parallel and pipeline traffic, one layer's gradients or weights for the data-parallel
+all-reduce and the weight sync), on the first slots the pool offers on each link: inside one
+node (``intra``) and across two (``inter``). Each probe's efficiency (ideal seconds over the
+median measured) is what calibration starts from for that class; the running job's stage
+samples then correct whatever they determine (``Calibrator.measure``).
+
+A class whose link the pool cannot exercise (one node: no ``inter``) is not probed; the
+transitions' classes are learned from the transitions themselves, whose primitives do more than
+move bytes (pack, checksum).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+from runtime.planner import cost
+from runtime.planner.catalog import Accelerator
+from runtime.planner.shapes import FP32_GRADIENT_BYTES_PER_PARAM
+from runtime.planner.workload import PpoWorkload
+
+PATTERNS = ("all_reduce", "send")
+"""``all_reduce``: a ring all-reduce among the probe's slots; ``send``: its first slot sends
+the bytes to its second."""
+FAMILIES = {
+    "tp_allreduce": "all_reduce",
+    "dp_allreduce": "all_reduce",
+    "pp_p2p": "send",
+    "weight_sync": "send",
+}
+"""The probed families, and the collective each one's operations are."""
+PROBED_CLASSES = tuple(f"{family}:{link}" for family in FAMILIES for link in ("intra", "inter"))
+REPEATS = 5
+"""Timed runs of each probe (after one untimed warm-up); calibration takes their median."""
+MAX_PROBE_BYTES = 1 << 30
+"""No probe moves more than this (the largest model's layer would take long on a slow link)."""
+MAX_INTER_NODES = 8
+"""An inter-node all-reduce probe spans at most this many nodes (one slot of each)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Probe:
+    """One collective timed alone: ``op_class``'s pattern among ``slots``, ``nbytes`` each."""
+
+    op_class: str
+    slots: tuple[int, ...]
+    nbytes: int
+    repeats: int = REPEATS
+
+    def __post_init__(self) -> None:
+        if self.op_class.partition(":")[0] not in FAMILIES or self.op_class not in PROBED_CLASSES:
+            raise ValueError(
+                f"op_class: {self.op_class!r} is not probed; valid: {', '.join(PROBED_CLASSES)}"
+            )
+        if len(self.slots) < 2 or len(set(self.slots)) != len(self.slots):
+            raise ValueError(f"slots: a probe needs two or more distinct slots, got {self.slots}")
+        if self.pattern == "send" and len(self.slots) != 2:
+            raise ValueError(f"slots: a send probe has a sender and a receiver, got {self.slots}")
+        if not 0 < self.nbytes <= MAX_PROBE_BYTES:
+            raise ValueError(f"nbytes: must be in (0, {MAX_PROBE_BYTES}], got {self.nbytes}")
+        if not 1 <= self.repeats <= 100:
+            raise ValueError(f"repeats: must be in [1, 100], got {self.repeats}")
+
+    @property
+    def pattern(self) -> str:
+        return FAMILIES[self.op_class.partition(":")[0]]
+
+    @property
+    def link(self) -> str:
+        return self.op_class.partition(":")[2]
+
+    def ideal_s(self, acc: Accelerator) -> float:
+        """Seconds at the link's peak, in the cost model's own form for the class (a ring
+        all-reduce, or bytes over the link plus its latency)."""
+        bandwidth, latency = acc.bandwidth(self.link), acc.latency(self.link)
+        if self.pattern == "all_reduce":
+            return float(cost.ring_seconds(len(self.slots), self.nbytes, bandwidth, latency))
+        return self.nbytes / bandwidth + latency
+
+
+def _sizes(workload: PpoWorkload) -> dict[str, int]:
+    """Bytes of one operation of each family, for the largest model of the job."""
+    model = max((ms.model for ms in workload.model_stages()), key=lambda m: m.params_per_layer)
+    activation = workload.micro_batch * workload.seq_len * model.hidden_size
+    activation *= workload.bytes_per_value
+    layer = model.params_per_layer
+    out = {
+        "tp_allreduce": activation,
+        "pp_p2p": activation,
+        "dp_allreduce": layer * FP32_GRADIENT_BYTES_PER_PARAM,
+        "weight_sync": layer * workload.bytes_per_value,
+    }
+    return {family: int(min(MAX_PROBE_BYTES, max(1, n))) for family, n in out.items()}
+
+
+def probes_for(
+    workload: PpoWorkload,
+    acc: Accelerator,
+    alive: Iterable[int],
+    *,
+    skip: Iterable[str] = (),
+) -> list[Probe]:
+    """The probes of every probed class but ``skip`` that the ``alive`` slots can run: within
+    the node with the most live slots (an all-reduce over as many of them as a power of two
+    allows, as a tensor-parallel group is placed), and across the first live slot of each node
+    (up to ``MAX_INTER_NODES``)."""
+    nodes: dict[int, list[int]] = {}
+    for slot in sorted(set(alive)):
+        nodes.setdefault(slot // acc.gpus_per_node, []).append(slot)
+    groups: dict[str, tuple[int, ...]] = {}
+    fullest = max(nodes.values(), key=len, default=[])
+    if len(fullest) >= 2:
+        width = 1 << (len(fullest).bit_length() - 1)
+        groups["intra"] = tuple(fullest[:width])
+    if len(nodes) >= 2:
+        groups["inter"] = tuple(members[0] for members in nodes.values())[:MAX_INTER_NODES]
+    sizes = _sizes(workload)
+    skipped = set(skip)
+    out = []
+    for family, pattern in FAMILIES.items():
+        for link, group in groups.items():
+            op_class = f"{family}:{link}"
+            if op_class in skipped:
+                continue
+            slots = group if pattern == "all_reduce" else group[:2]
+            out.append(Probe(op_class=op_class, slots=slots, nbytes=sizes[family]))
+    return out
+
+
+def check_probes(probes: Sequence[Probe], num_slots: int, lost: Iterable[int] = ()) -> None:
+    """What an engine checks before running ``probes``: every slot in its pool and alive."""
+    gone = set(lost)
+    for i, probe in enumerate(probes):
+        if not isinstance(probe, Probe):
+            raise ValueError(f"probes[{i}]: not a Probe: {probe!r}")
+        bad = [s for s in probe.slots if not 0 <= s < num_slots or s in gone]
+        if bad:
+            raise ValueError(
+                f"probes[{i}].slots: slot {bad[0]} is not a live slot of the pool of {num_slots}"
+            )
+
+
+def efficiency(probe: Probe, acc: Accelerator, measured_s: Sequence[float]) -> float:
+    """The probe's efficiency: its ideal seconds over the median of its measured runs."""
+    return min(1.0, probe.ideal_s(acc) / float(np.median(measured_s)))

@@ -1,0 +1,112 @@
+"""The controller's calibration probes on the simulated cluster: each communication class timed
+alone before plans are weighed, at the start and when the pool first spans another node."""
+
+import dataclasses
+
+import pytest
+
+from runtime.control import Controller, JobPolicy, PolicyError, run_job
+from runtime.engine.sim import SimulatedEngine, TrueModel
+from runtime.engine.traces import Trace
+from runtime.planner import PpoWorkload, default_catalog
+from runtime.planner.calibration import Calibrator
+from runtime.planner.probes import PROBED_CLASSES
+
+CATALOG = default_catalog()
+ACC = CATALOG.accelerator("a100-80gb")
+WORKLOAD = PpoWorkload.for_model(CATALOG.model("llama-3.1-8b"), gen_len=2048)
+
+
+def _pcie_truth() -> TrueModel:
+    """Collectives inside a node at an eighth of the catalog's NVLink: PCIe-class nodes
+    catalogued as SXM (the transitions' own classes aside)."""
+    drawn = TrueModel.draw(13, interference=0.0, noise=0.0)
+    return dataclasses.replace(
+        drawn,
+        efficiency={
+            c: e / 8 if c.endswith(":intra") and not c.startswith("transition") else e
+            for c, e in drawn.efficiency.items()
+        },
+    )
+
+
+def _run(policy: JobPolicy, *, gpus=16, pool=(), steps=30, calibrator=None):
+    trace = Trace(
+        name="flat", steps=steps, accelerator=ACC.name, gpus=gpus, gen_len=((0, 2048.0),), pool=pool
+    )
+    engine = SimulatedEngine(trace, ACC, truth=_pcie_truth(), seed=2)
+    controller = Controller(WORKLOAD, ACC, policy, calibrator=calibrator)
+    return controller, run_job(engine, controller, steps)
+
+
+def _of(controller, kind):
+    return [e for e in controller.events if e["event"] == kind]
+
+
+def test_a_job_probes_its_links_first_and_runs_shorter_for_it():
+    probed, with_probes = _run(JobPolicy())
+    unprobed, without = _run(JobPolicy(calibration_probes=False))
+    kinds = [e["event"] for e in probed.events]
+    assert kinds.index("control.probes") < kinds.index("control.plan")  # before plans are weighed
+    [probes] = _of(probed, "control.probes")
+    assert probes["simulated"] and not probes["failure"] and probes["step"] == 0
+    # 16 slots, two nodes: every probed class, each measured near the truth (a collective timed
+    # alone runs ``isolated`` faster than inside a step)
+    assert set(probes["efficiency"]) == set(PROBED_CLASSES)
+    truth = _pcie_truth()
+    for op_class, value in probes["efficiency"].items():
+        assert value == pytest.approx(truth.efficiency[op_class] * truth.isolated, rel=0.01)
+    assert probes["slots"]["pp_p2p:inter"] == [0, 8]
+    # The first plan already knows the links inside a node are slow: it is not the one the
+    # catalog's figures choose, and the whole run, probes included, takes less time.
+    first = {e["plan"]["num_slots"]: e["plan"] for e in _of(probed, "control.plan")}
+    unprobed_first = {e["plan"]["num_slots"]: e["plan"] for e in _of(unprobed, "control.plan")}
+    assert first != unprobed_first
+    assert with_probes.probe_seconds > 0 and without.probe_seconds == 0
+    assert with_probes.seconds < without.seconds
+    assert _of(unprobed, "control.probes") == []
+
+
+def test_the_step_loop_accounts_for_the_probes_time():
+    _, summary = _run(JobPolicy(), steps=4)
+    assert summary.probe_seconds > 0
+    assert summary.seconds == pytest.approx(
+        summary.step_seconds
+        + summary.transition_seconds
+        + summary.restart_seconds
+        + summary.probe_seconds
+    )
+
+
+def test_a_pool_that_first_spans_another_node_has_its_new_links_probed_before_the_replan():
+    controller, _ = _run(JobPolicy(), gpus=8, pool=((600.0, 16),), steps=12)
+    first, second = _of(controller, "control.probes")
+    assert set(first["efficiency"]) == {c for c in PROBED_CLASSES if c.endswith(":intra")}
+    assert set(second["efficiency"]) == {c for c in PROBED_CLASSES if c.endswith(":inter")}
+    assert second["step"] > 0
+    kinds = [e["event"] for e in controller.events]
+    after = kinds[kinds.index("control.probes", kinds.index("control.probes") + 1) :]
+    assert "control.decision" in after  # the pool's replan weighed plans on what they measured
+    decision = next(e for e in controller.events[-len(after) :] if e["event"] == "control.decision")
+    assert decision["trigger"]["kind"] == "pool"
+
+
+def test_classes_a_saved_calibration_has_learned_are_not_probed_again():
+    calibrator = Calibrator()
+    for op_class in PROBED_CLASSES:
+        if op_class.endswith(":intra"):
+            calibrator.measure(op_class, ideal_s=1.0, measured_s=[10.0])
+    controller, _ = _run(JobPolicy(), steps=2, calibrator=calibrator)
+    [probes] = _of(controller, "control.probes")
+    assert set(probes["efficiency"]) == {c for c in PROBED_CLASSES if c.endswith(":inter")}
+    everything = Calibrator()
+    for op_class in PROBED_CLASSES:
+        everything.measure(op_class, ideal_s=1.0, measured_s=[2.0])
+    controller, summary = _run(JobPolicy(), steps=2, calibrator=everything)
+    assert _of(controller, "control.probes") == [] and summary.probe_seconds == 0
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_the_probes_switch_must_be_a_boolean(value):
+    with pytest.raises(PolicyError, match=r"policy\.calibration_probes: must be true or false"):
+        JobPolicy.from_json({"calibration_probes": value})
