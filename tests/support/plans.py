@@ -107,7 +107,8 @@ def simulated_controller(
     emit: Callable[[dict], None], **policy
 ) -> tuple[Controller, SimulatedEngine]:
     """A real controller for an 8B model on a simulated pool of 16 H100s that grows to 32 during
-    step 0 (so it wants to move), emitting to ``emit``; its initial plan is already made."""
+    step 0 (so it wants to move), emitting to ``emit``; its initial plan is already made. No
+    calibration probe runs first (the pool would grow during them, before the first plan)."""
     trace = Trace(
         name="grow",
         steps=20,
@@ -118,7 +119,10 @@ def simulated_controller(
     )
     engine = SimulatedEngine(trace, H100, truth=TrueModel.draw(3, noise=0.0), seed=1)
     controller = Controller(
-        LLAMA_8B, H100, JobPolicy(**{"admission": "always_faster", **policy}), emit=emit
+        LLAMA_8B,
+        H100,
+        JobPolicy(**{"admission": "always_faster", "calibration_probes": False, **policy}),
+        emit=emit,
     )
     controller.initial_plan(engine)
     return controller, engine

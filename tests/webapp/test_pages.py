@@ -163,6 +163,7 @@ def test_the_submit_page_submits_a_simulated_job_with_its_policy(client, operato
             "threshold": 0.5,
             "memory_runway": "amortized",
             "min_saving": 0.02,
+            "calibration_probes": "off",
         },
     )
     job = Job.objects.get(name="sim")
@@ -172,6 +173,7 @@ def test_the_submit_page_submits_a_simulated_job_with_its_policy(client, operato
     assert job.spec["policy"]["thresholds"]["gen_len"] == 0.5
     assert job.spec["policy"]["memory_runway"] == "amortized"
     assert job.spec["policy"]["min_saving"] == 0.02
+    assert job.spec["policy"]["calibration_probes"] is False
 
 
 def _submit_key(page: str) -> str:
@@ -225,6 +227,7 @@ def test_the_submit_form_lists_the_personal_project_once_as_its_empty_choice(
         ({"approval": "sometimes"}, "approval"),
         ({"memory_runway": "forever"}, "memory_runway"),
         ({"min_saving": 1.5}, "min_saving"),
+        ({"calibration_probes": "maybe"}, "calibration_probes"),
         ({"kind": "quantum"}, "kind"),
     ],
 )

@@ -193,6 +193,14 @@ class JobSubmitForm(forms.Form):
         "steps), amortized (by move cost), longest (fewest moves).",
     )
 
+    calibration_probes = forms.ChoiceField(
+        required=False,
+        choices=[("on", "on"), ("off", "off")],
+        initial="on",
+        label="Calibration probes",
+        help_text="Time each communication class alone before plans are weighed.",
+    )
+
     def __init__(self, *args, user, **kwargs):
         super().__init__(*args, **kwargs)
         self.fields["submit_key"].initial = uuid.uuid4().hex
@@ -260,6 +268,8 @@ class JobSubmitForm(forms.Form):
             policy["thresholds"] = {signal: data["threshold"] for signal in SIGNALS}
         if data.get("memory_runway"):
             policy["memory_runway"] = data["memory_runway"]
+        if data.get("calibration_probes"):
+            policy["calibration_probes"] = data["calibration_probes"] == "on"
         if kind == "ppo":
             spec = {
                 "kind": "ppo",

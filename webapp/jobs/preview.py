@@ -43,8 +43,8 @@ class _PlannedSlots:
 
 def _ppo_preview(spec: PpoJobSpec) -> dict[str, Any]:
     """The controller's first plan for the job's workload (``PpoRuntime.workload``) on its slots
-    (CPU processes or GPUs, ``spec.gpu``): what the job's first ``control.plan`` event will say,
-    before calibration."""
+    (CPU processes or GPUs, ``spec.gpu``): what the job's first ``control.plan`` event would say
+    before its probes time the links (``Controller._run_probes``) and calibration learns."""
     import tempfile
 
     from runtime.control import Controller, JobPolicy
@@ -54,7 +54,9 @@ def _ppo_preview(spec: PpoJobSpec) -> dict[str, Any]:
     accelerator = default_catalog().accelerator(spec.gpu)
     with tempfile.TemporaryDirectory(prefix="nereus-preview-") as workdir:
         workload = PpoRuntime(spec.job_config(), workdir=workdir).workload()
-    controller = Controller(workload, accelerator, JobPolicy.from_json(spec.policy))
+    # A preview starts nothing, so it times no link: the plan the catalog's figures give.
+    policy = JobPolicy.from_json({**spec.policy, "calibration_probes": False})
+    controller = Controller(workload, accelerator, policy)
     try:
         plan = controller.initial_plan(_PlannedSlots(spec.num_slots))
     except PlanningError as exc:
@@ -69,7 +71,7 @@ def _ppo_preview(spec: PpoJobSpec) -> dict[str, Any]:
         "note": (
             "the controller's first plan on the job's "
             + ("CPU slots" if not spec.uses_gpus else f"{spec.gpu} GPUs")
-            + " (before calibration)"
+            + " (before its probes and calibration)"
         ),
         "plan": plan.to_json(),
     }
