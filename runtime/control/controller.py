@@ -17,7 +17,7 @@ from typing import Any
 from runtime.control.admission import Option, Verdict, decide, windowed_step_s
 from runtime.control.monitor import POOL, Monitor, Trigger
 from runtime.control.policy import JobPolicy
-from runtime.engine.interface import Engine, StepReport
+from runtime.engine.interface import Engine, ProbeReport, StepReport
 from runtime.events import finite
 from runtime.planner import PlanningError, plan
 from runtime.planner.calibration import Calibrator
@@ -49,6 +49,11 @@ Event = dict[str, Any]
 
 OUTLOOK_WINDOW = 64
 """Steps of generated-length history behind a move's outlook and the memory envelope."""
+
+
+PROBE_ATTEMPTS = 3
+"""Probings in a row that may fail (a slot lost, units building ahead) before the job stops
+trying until the pool next spans more nodes."""
 
 
 CALIBRATION_EVERY = 10
@@ -272,6 +277,8 @@ class Controller:
         """Seconds spent timing calibration probes (``_run_probes``)."""
         self._probed_nodes = 0
         """How many nodes the live pool spanned when it was last probed."""
+        self._probe_attempts = 0
+        """Probings that did not finish since the last that did."""
 
     # --- events ---------------------------------------------------------------------------------
 
@@ -469,19 +476,29 @@ class Controller:
         """Time alone each communication class that the live pool can run and calibration has
         not learned (``runtime/planner/probes.py``), before plans are weighed: at the start,
         and when the pool first spans more nodes than it did (a link no probe could reach
-        before). Stage samples cannot tell apart classes that always run together; a probe
-        can, and the fit starts from what it measured."""
+        before). A class that no step of the running plan exercises (the weight sync inside a
+        node, on a pool of several) would otherwise borrow a relative's correction, and
+        classes whose time grows alike with the length (decode and generation's all-reduce)
+        are told apart by stage samples only as far as the layouts that ran differ; a probe
+        measures each, and the fit starts from what it measured. Probing that the engine could
+        not finish (a slot lost, units building ahead) is tried again at later replans, up to
+        ``PROBE_ATTEMPTS`` in all; the job goes on meanwhile."""
         if not self.policy.calibration_probes:
             return
         alive = self._alive(engine)
         nodes = len({s // self.acc.gpus_per_node for s in alive})
         if nodes <= self._probed_nodes:
             return
-        self._probed_nodes = nodes
         probes = probes_for(self.workload, self.acc, alive, skip=self.calibrator.learned())
         if not probes:
+            self._probed_nodes = nodes
             return
-        report = engine.run_probes(probes)
+        self._probe_attempts += 1
+        try:
+            report = engine.run_probes(probes)
+        except ValueError as exc:  # a slot lost since the pool was read: nothing ran
+            report = ProbeReport(measured_s=(), seconds=0.0, simulated=engine.simulated)
+            report = dataclasses.replace(report, failure=f"not probed: {exc}")
         self.probe_s += report.seconds
         measured = {}
         for probe, runs in zip(probes, report.measured_s, strict=False):
@@ -491,6 +508,8 @@ class Controller:
                 )
             except ValueError as exc:
                 logger.info("calibration probe dropped: %s", exc)
+        if not report.failure or self._probe_attempts >= PROBE_ATTEMPTS:
+            self._probed_nodes, self._probe_attempts = nodes, 0
         self.emit(
             {
                 "event": "control.probes",
@@ -896,7 +915,8 @@ class Controller:
             gen_len = max(gen_len, trigger.value, nearest or 0.0)
         workload = self._workload(gen_len)
         self.monitor.replanned()
-        if self.staged is None:  # else its units are building: the probes would wait for them
+        building = self.staged is not None or (self.pending is not None and self.pending.ahead)
+        if not building:  # else units are building ahead: the probes would wait for them
             self._run_probes(engine)
         self._weigh()
         self.deferred = None

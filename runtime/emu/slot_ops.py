@@ -265,7 +265,7 @@ def time_collective(
     buffer = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=ctx.device)
     cuda = ctx.device.type == "cuda"
 
-    def once() -> None:
+    def once(buffer: torch.Tensor) -> None:
         if pattern == "all_reduce":
             dist.all_reduce(buffer, group=group)
         elif ctx.rank == slots[0]:
@@ -277,13 +277,16 @@ def time_collective(
 
     if pattern not in ("all_reduce", "send"):
         raise ValueError(f"pattern: {pattern!r} is not a probe's collective")
-    once()
+    once(buffer)
     out = []
     for _ in range(repeats):
         dist.barrier(group=group)
         started = time.perf_counter()
-        once()
+        once(buffer)
         out.append(time.perf_counter() - started)
+    del buffer
+    if cuda:  # the units' memory is resident: give the probe's buffer back at once
+        torch.cuda.empty_cache()
     return out
 
 

@@ -546,11 +546,19 @@ class RayEngine:
 
     def run_probes(self, probes: Sequence[Probe]) -> ProbeReport:
         """Time each probe's collective on its slots' processes (gloo here, NCCL on GPUs), the
-        groups made first over the whole pool; a slot failing stops the probing, and the next
-        liveness check finds it."""
+        groups made first over the whole pool (so nothing runs while units build ahead: the
+        report says so); a slot failing stops the probing, and the next liveness check finds
+        it."""
         started = time.monotonic()
         check_probes(probes, self.visible, self.lost_slots())
         measured: list[tuple[float, ...]] = []
+        building = self.job.building_ahead() if self.job is not None else frozenset()
+        if building:  # groups are made over the whole pool: not while some slots build
+            return ProbeReport(
+                measured_s=(),
+                seconds=time.monotonic() - started,
+                failure=f"slots {sorted(building)} are building units ahead: not probed now",
+            )
         failure = ""
         try:
             self.engine.prepare_groups([probe.slots for probe in probes])

@@ -75,12 +75,12 @@ class TrueModel:
     efficiency is the class's times ``tokens / (tokens + small_gemm_tokens)`` for the tokens of
     one micro-batch. The planner's model has one GEMM efficiency whatever the micro-batch."""
     launch_s: float = 40e-6
+    """Fixed seconds per layer, pass and micro-batch in training and inference (an eager step's
+    kernel launches; generation replays captured graphs). The planner's model has none."""
     isolated: float = 1.1
     """A collective timed alone (a calibration probe) runs this much faster than the same
     class inside a step, where compute contends with it for memory bandwidth and SMs: a probe's
     efficiency is optimistic, and the stage samples must correct it."""
-    """Fixed seconds per layer, pass and micro-batch in training and inference (an eager step's
-    kernel launches; generation replays captured graphs). The planner's model has none."""
 
     @classmethod
     def draw(cls, seed: int, **overrides) -> TrueModel:

@@ -1,17 +1,20 @@
 """Calibration probes: each communication class timed alone, on the job's own slots, before plans
 are weighed.
 
-A step times whole model-stages, in which several classes always run together: the weight sync
-over a node's links and over the network, or tensor-parallel all-reduces over a link no plan has
-used yet. Stage-level timing cannot tell such classes apart, and the calibration then keeps the
-catalog's ratio between them, which may be far from the cluster's (a PCIe box catalogued as
-NVLink). Like NCCL's tests or Alpa's profiler, the job times each class's collective alone
-first, at the size the job's own operations of that class have (one micro-batch's activations
-for tensor-parallel and pipeline traffic, one layer's gradients or weights for the data-parallel
-all-reduce and the weight sync), on the first slots the pool offers on each link: inside one
-node (``intra``) and across two (``inter``). Each probe's efficiency (ideal seconds over the
-median measured) is what calibration starts from for that class; the running job's stage
-samples then correct whatever they determine (``Calibrator.measure``).
+A step times whole model-stages. A class that no step of the running plan exercises (the weight
+sync inside a node, when the pool spans several; pipeline traffic, when no model-stage is
+pipelined) is never measured, and calibration borrows a relative's correction for it, which
+may be far from the cluster's (a PCIe box catalogued as NVLink: the links inside a node are
+slow, those between nodes as listed); classes whose time grows alike with the length (decode and
+generation's tensor-parallel all-reduce, both per token) are told apart only as far as the
+layouts that ran differ. Like NCCL's tests or Alpa's profiler, the job times each class's
+collective alone first, at the size the job's own operations of that class have (one
+micro-batch's activations for tensor-parallel and pipeline traffic, one layer's gradients or
+weights for the data-parallel all-reduce and the weight sync): inside a node (``intra``: the
+node with the most live slots) and across nodes (``inter``: the first live slot of each). Each
+probe's efficiency (ideal seconds over the median measured) is what calibration starts from for
+that class; the running job's stage samples then correct whatever they determine
+(``Calibrator.measure``).
 
 A class whose link the pool cannot exercise (one node: no ``inter``) is not probed; the
 transitions' classes are learned from the transitions themselves, whose primitives do more than
@@ -22,8 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Sequence
-
-import numpy as np
 
 from runtime.planner import cost
 from runtime.planner.catalog import Accelerator
@@ -40,7 +41,14 @@ FAMILIES = {
     "weight_sync": "send",
 }
 """The probed families, and the collective each one's operations are."""
-PROBED_CLASSES = tuple(f"{family}:{link}" for family in FAMILIES for link in ("intra", "inter"))
+PROBED_CLASSES = tuple(
+    f"{family}:{link}"
+    for family in FAMILIES
+    for link in ("intra", "inter")
+    # placement keeps a tensor-parallel group inside a node: the cost model never prices one
+    # across nodes
+    if (family, link) != ("tp_allreduce", "inter")
+)
 REPEATS = 5
 """Timed runs of each probe (after one untimed warm-up); calibration takes their median."""
 MAX_PROBE_BYTES = 1 << 30
@@ -59,10 +67,15 @@ class Probe:
     repeats: int = REPEATS
 
     def __post_init__(self) -> None:
-        if self.op_class.partition(":")[0] not in FAMILIES or self.op_class not in PROBED_CLASSES:
+        if not isinstance(self.op_class, str) or self.op_class not in PROBED_CLASSES:
             raise ValueError(
                 f"op_class: {self.op_class!r} is not probed; valid: {', '.join(PROBED_CLASSES)}"
             )
+        for field in ("nbytes", "repeats"):
+            if not _whole(getattr(self, field)):
+                raise ValueError(f"{field}: must be an integer, got {getattr(self, field)!r}")
+        if not isinstance(self.slots, tuple) or not all(_whole(s) for s in self.slots):
+            raise ValueError(f"slots: must be a tuple of slot indices, got {self.slots!r}")
         if len(self.slots) < 2 or len(set(self.slots)) != len(self.slots):
             raise ValueError(f"slots: a probe needs two or more distinct slots, got {self.slots}")
         if self.pattern == "send" and len(self.slots) != 2:
@@ -131,7 +144,7 @@ def probes_for(
     for family, pattern in FAMILIES.items():
         for link, group in groups.items():
             op_class = f"{family}:{link}"
-            if op_class in skipped:
+            if op_class in skipped or op_class not in PROBED_CLASSES:
                 continue
             slots = group if pattern == "all_reduce" else group[:2]
             out.append(Probe(op_class=op_class, slots=slots, nbytes=sizes[family]))
@@ -151,6 +164,5 @@ def check_probes(probes: Sequence[Probe], num_slots: int, lost: Iterable[int] = 
             )
 
 
-def efficiency(probe: Probe, acc: Accelerator, measured_s: Sequence[float]) -> float:
-    """The probe's efficiency: its ideal seconds over the median of its measured runs."""
-    return min(1.0, probe.ideal_s(acc) / float(np.median(measured_s)))
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -507,8 +507,8 @@
       case "control.calibration":
         S.calibration = d; drawCalibration();
         break;
-      case "control.probes": {
-        S.probes = d;
+      case "control.probes": {  // a later round (a new node's links) adds to the earlier ones
+        S.probes = { ...d, efficiency: { ...((S.probes && S.probes.efficiency) || {}), ...(d.efficiency || {}) } };
         const timed = Object.keys(d.efficiency || {}).length;
         log("probes", "", `${timed} operation class${timed === 1 ? "" : "es"} timed alone in ${num(d.seconds)} s`,
           d.failure || "calibration starts from what they measured", "");

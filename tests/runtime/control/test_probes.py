@@ -30,11 +30,11 @@ def _pcie_truth() -> TrueModel:
     )
 
 
-def _run(policy: JobPolicy, *, gpus=16, pool=(), steps=30, calibrator=None):
+def _run(policy: JobPolicy, *, gpus=16, pool=(), steps=30, calibrator=None, engine=SimulatedEngine):
     trace = Trace(
         name="flat", steps=steps, accelerator=ACC.name, gpus=gpus, gen_len=((0, 2048.0),), pool=pool
     )
-    engine = SimulatedEngine(trace, ACC, truth=_pcie_truth(), seed=2)
+    engine = engine(trace, ACC, truth=_pcie_truth(), seed=2)
     controller = Controller(WORKLOAD, ACC, policy, calibrator=calibrator)
     return controller, run_job(engine, controller, steps)
 
@@ -104,6 +104,42 @@ def test_classes_a_saved_calibration_has_learned_are_not_probed_again():
         everything.measure(op_class, ideal_s=1.0, measured_s=[2.0])
     controller, summary = _run(JobPolicy(), steps=2, calibrator=everything)
     assert _of(controller, "control.probes") == [] and summary.probe_seconds == 0
+
+
+class _ProbingFails(SimulatedEngine):
+    """Probing refused at first (a slot lost since the pool was read), then cut short by a slot
+    failing after two probes, then whole."""
+
+    calls = 0
+
+    def run_probes(self, probes):
+        self.calls += 1
+        if self.calls == 1:
+            raise ValueError("probes[0].slots: slot 3 is not a live slot of the pool of 16")
+        if self.calls == 2:
+            report = super().run_probes(probes[:2])
+            return dataclasses.replace(report, failure="probing stopped: slot 9 failed")
+        return super().run_probes(probes)
+
+
+def test_probing_the_engine_could_not_finish_is_tried_again_at_the_next_replans():
+    # the pool loses a slot now and then (on the same two nodes): a replan each time
+    shrinking = ((200.0, 15), (600.0, 14), (1000.0, 13), (1400.0, 12))
+    controller, summary = _run(JobPolicy(), pool=shrinking, engine=_ProbingFails)
+    assert summary.steps == 30 and not summary.stopped  # the job went on meanwhile
+    refused, cut, whole = _of(controller, "control.probes")[:3]
+    assert (
+        refused["failure"].startswith("not probed: probes[0].slots") and not refused["efficiency"]
+    )
+    between = controller.events[controller.events.index(refused) : controller.events.index(cut)]
+    assert "control.trigger" in [e["event"] for e in between]  # retried at the next replan
+    # what ran before the failure is kept, and not probed again
+    assert cut["failure"] == "probing stopped: slot 9 failed" and len(cut["efficiency"]) == 2
+    assert not whole["failure"] and not set(whole["efficiency"]) & set(cut["efficiency"])
+    # what no round probed, the steps had settled meanwhile
+    unprobed = set(PROBED_CLASSES) - set(cut["efficiency"]) - set(whole["efficiency"])
+    assert unprobed <= controller.calibrator.settled() and len(whole["efficiency"]) >= 3
+    assert len(_of(controller, "control.probes")) == 3  # done: not again at later replans
 
 
 @pytest.mark.parametrize("value", ["yes", 1, None])
