@@ -497,8 +497,9 @@ class Controller:
         try:
             report = engine.run_probes(probes)
         except ValueError as exc:  # a slot lost since the pool was read: nothing ran
-            report = ProbeReport(measured_s=(), seconds=0.0, simulated=engine.simulated)
-            report = dataclasses.replace(report, failure=f"not probed: {exc}")
+            report = ProbeReport(
+                measured_s=(), seconds=0.0, simulated=engine.simulated, failure=f"not probed: {exc}"
+            )
         self.probe_s += report.seconds
         measured = {}
         for probe, runs in zip(probes, report.measured_s, strict=False):

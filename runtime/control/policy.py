@@ -60,8 +60,8 @@ class JobPolicy:
 
     calibration_probes: bool = True
     """Time each communication class alone on the job's slots before plans are first weighed
-    (and when the pool first spans more nodes), so that calibration can tell apart classes the
-    steps only ever run together (``runtime/planner/probes.py``)."""
+    (and when the pool first spans more nodes), so that calibration knows the classes the
+    running plan's steps do not exercise, or cannot tell apart (``runtime/planner/probes.py``)."""
 
     def __post_init__(self) -> None:
         for name, value in self.thresholds.items():

@@ -551,7 +551,6 @@ class RayEngine:
         it."""
         started = time.monotonic()
         check_probes(probes, self.visible, self.lost_slots())
-        measured: list[tuple[float, ...]] = []
         building = self.job.building_ahead() if self.job is not None else frozenset()
         if building:  # groups are made over the whole pool: not while some slots build
             return ProbeReport(
@@ -559,6 +558,7 @@ class RayEngine:
                 seconds=time.monotonic() - started,
                 failure=f"slots {sorted(building)} are building units ahead: not probed now",
             )
+        measured: list[tuple[float, ...]] = []
         failure = ""
         try:
             self.engine.prepare_groups([probe.slots for probe in probes])

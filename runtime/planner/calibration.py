@@ -93,10 +93,7 @@ class Calibrator:
         """Record one measurement of classes that ran together."""
         terms = {}
         for op_class, ideal_s in sample.terms.items():
-            if op_class not in OPERATION_CLASSES:
-                raise ValueError(
-                    f"op_class: unknown {op_class!r}; valid: {', '.join(OPERATION_CLASSES)}"
-                )
+            _check_class(op_class)
             if not (isinstance(ideal_s, int | float) and math.isfinite(ideal_s) and ideal_s >= 0):
                 raise ValueError(f"ideal_s: {op_class}: must be finite and not negative")
             if ideal_s > 0:
@@ -116,13 +113,10 @@ class Calibrator:
     def measure(self, op_class: str, *, ideal_s: float, measured_s: Sequence[float]) -> float:
         """A class timed alone, outside the steps (a calibration probe, ``probes.py``): its
         efficiency, ideal seconds over the median measured run, is taken as learned of it. The
-        fit starts there, so what the stage samples cannot tell apart keeps the probes' ratio
-        between classes, not the catalog's; what they do determine they correct. Returns the
-        efficiency."""
-        if op_class not in OPERATION_CLASSES:
-            raise ValueError(
-                f"op_class: unknown {op_class!r}; valid: {', '.join(OPERATION_CLASSES)}"
-            )
+        fit starts there: a class the stage samples do not determine keeps what the probe
+        measured (not a relative's correction); what they do determine they correct. Returns
+        the efficiency."""
+        _check_class(op_class)
         runs = [float(m) for m in measured_s]
         if not runs or not all(math.isfinite(m) and m > 0 for m in runs):
             raise ValueError(
@@ -281,6 +275,11 @@ class Calibrator:
     @classmethod
     def load(cls, path: str | Path) -> Calibrator:
         return cls.from_json(json.loads(Path(path).read_text()))
+
+
+def _check_class(op_class: str) -> None:
+    if op_class not in OPERATION_CLASSES:
+        raise ValueError(f"op_class: unknown {op_class!r}; valid: {', '.join(OPERATION_CLASSES)}")
 
 
 @dataclasses.dataclass(frozen=True)
