@@ -57,6 +57,11 @@ PROBE_SETUP_S = 2.0
 """Simulated seconds of making the probes' process groups (once per ``probe`` call)."""
 
 
+PLANNER_ONLY = ("weight_read",)
+"""Classes of the planner's cost model that the true model prices in its own form instead
+(``TrueModel.small_gemm_tokens``): a term whose time it gives 0."""
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TrueModel:
     """What the cluster really does; the planner never reads it."""
@@ -73,7 +78,9 @@ class TrueModel:
     small_gemm_tokens: float = 256.0
     """A GEMM over fewer rows runs further from its peak: in training and inference its
     efficiency is the class's times ``tokens / (tokens + small_gemm_tokens)`` for the tokens of
-    one micro-batch. The planner's model has one GEMM efficiency whatever the micro-batch."""
+    one micro-batch. The planner prices this its own way, as the weights each micro-batch's pass
+    streams (``weight_read``, at an efficiency it learns): the truth has no such class, and
+    ``seconds`` leaves the planner's term out."""
     launch_s: float = 40e-6
     """Fixed seconds per layer, pass and micro-batch in training and inference (an eager step's
     kernel launches; generation replays captured graphs). The planner's model has none."""
@@ -88,6 +95,8 @@ class TrueModel:
         family = {}
         efficiency = {}
         for op_class, default in DEFAULT_EFFICIENCY.items():
+            if op_class in PLANNER_ONLY:
+                continue
             name = op_class.partition(":")[0]
             family.setdefault(name, rng.uniform(0.6, 1.2))
             efficiency[op_class] = min(1.0, default * family[name] * rng.uniform(0.95, 1.05))
@@ -98,9 +107,8 @@ class TrueModel:
         ``at_s``, noise aside: the cost model's form at the true efficiencies, plus what that
         form lacks (small GEMMs' lower efficiency, launch overheads), which calibration with one
         efficiency per class can only average over the plans it has seen."""
-        total, breakdown = cost.predict(
-            shape, num_slots=num_slots, efficiency=self.efficiency_at(at_s)
-        )
+        efficiency = {**self.efficiency_at(at_s), **dict.fromkeys(PLANNER_ONLY, math.inf)}
+        total, breakdown = cost.predict(shape, num_slots=num_slots, efficiency=efficiency)
         seconds = float(total[0])
         ms, w = shape.ms, shape.workload
         if ms.stage in ("training", "inference"):

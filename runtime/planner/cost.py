@@ -11,7 +11,13 @@ drains once per wave, but a micro-batch's next token waits for its last one to l
 stage, so with fewer micro-batches than stages every token idles ``pp - m`` stage-times.
 A decode step is a roofline: its matrix multiplies and attention overlap its reads of the weights
 and the KV cache, so it takes the longer of the two (at the achieved rates), not their sum; its
-collectives come on top.
+collectives come on top. In training and inference every micro-batch's pass streams the stage's
+weights from memory once (``weight_read``); a GEMM over a micro-batch's few thousand rows sits near
+the roofline's ridge, where the reads and the arithmetic overlap badly, so the model counts them one
+after the other. That term is what makes a small micro-batch's GEMMs run further from their peak:
+without it, halving the micro-batch would look free (a pipeline even drains faster), and calibration
+would put the lost time on whatever class grows alike with the number of micro-batches (the
+tensor-parallel all-reduce).
 Data-parallel gradient all-reduce, the optimizer step and the weight sync (to generation, and to
 the actor's and critic's inference units) run outside the pipeline. Collectives follow the
 alpha-beta model of a ring: ``2(n-1)/n · bytes / bandwidth + 2(n-1) · latency``.
@@ -25,10 +31,11 @@ import numpy as np
 
 from runtime.planner.shapes import FP32_GRADIENT_BYTES_PER_PARAM, LayoutShape
 
-PIPELINED = ("gemm", "attention", "decode", "tp_allreduce", "pp_p2p")
+PIPELINED = ("gemm", "weight_read", "attention", "decode", "tp_allreduce", "pp_p2p")
 
 DEFAULT_EFFICIENCY: dict[str, float] = {
     "gemm": 0.55,
+    "weight_read": 0.60,
     "attention": 0.40,
     "decode": 0.60,
     "tp_allreduce:intra": 0.70,
@@ -92,9 +99,11 @@ def ideal_breakdown(
         tokens = batch * seq * epochs
         # Each tensor-parallel rank of the slowest stage multiplies its share of that stage.
         out["gemm"] = 2 * shape.stage_dense_params * tokens * passes / (tp * acc.peak_flops)
+        micro = np.ceil(batch / shape.mb) * epochs
+        stage_weights = shape.stage_dense_params * b / tp
+        out["weight_read"] = micro * passes * stage_weights / acc.memory_bandwidth
         attention_flops = 2 * num_layers * seq * seq * h * batch * epochs * passes
         out["attention"] = attention_flops / (slots * acc.peak_flops)
-        micro = np.ceil(batch / shape.mb) * epochs
         per_layer = (4 + (2 if w.recompute else 0)) if ms.stage == "training" else 2
         activation = shape.mb * seq * h * b
         out[f"tp_allreduce:{tp_link}"] = tp_allreduce(

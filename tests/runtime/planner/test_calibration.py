@@ -18,6 +18,7 @@ CATALOG = default_catalog()
 # The "true" cluster: every family and link type off its default, and each class jittered.
 FAMILY_FACTOR = {
     "gemm": 0.72,
+    "weight_read": 0.9,
     "attention": 1.25,
     "decode": 0.8,
     "tp_allreduce": 1.2,

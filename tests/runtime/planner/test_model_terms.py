@@ -71,14 +71,15 @@ def test_a_pipeline_is_priced_at_its_last_stage_which_holds_the_head():
 
 def test_the_planner_takes_no_deep_pipeline_whose_last_stage_is_slower():
     """Llama-3.1-8B on 16 H100s: priced at the average stage, the actor trained on one
-    (1,1,8) pipeline; at its last stage, that layout takes over twice as long as the (2,2,4) the
-    planner now takes, which is the fastest training layout that fits beside the plan's state.
+    (1,1,8) pipeline; at its last stage, that layout takes over twice as long as the (2,4,2) the
+    planner now takes, which is the fastest training layout that fits beside the plan's state
+    (a deeper pipeline needs more, smaller micro-batches to drain, each streaming its weights).
     The critic's head is a scalar, its stages even, and a pp=8 pipeline stays its fastest."""
     workload = PpoWorkload.for_model(LLAMA_8B, gen_len=2048)
     best = plan(workload, H100, 16, num_alternatives=0).best
     chosen = {ms.name: ms for ms in best.model_stages}
     actor, critic = chosen["actor@training"], chosen["critic@training"]
-    assert (actor.layout.dp, actor.layout.tp, actor.layout.pp) == (2, 2, 4)
+    assert (actor.layout.dp, actor.layout.tp, actor.layout.pp) == (2, 4, 2)
     assert (critic.layout.dp, critic.layout.tp, critic.layout.pp) == (2, 1, 8)
     for ms in workload.model_stages("training"):
         fastest = min(exact_slot_times(ms, workload, H100, 16, EFF, best.training_state))
@@ -201,3 +202,30 @@ def test_a_decode_step_takes_the_longer_of_its_compute_and_its_reads(decode_effi
     # Nothing else in the step changed: only the weight sync is left (one slot, no pipeline).
     others = float(total[0]) - priced
     assert others == pytest.approx(sum(float(v[0]) for k, v in breakdown.items() if "sync" in k))
+
+
+@pytest.mark.parametrize(("name", "passes"), [("actor@training", 3), ("ref@inference", 1)])
+def test_each_micro_batch_pass_streams_the_stage_s_weights(name, passes):
+    """Training and inference read the slowest stage's weights (its share on each tensor-
+    parallel rank) from memory once per micro-batch and pass: halving the micro-batch doubles
+    the reads and leaves the arithmetic as it was, so without a pipeline to drain the smaller
+    micro-batch is the slower one. Generation's reads are decode's roofline, not this class."""
+    workload = PpoWorkload.for_model(LLAMA_8B, gen_len=1024, recompute=False)
+    dp, tp, pp = 4, 2, 1
+    big = _shape(workload, name, dp=dp, tp=tp, pp=pp, micro_batch=4)
+    small = dataclasses.replace(big, micro_batch=2)
+    (ideal_big, _), (ideal_small, _) = (cost.ideal_breakdown(s, num_slots=16) for s in (big, small))
+    micro = np.ceil(workload.global_batch / dp / 4) * (
+        workload.ppo_epochs if name.endswith("training") else 1
+    )
+    weights = big.stage_dense_params * workload.bytes_per_value / tp
+    assert float(ideal_big["weight_read"][0]) == pytest.approx(
+        micro * passes * weights / H100.memory_bandwidth
+    )
+    assert float(ideal_small["weight_read"][0]) == pytest.approx(
+        2 * float(ideal_big["weight_read"][0])
+    )
+    assert float(ideal_small["gemm"][0]) == pytest.approx(float(ideal_big["gemm"][0]))
+    assert _predicted(small) > _predicted(big)
+    generation = _shape(workload, "actor@generation", dp=dp, tp=tp, pp=pp)
+    assert "weight_read" not in cost.ideal_breakdown(generation, num_slots=16)[0]
