@@ -9,6 +9,9 @@ signal's drift horizon in steps: the move must repay itself well before the worl
 It must also repay before the run ends: a move that needs more steps than are left only costs,
 and save at least ``min_saving`` of the running plan's step (a dead band: smaller savings are
 within the cost model's error in ranking layouts, and a move on one is as likely to be undone).
+A move that is faster only as calibration stands now, and not under what it learned a few steps
+before (``contested``: interference that comes and goes swings the links' learned efficiencies
+back and forth), is not made either: its saving goes when they swing back, and the move with it.
 Urgent triggers (slots revoked or lost, a failed step) check feasibility only; so does a move away
 from a plan that is predicted not to fit within the lookahead (``overflows``): staying would cost
 an out-of-memory step, which loses the job's state back to its last checkpoint.
@@ -55,11 +58,13 @@ def decide(
     steps_left: float = math.inf,
     overflows: str = "",
     min_saving: float = 0.0,
+    contested: str = "",
 ) -> Verdict:
     """One admission decision with its reason; exact arithmetic, no side effects.
     ``steps_left``: steps the run has after this one (unknown: no end). ``overflows``: why the
     running plan is predicted not to fit (empty: it fits). ``min_saving``: the least fraction
-    of ``current_s`` a payback move must save."""
+    of ``current_s`` a payback move must save. ``contested``: how a recent calibration prices
+    the candidate not faster (empty: every one prices it faster)."""
     saving = current_s - candidate_s
     payback = cost_s / saving if saving > 0 else math.inf
 
@@ -88,6 +93,8 @@ def decide(
         return verdict(False, f"not faster: saves {saving:.3f} s/step")
     if admission == "always_faster":
         return verdict(True, f"faster by {saving:.3f} s/step")
+    if contested:
+        return verdict(False, f"faster only as calibrated now: {contested}")
     if saving < min_saving * current_s:
         return verdict(
             False,

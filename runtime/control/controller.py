@@ -7,6 +7,7 @@ predicted saving and cost, H, gamma, the verdict). ``run_job`` is the step loop 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import logging
@@ -48,7 +49,8 @@ Event = dict[str, Any]
 
 
 OUTLOOK_WINDOW = 64
-"""Steps of generated-length history behind a move's outlook and the memory envelope."""
+"""Steps of generated-length and calibration history behind a move's outlook, and of length
+history behind the memory envelope."""
 
 
 PROBE_ATTEMPTS = 3
@@ -69,15 +71,31 @@ class Outlook:
     lengths: tuple[float, ...] = ()
     robust: bool = False
     """Faster at every one of ``lengths`` (the recent range of the generated length) and at
-    ``trend_length``."""
+    ``trend_length``, and under every one of the recent calibrations (``calibrations``)."""
     trend_length: float | None = None
     """The length the trend reaches by the end of the longer horizon's repayment window."""
+    calibrations: tuple[int, ...] = ()
+    """The steps whose calibrated efficiencies the candidate was also priced under (the
+    recent range of what calibration has learned), at the latest length."""
+    slower_under: tuple[int, float] | None = None
+    """The first of those calibrations under which the candidate is not faster: its step, and
+    what the candidate saves under it (not positive). None: faster under all of them."""
+
+    @property
+    def contested(self) -> str:
+        """Why the saving is not the calibration's consensus (empty: it is)."""
+        if self.slower_under is None:
+            return ""
+        step, saving = self.slower_under
+        return f"as calibrated after step {step}, saves {saving:.3f} s/step"
 
     def to_json(self) -> dict:
         return {
             "signals": list(self.signals),
             "lengths": list(self.lengths),
             "trend_length": self.trend_length,
+            "calibrations": list(self.calibrations),
+            "slower_under": list(self.slower_under) if self.slower_under else None,
             "robust": self.robust,
         }
 
@@ -252,6 +270,11 @@ class Controller:
         self._weighed_with: dict[str, float] = {}
         """The calibrated efficiencies plans were last weighed with (the ``calibration``
         signal measures from them)."""
+        self._calibrated: collections.deque[tuple[int, dict[str, float]]] = collections.deque(
+            maxlen=OUTLOOK_WINDOW
+        )
+        """The calibrated efficiencies after each of the last ``OUTLOOK_WINDOW`` steps that
+        taught calibration something (a move's outlook prices under their range)."""
         self.transitions = 0
         self.rebatches = 0
         self.restarts = 0
@@ -548,6 +571,7 @@ class Controller:
                 logger.info("calibration sample dropped: %s", exc)
         if report.samples:
             self._emit_calibration(report)
+            self._calibrated.append((report.step, self.calibrator.efficiency()))
         triggers: list[Trigger] = []
         # The first step after a transition whose new units joined during it generated on part
         # of its units while they built: its time, efficiency and peak are not the plan's, and
@@ -649,8 +673,14 @@ class Controller:
         # After an out-of-memory step, keep 5% beyond what was seen: the next plan must not fail.
         self.memory_factor = max(self.memory_factor, ratio * (1.0 if report.ok else 1.05))
 
-    def _price(self, plan_: Plan, workload: PpoWorkload) -> float:
-        return price_plan(plan_, workload, self.acc, efficiency=self.calibrator.efficiency())
+    def _price(
+        self, plan_: Plan, workload: PpoWorkload, efficiency: Mapping[str, float] | None = None
+    ) -> float:
+        """Predicted step seconds of ``plan_`` at ``workload``, calibrated as now (or with
+        ``efficiency``: as calibrated at some earlier step)."""
+        if efficiency is None:
+            efficiency = self.calibrator.efficiency()
+        return price_plan(plan_, workload, self.acc, efficiency=efficiency)
 
     def _memory_ahead(self, step: int) -> list[Trigger]:
         """A violation predicted from the generated length's trend, at the next step or within
@@ -1021,6 +1051,7 @@ class Controller:
             steps_left=self._steps_left(trigger.step),
             overflows=overflows,
             min_saving=self.policy.min_saving,
+            contested=outlook.contested,
         )
         if no_live_route:
             verdict = dataclasses.replace(
@@ -1136,6 +1167,16 @@ class Controller:
         as well as the trigger's own (the larger of the two). The saving itself is the one at
         the latest length either way.
 
+        The same holds of what calibration has learned over those steps: interference that
+        comes and goes moves the learned efficiencies of the links back and forth, and a
+        candidate faster only under the latest of them (a layout with more tensor parallelism
+        once the all-reduce looks fast again) loses its saving when they swing back. So the
+        candidate must also be faster, at the latest length, under the calibrations of the
+        window's oldest, quartile and latest steps. A candidate that is not rests on the
+        calibration as it is now, which the window has seen otherwise: admission does not make
+        that move (``decide``'s ``contested``). A lasting change is taken once the window has
+        seen only it.
+
         A length that trends rather than swings leaves that range: the candidate must also be
         faster at the length the trend reaches by the end of the longer window it would be
         granted (gamma times that horizon, within the run), else a saving that the growth
@@ -1152,12 +1193,25 @@ class Controller:
             self._price(self.plan, w) > self._price(candidate, w)
             for w in map(self._workload, [*lengths, *([trend] if trend else [])])
         )
+        calibrations = _quantiles(list(self._calibrated)) if self._calibrated else []
+        now = self._workload(self._gen_len)
+        slower_under = None
+        for step, efficiency in calibrations:
+            saving = self._price(self.plan, now, efficiency) - self._price(
+                candidate, now, efficiency
+            )
+            if saving <= 0:
+                slower_under = (step, saving)
+                break
+        robust = robust and slower_under is None
         signals = (trigger.signal, POOL) if robust else (trigger.signal,)
         return Outlook(
             signals=tuple(dict.fromkeys(signals)),
             lengths=tuple(lengths),
             robust=robust,
             trend_length=trend,
+            calibrations=tuple(dict.fromkeys(step for step, _ in calibrations)),
+            slower_under=slower_under,
         )
 
     def _horizon(self, signals: tuple[str, ...], step: int) -> float:

@@ -415,6 +415,50 @@ def test_a_saving_that_survives_the_swing_repays_over_the_pools_horizon(monkeypa
         assert controller.deferred is not None  # kept, in case the swing calms down
 
 
+@pytest.mark.parametrize("lasting", [True, False])
+def test_a_saving_only_the_latest_calibration_sees_is_not_a_move(monkeypatch, lasting):
+    """As above, the candidate is 1 s/step faster at every length of the recent swing, as
+    calibrated now (the all-reduce inside a node learned at 0.7). Over the window's steps,
+    calibration had learned it at 0.3 until step 100 (interference that comes and goes), and
+    priced so the candidate is 1 s/step slower: the saving is the latest calibration's alone,
+    and it goes when the efficiency swings back, so admission does not make the move, and says
+    under which step's calibration. Where the window has seen only the new efficiency (a lasting
+    change), the move is made on the pool's horizon as before."""
+    from runtime.control.monitor import Trigger
+
+    engine = _engine(pool=((1.0, 32),), gpus=16)
+    controller = Controller(WORKLOAD, ACC, _policy())
+    first = controller.initial_plan(engine)
+    engine.step(first, WORKLOAD, 0)
+    _swinging(controller)
+    for step in range(43, 107):
+        slow = not lasting and step < 100
+        controller._calibrated.append((step, {"tp_allreduce:intra": 0.3 if slow else 0.7}))
+
+    def price(plan_, workload, efficiency=None):
+        if plan_ is first:
+            return 10.0
+        learned = (efficiency or {"tp_allreduce:intra": 0.7})["tp_allreduce:intra"]
+        return 9.0 if learned > 0.5 else 11.0
+
+    monkeypatch.setattr(controller, "_price", price)
+    trigger = Trigger(kind="drift", signal="gen_len", value=1000.0, reference=1500.0, step=106)
+    controller.replan(trigger, engine)
+    decision = next(e for e in controller.events if e["event"] == "control.decision")
+    verdict, outlook = decision["verdict"], decision["outlook"]
+    assert verdict["saving_s"] == 1.0
+    assert outlook["calibrations"] == [43, 59, 75, 90, 106]
+    if lasting:
+        assert outlook["robust"] and outlook["slower_under"] is None
+        assert decision["admit"] and controller.transitions + (controller.staged is not None) == 1
+    else:
+        assert not outlook["robust"] and outlook["slower_under"] == [43, -1.0]
+        assert decision["reason"] == (
+            "faster only as calibrated now: as calibrated after step 43, saves -1.000 s/step"
+        )
+        assert not decision["admit"] and controller.transitions == 0 and controller.staged is None
+
+
 def test_a_saving_the_trend_erodes_within_the_longer_window_rests_on_the_trigger_alone(
     monkeypatch,
 ):

@@ -134,6 +134,24 @@ def test_a_saving_inside_the_dead_band_is_not_worth_a_move():
         assert forced.admit
 
 
+def test_a_saving_a_recent_calibration_denies_is_not_worth_a_move():
+    """A move that repays within the horizon, but is not faster as calibration priced it a few
+    steps before, is not made by payback admission, and the reason says under which step's
+    calibration; the DynaRL-style policy, urgent moves and overflowing plans do not ask."""
+    contested = "as calibrated after step 43, saves -1.000 s/step"
+    refused = decide(admission="payback", horizon_steps=100.0, contested=contested, **ARGS)
+    assert not refused.admit
+    assert refused.reason == f"faster only as calibrated now: {contested}"
+    assert refused.saving_s == 2.0  # the saving as calibrated now is still what it reports
+    assert decide(admission="payback", horizon_steps=100.0, contested="", **ARGS).admit
+    assert decide(admission="always_faster", horizon_steps=1.0, contested=contested, **ARGS).admit
+    for urgent, overflows in ((True, ""), (False, "actor needs 90 GiB")):
+        args = {**ARGS, "urgent": urgent}
+        assert decide(
+            admission="payback", horizon_steps=1.0, contested=contested, overflows=overflows, **args
+        ).admit
+
+
 def test_a_plan_predicted_not_to_fit_is_left_on_feasibility_alone():
     """Staying on a plan that will not fit costs an out-of-memory step and the state since the
     last checkpoint: a slower candidate, or one that repays late, is admitted all the same."""
