@@ -22,6 +22,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
+CONTESTED = "faster only as calibrated now"
+"""How a refusal under ``decide``'s ``contested`` begins."""
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Verdict:
@@ -94,7 +97,7 @@ def decide(
     if admission == "always_faster":
         return verdict(True, f"faster by {saving:.3f} s/step")
     if contested:
-        return verdict(False, f"faster only as calibrated now: {contested}")
+        return verdict(False, f"{CONTESTED}: {contested}")
     if saving < min_saving * current_s:
         return verdict(
             False,

@@ -15,7 +15,7 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from runtime.control.admission import Option, Verdict, decide, windowed_step_s
+from runtime.control.admission import CONTESTED, Option, Verdict, decide, windowed_step_s
 from runtime.control.monitor import POOL, Monitor, Trigger
 from runtime.control.policy import JobPolicy
 from runtime.engine.interface import Engine, ProbeReport, StepReport
@@ -84,10 +84,7 @@ class Outlook:
     @property
     def contested(self) -> str:
         """Why the saving is not the calibration's consensus (empty: it is)."""
-        if self.slower_under is None:
-            return ""
-        step, saving = self.slower_under
-        return f"as calibrated after step {step}, saves {saving:.3f} s/step"
+        return _contested(self.slower_under)
 
     def to_json(self) -> dict:
         return {
@@ -98,6 +95,14 @@ class Outlook:
             "slower_under": list(self.slower_under) if self.slower_under else None,
             "robust": self.robust,
         }
+
+
+def _contested(slower_under: tuple[int, float] | None) -> str:
+    """``decide``'s ``contested``: the calibration under which a candidate is not faster."""
+    if slower_under is None:
+        return ""
+    step, saving = slower_under
+    return f"as calibrated after step {step}, saves {saving:.3f} s/step"
 
 
 def _quantiles(values: list[float]) -> list[float]:
@@ -127,8 +132,9 @@ class Proposal:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Deferred:
-    """A candidate refused as too slow to repay, kept while its signals stay calm: admission
-    runs again each step with the horizon and both plans' prices as they are then."""
+    """A candidate refused as too slow to repay, or as faster only as calibrated now, kept while
+    its signals stay calm: admission runs again each step with the horizon, both plans' prices
+    and the recent calibrations as they are then."""
 
     plan: Plan
     cost_s: float
@@ -274,7 +280,7 @@ class Controller:
             maxlen=OUTLOOK_WINDOW
         )
         """The calibrated efficiencies after each of the last ``OUTLOOK_WINDOW`` steps that
-        taught calibration something (a move's outlook prices under their range)."""
+        brought calibration samples, oldest first (``_calibration_check`` prices under them)."""
         self.transitions = 0
         self.rebatches = 0
         self.restarts = 0
@@ -1070,8 +1076,10 @@ class Controller:
                 ahead=ahead,
             )
         )
-        if not verdict.admit and verdict.reason.startswith("pays back"):
-            # Too slow to repay now: keep it, and admit it if the signal stays calm long enough.
+        if not verdict.admit and verdict.reason.startswith(("pays back", CONTESTED)):
+            # Too slow to repay now, or faster only as calibration stands now: keep it, and
+            # admit it if the signal stays calm long enough (and calibration comes to agree:
+            # the replan has reset the signals, so a lasting change would not trigger again).
             self.deferred = Deferred(
                 plan=candidate,
                 cost_s=cost,
@@ -1174,8 +1182,8 @@ class Controller:
         candidate must also be faster, at the latest length, under the calibrations of the
         window's oldest, quartile and latest steps. A candidate that is not rests on the
         calibration as it is now, which the window has seen otherwise: admission does not make
-        that move (``decide``'s ``contested``). A lasting change is taken once the window has
-        seen only it.
+        that move now (``decide``'s ``contested``), but keeps it (``Deferred``) and weighs it
+        again each calm step: a lasting change is taken once the window has seen only it.
 
         A length that trends rather than swings leaves that range: the candidate must also be
         faster at the length the trend reaches by the end of the longer window it would be
@@ -1193,16 +1201,7 @@ class Controller:
             self._price(self.plan, w) > self._price(candidate, w)
             for w in map(self._workload, [*lengths, *([trend] if trend else [])])
         )
-        calibrations = _quantiles(list(self._calibrated)) if self._calibrated else []
-        now = self._workload(self._gen_len)
-        slower_under = None
-        for step, efficiency in calibrations:
-            saving = self._price(self.plan, now, efficiency) - self._price(
-                candidate, now, efficiency
-            )
-            if saving <= 0:
-                slower_under = (step, saving)
-                break
+        calibrations, slower_under = self._calibration_check(candidate)
         robust = robust and slower_under is None
         signals = (trigger.signal, POOL) if robust else (trigger.signal,)
         return Outlook(
@@ -1210,9 +1209,30 @@ class Controller:
             lengths=tuple(lengths),
             robust=robust,
             trend_length=trend,
-            calibrations=tuple(dict.fromkeys(step for step, _ in calibrations)),
+            calibrations=calibrations,
             slower_under=slower_under,
         )
+
+    def _calibration_check(
+        self, candidate: Plan
+    ) -> tuple[tuple[int, ...], tuple[int, float] | None]:
+        """Price the running plan and ``candidate`` at the latest length under the calibrations
+        of the oldest, quartile and latest steps of ``_calibrated``: those steps, and the first
+        under which the candidate saves nothing (its step and saving; None if none)."""
+        assert self.plan is not None
+        history = self._calibrated
+        if not history:
+            return (), None
+        last = len(history) - 1
+        picked = dict(history[round(q * last)] for q in (0.0, 0.25, 0.5, 0.75, 1.0))
+        now = self._workload(self._gen_len)
+        for step, efficiency in picked.items():
+            saving = self._price(self.plan, now, efficiency) - self._price(
+                candidate, now, efficiency
+            )
+            if saving <= 0:
+                return tuple(picked), (step, saving)
+        return tuple(picked), None
 
     def _horizon(self, signals: tuple[str, ...], step: int) -> float:
         """H for admission: the longest effective horizon among the signals the saving rests on."""
@@ -1376,6 +1396,7 @@ class Controller:
             urgent=False,
             steps_left=self._steps_left(step),
             min_saving=self.policy.min_saving,
+            contested=_contested(self._calibration_check(candidate)[1]),
         )
         if not verdict.admit:
             return  # kept: priced again next step (even one that the run's end outruns now)

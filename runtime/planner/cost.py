@@ -1,23 +1,25 @@
 """The cost model: seconds one model-stage spends per PPO step in one layout, by operation class.
 
 Every class is priced at hardware peak ("ideal" seconds) and divided by an efficiency for that class
-(and link type) that calibration learns from the running job. Classes inside the pipeline (GEMMs,
-attention, decode, tensor-parallel all-reduces, pipeline point-to-point) are per-slot times of the
-slowest pipeline stage under perfect pipelining (a pipeline moves at the pace of its slowest
-stage: with layers split evenly, the last, which also holds the head), stretched by the
-pipeline's idle time: in training and inference the 1F1B bubble adds ``(pp - 1) / m`` of them for
-``m`` micro-batches per flush, as it does to generation's prefill; generation's decode fills and
-drains once per wave, but a micro-batch's next token waits for its last one to leave the last
-stage, so with fewer micro-batches than stages every token idles ``pp - m`` stage-times.
+(and link type) that calibration learns from the running job. Classes inside the pipeline (GEMMs
+and their weight reads, attention, decode, tensor-parallel all-reduces, pipeline point-to-point)
+are per-slot times of the slowest pipeline stage under perfect pipelining (a pipeline moves at
+the pace of its slowest stage: with layers split evenly, the last, which also holds the head),
+stretched by the pipeline's idle time: in training and inference the 1F1B bubble adds
+``(pp - 1) / m`` of them for ``m`` micro-batches per flush, as it does to generation's prefill;
+generation's decode fills and drains once per wave, but a micro-batch's next token waits for its
+last one to leave the last stage, so with fewer micro-batches than stages every token idles
+``pp - m`` stage-times.
 A decode step is a roofline: its matrix multiplies and attention overlap its reads of the weights
 and the KV cache, so it takes the longer of the two (at the achieved rates), not their sum; its
-collectives come on top. In training and inference every micro-batch's pass streams the stage's
-weights from memory once (``weight_read``); a GEMM over a micro-batch's few thousand rows sits near
-the roofline's ridge, where the reads and the arithmetic overlap badly, so the model counts them one
-after the other. That term is what makes a small micro-batch's GEMMs run further from their peak:
-without it, halving the micro-batch would look free (a pipeline even drains faster), and calibration
-would put the lost time on whatever class grows alike with the number of micro-batches (the
-tensor-parallel all-reduce).
+collectives come on top. In training and inference a GEMM falls further short of its peak the
+fewer rows its micro-batch has: the part of its work that does not shrink with them (streaming the
+stage's weights from memory once per micro-batch and pass, the tiles' fill and drain) is hidden less
+behind the arithmetic. The model counts those reads on top of the arithmetic (``weight_read``), at
+an efficiency calibration learns: a learned stand-in for that shortfall, which is proportional to
+the number of micro-batches. Without it, halving the micro-batch would look free (a pipeline even
+drains faster), and calibration would put the lost time on whatever class grows alike with the
+number of micro-batches (the tensor-parallel all-reduce).
 Data-parallel gradient all-reduce, the optimizer step and the weight sync (to generation, and to
 the actor's and critic's inference units) run outside the pipeline. Collectives follow the
 alpha-beta model of a ring: ``2(n-1)/n · bytes / bandwidth + 2(n-1) · latency``.

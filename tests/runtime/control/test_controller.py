@@ -422,8 +422,9 @@ def test_a_saving_only_the_latest_calibration_sees_is_not_a_move(monkeypatch, la
     calibration had learned it at 0.3 until step 100 (interference that comes and goes), and
     priced so the candidate is 1 s/step slower: the saving is the latest calibration's alone,
     and it goes when the efficiency swings back, so admission does not make the move, and says
-    under which step's calibration. Where the window has seen only the new efficiency (a lasting
-    change), the move is made on the pool's horizon as before."""
+    under which step's calibration; it keeps it, and makes it once the window has seen only the
+    new efficiency. Where the window has seen only the new efficiency from the start (a lasting
+    change), the move is made at once, on the pool's horizon as before."""
     from runtime.control.monitor import Trigger
 
     engine = _engine(pool=((1.0, 32),), gpus=16)
@@ -457,6 +458,19 @@ def test_a_saving_only_the_latest_calibration_sees_is_not_a_move(monkeypatch, la
             "faster only as calibrated now: as calibrated after step 43, saves -1.000 s/step"
         )
         assert not decision["admit"] and controller.transitions == 0 and controller.staged is None
+        # Kept: the replan reset the signals, so a lasting change would not trigger again.
+        # Weighed again each calm step, it waits while the window still holds the old
+        # calibration, and is made once the window holds only the new one.
+        assert controller.deferred is not None and controller.deferred.plan is not first
+        for step in range(107, 107 + 64):
+            controller._calibrated.append((step, {"tp_allreduce:intra": 0.7}))
+            controller._reconsider(step, engine)
+            if controller.deferred is None:
+                break
+        assert step == 99 + 64  # the first whose window no longer holds step 99's calibration
+        again = [e for e in controller.events if e["event"] == "control.decision"][-1]
+        assert again["admit"] and again["reason"].startswith("deferred, now pays back in")
+        assert controller.transitions + (controller.staged is not None) == 1
 
 
 def test_a_saving_the_trend_erodes_within_the_longer_window_rests_on_the_trigger_alone(
