@@ -279,8 +279,14 @@ class Controller:
         self._calibrated: collections.deque[tuple[int, dict[str, float]]] = collections.deque(
             maxlen=OUTLOOK_WINDOW
         )
-        """The calibrated efficiencies after each of the last ``OUTLOOK_WINDOW`` steps that
-        brought calibration samples, oldest first (``_calibration_check`` prices under them)."""
+        """What calibration had learned after each of the last ``OUTLOOK_WINDOW`` steps that
+        brought it samples, oldest first: the efficiencies of the classes it had learned then
+        (settled by the samples, or probed), which ``_calibration_check`` prices under. Kept
+        from the job's ``OUTLOOK_WINDOW``-th such step on: before it, calibration is still
+        learning the cluster (from the catalog's defaults and the probes' optimistic figures
+        towards what the steps measure), which moves the efficiencies one way, not back and
+        forth."""
+        self._sampled_steps = 0
         self.transitions = 0
         self.rebatches = 0
         self.restarts = 0
@@ -577,7 +583,10 @@ class Controller:
                 logger.info("calibration sample dropped: %s", exc)
         if report.samples:
             self._emit_calibration(report)
-            self._calibrated.append((report.step, self.calibrator.efficiency()))
+            self._sampled_steps += 1
+            if self._sampled_steps >= OUTLOOK_WINDOW:
+                efficiency, learned = self.calibrator.efficiency(), self.calibrator.learned()
+                self._calibrated.append((report.step, {c: efficiency[c] for c in learned}))
         triggers: list[Trigger] = []
         # The first step after a transition whose new units joined during it generated on part
         # of its units while they built: its time, efficiency and peak are not the plan's, and
@@ -1183,7 +1192,8 @@ class Controller:
         window's oldest, quartile and latest steps. A candidate that is not rests on the
         calibration as it is now, which the window has seen otherwise: admission does not make
         that move now (``decide``'s ``contested``), but keeps it (``Deferred``) and weighs it
-        again each calm step: a lasting change is taken once the window has seen only it.
+        again each calm step: a lasting change is taken once the window has seen only it. (The
+        window leaves out calibration's learning: see ``_calibrated``.)
 
         A length that trends rather than swings leaves that range: the candidate must also be
         faster at the length the trend reaches by the end of the longer window it would be
@@ -1218,7 +1228,10 @@ class Controller:
     ) -> tuple[tuple[int, ...], tuple[int, float] | None]:
         """Price the running plan and ``candidate`` at the latest length under the calibrations
         of the oldest, quartile and latest steps of ``_calibrated``: those steps, and the first
-        under which the candidate saves nothing (its step and saving; None if none)."""
+        under which the candidate saves nothing (its step and saving; None if none). A class
+        not yet learned at one of those steps takes its efficiency as calibrated now: what
+        calibration did not know then (a default, a relative's correction) is not a state the
+        cluster was in, and learning it is no swing."""
         assert self.plan is not None
         history = self._calibrated
         if not history:
@@ -1226,7 +1239,9 @@ class Controller:
         last = len(history) - 1
         picked = dict(history[round(q * last)] for q in (0.0, 0.25, 0.5, 0.75, 1.0))
         now = self._workload(self._gen_len)
-        for step, efficiency in picked.items():
+        current = self.calibrator.efficiency()
+        for step, learned in picked.items():
+            efficiency = {**current, **learned}
             saving = self._price(self.plan, now, efficiency) - self._price(
                 candidate, now, efficiency
             )

@@ -473,6 +473,26 @@ def test_a_saving_only_the_latest_calibration_sees_is_not_a_move(monkeypatch, la
         assert controller.transitions + (controller.staged is not None) == 1
 
 
+def test_the_calibrations_a_move_is_checked_under_start_once_calibration_has_learned():
+    """The job's first ``OUTLOOK_WINDOW`` steps with samples are calibration learning the cluster
+    (from the defaults and the probes towards what the steps measure), which is no swing: the
+    history a move is checked under starts after them, and holds only the classes calibration
+    had learned at each step (the others are priced as calibrated now)."""
+    from runtime.control.controller import OUTLOOK_WINDOW
+    from runtime.planner.cost import OPERATION_CLASSES
+
+    controller, _ = _growing_length(
+        _policy(), steps=OUTLOOK_WINDOW + 2, gpus=16, to=1100.0, workload=WORKLOAD
+    )
+    history = list(controller._calibrated)
+    assert [step for step, _ in history] == [OUTLOOK_WINDOW - 1, OUTLOOK_WINDOW, OUTLOOK_WINDOW + 1]
+    learned = controller.calibrator.learned()
+    assert set(history[-1][1]) == learned and 0 < len(learned) < len(OPERATION_CLASSES)
+    assert history[-1][1] == {
+        c: v for c, v in controller.calibrator.efficiency().items() if c in learned
+    }
+
+
 def test_a_saving_the_trend_erodes_within_the_longer_window_rests_on_the_trigger_alone(
     monkeypatch,
 ):
