@@ -217,47 +217,38 @@ def experiment_adaptation(quick: bool) -> dict:
     # The same comparison where the catalog describes the cluster, under other engine seeds
     # (the step-to-step noise, and so every decision after the first that noise tips): how much
     # of the row's figure is the world and how much that one draw.
-    spread = []
-    for engine_seed in () if quick else SPREAD_ENGINE_SEEDS:
-        online, fixed_run = (
-            _run(trace, "h100-sxm", workload, policy, truth=base, engine_seed=engine_seed, fixed=f)[
-                0
-            ]
-            for policy, f in ((JobPolicy(), None), (JobPolicy(fixed_layouts=True), fixed))
-        )
-        spread.append(
-            {
-                "engine_seed": engine_seed,
-                "online_s": online.mean_step_s,
-                "fixed_s": fixed_run.mean_step_s,
-                "online_transitions": online.transitions,
-                "fixed_transitions": fixed_run.transitions,
-                "reduction": 1 - online.mean_step_s / fixed_run.mean_step_s,
-            }
-        )
+    spread = [
+        {"engine_seed": seed, **_online_vs_fixed(trace, workload, base, fixed, engine_seed=seed)}
+        for seed in (() if quick else SPREAD_ENGINE_SEEDS)
+    ]
     # The same comparison on links whose speed does not shift over the hours (no interference):
     # how much of adaptation's loss where the catalog is right comes from calibrating against a
     # moving target.
     steady = None
     if not quick:
-        truth = TrueModel.draw(7, interference=0.0)
-        online, fixed_run = (
-            _run(trace, "h100-sxm", workload, policy, truth=truth, fixed=f)[0]
-            for policy, f in ((JobPolicy(), None), (JobPolicy(fixed_layouts=True), fixed))
-        )
-        steady = {
-            "online_s": online.mean_step_s,
-            "fixed_s": fixed_run.mean_step_s,
-            "online_transitions": online.transitions,
-            "fixed_transitions": fixed_run.transitions,
-            "reduction": 1 - online.mean_step_s / fixed_run.mean_step_s,
-        }
+        steady = _online_vs_fixed(trace, workload, TrueModel.draw(7, interference=0.0), fixed)
     return {
         "trace": trace.name,
         "rows": rows,
         "seed": 0.277,
         "spread": spread,
         "steady_links": steady,
+    }
+
+
+def _online_vs_fixed(trace, workload, truth: TrueModel, fixed, *, engine_seed: int = 3) -> dict:
+    """Online TP/PP adaptation against the fixed layouts on one cluster and engine seed: each
+    run's mean step seconds and transitions, and the reduction."""
+    online, fixed_run = (
+        _run(trace, "h100-sxm", workload, policy, truth=truth, engine_seed=engine_seed, fixed=f)[0]
+        for policy, f in ((JobPolicy(), None), (JobPolicy(fixed_layouts=True), fixed))
+    )
+    return {
+        "online_s": online.mean_step_s,
+        "fixed_s": fixed_run.mean_step_s,
+        "online_transitions": online.transitions,
+        "fixed_transitions": fixed_run.transitions,
+        "reduction": 1 - online.mean_step_s / fixed_run.mean_step_s,
     }
 
 
@@ -698,6 +689,14 @@ def _pair(seconds: list[float]) -> str:
     return f"{seconds[0]:.1f} ({seconds[1]:.1f})"
 
 
+def _versus(r: dict) -> str:
+    """An ``_online_vs_fixed`` result as the table's notes show it."""
+    return (
+        f"{r['online_s']:.2f} ({r['online_transitions']}t) vs "
+        f"{r['fixed_s']:.2f} ({r['fixed_transitions']}t), {r['reduction']:.1%}"
+    )
+
+
 def markdown(results: dict) -> str:
     lines = ["# Simulated experiments (SIMULATED: no figure here comes from hardware)", ""]
     e1 = results["adaptation"]
@@ -731,20 +730,14 @@ def markdown(results: dict) -> str:
             "",
             "As catalogued, under other engine seeds (online TP/PP adaptation vs fixed TP/PP, "
             "mean s/step, transitions): "
-            + "; ".join(
-                f"seed {r['engine_seed']}: {r['online_s']:.2f} ({r['online_transitions']}t) vs "
-                f"{r['fixed_s']:.2f} ({r['fixed_transitions']}t), {r['reduction']:.1%}"
-                for r in e1["spread"]
-            )
+            + "; ".join(f"seed {r['engine_seed']}: {_versus(r)}" for r in e1["spread"])
             + ".",
         ]
     if e1.get("steady_links"):
-        r = e1["steady_links"]
         lines += [
             "",
             "As catalogued, on links whose speed does not shift over the hours (no interference; "
-            f"engine seed 3): {r['online_s']:.2f} ({r['online_transitions']}t) vs "
-            f"{r['fixed_s']:.2f} ({r['fixed_transitions']}t), {r['reduction']:.1%}.",
+            f"engine seed 3): {_versus(e1['steady_links'])}.",
         ]
     lines += [
         "",
