@@ -26,7 +26,7 @@ from runtime.planner.catalog import Accelerator
 from runtime.planner.cost import OPERATION_CLASSES
 from runtime.planner.memory import memory_breakdown, memory_budget, total_bytes
 from runtime.planner.plan import Plan
-from runtime.planner.probes import probes_for
+from runtime.planner.probes import LINK_GAUGES, link_probes, probes_for
 from runtime.planner.search import PlanResult, on_ready, price_plan, rebatched, stage_prices
 from runtime.planner.shapes import LayoutShape, batchings
 from runtime.planner.space import only_layouts
@@ -314,6 +314,8 @@ class Controller:
         """How many nodes the live pool spanned when it was last probed."""
         self._probe_attempts = 0
         """Probings that did not finish since the last that did."""
+        self._links_probed_at = 0.0
+        """Job seconds when the links' gauges were last timed (``_probe_links``)."""
 
     # --- events ---------------------------------------------------------------------------------
 
@@ -536,9 +538,12 @@ class Controller:
                 measured_s=(), seconds=0.0, simulated=engine.simulated, failure=f"not probed: {exc}"
             )
         self.probe_s += report.seconds
+        self._links_probed_at = engine.now()
         measured = {}
         for probe, runs in zip(probes, report.measured_s, strict=False):
             try:
+                if probe.op_class == LINK_GAUGES[probe.link]:  # the load it is learned under
+                    self.calibrator.observe_link(probe.link, probe.efficiency(self.acc, runs))
                 measured[probe.op_class] = self.calibrator.measure(
                     probe.op_class, ideal_s=probe.ideal_s(self.acc), measured_s=runs
                 )
@@ -552,6 +557,48 @@ class Controller:
                 "step": self.at_step,
                 "efficiency": measured,
                 "slots": {p.op_class: list(p.slots) for p in probes},
+                "seconds": report.seconds,
+                "failure": report.failure,
+                "simulated": report.simulated,
+            }
+        )
+
+    def _probe_links(self, engine: Engine) -> None:
+        """Every ``policy.link_probe_every_s`` of the job, between steps: time each link type's
+        gauge class alone again (``probes.LINK_GAUGES``), and let calibration take the links'
+        load from it, so that the samples of the steps that follow are learned at the load
+        they ran under and plans are priced at the load now (``Calibrator.observe_link``). Not
+        while units build ahead (the engine would refuse); a round that fails is tried again
+        after the same while."""
+        every = self.policy.link_probe_every_s
+        if not (self.policy.calibration_probes and every > 0):
+            return
+        if engine.now() - self._links_probed_at < every:
+            return
+        if self.staged is not None or (self.pending is not None and self.pending.ahead):
+            return
+        self._links_probed_at = engine.now()
+        probes = link_probes(self.workload, self.acc, self._alive(engine))
+        if not probes:
+            return
+        try:
+            report = engine.run_probes(probes)
+        except ValueError as exc:  # a slot lost since the pool was read: nothing ran
+            logger.info("links not probed: %s", exc)
+            return
+        self.probe_s += report.seconds
+        load = {}
+        for probe, runs in zip(probes, report.measured_s, strict=False):
+            try:
+                efficiency = probe.efficiency(self.acc, runs)
+                load[probe.link] = self.calibrator.observe_link(probe.link, efficiency)
+            except ValueError as exc:
+                logger.info("link probe dropped: %s", exc)
+        self.emit(
+            {
+                "event": "control.links",
+                "step": self.at_step,
+                "load": load,
                 "seconds": report.seconds,
                 "failure": report.failure,
                 "simulated": report.simulated,
@@ -576,6 +623,8 @@ class Controller:
         """Learn from the step, fire triggers, and act on the most pressing one."""
         assert self.plan is not None
         self.at_step = report.step
+        if report.ok:  # the load the step's samples are learned under: the links' right after
+            self._probe_links(engine)
         for sample in report.samples:
             try:
                 self.calibrator.observe_sample(sample)

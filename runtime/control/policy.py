@@ -62,6 +62,12 @@ class JobPolicy:
     """Time each communication class alone on the job's slots before plans are first weighed
     (and when the pool first spans more nodes), so that calibration knows the classes the
     running plan's steps do not exercise, or cannot tell apart (``runtime/planner/probes.py``)."""
+    link_probe_every_s: float = 900.0
+    """With ``calibration_probes``: how often (job seconds, between steps) each link type's
+    gauge class is timed alone again, to follow the load other traffic puts on the links
+    (``probes.LINK_GAUGES``); a few milliseconds of collectives on groups already made. 0 turns
+    it off: calibration then learns the load from the steps, late, and blames it on whatever
+    the window's plans ran most of."""
 
     def __post_init__(self) -> None:
         for name, value in self.thresholds.items():
@@ -88,6 +94,11 @@ class JobPolicy:
             raise PolicyError(
                 f"policy.approval_timeout_s: must be at most {MAX_APPROVAL_TIMEOUT_S} "
                 f"(30 days), got {self.approval_timeout_s!r}"
+            )
+        if not _number(self.link_probe_every_s) or not 0 <= self.link_probe_every_s <= 86_400:
+            raise PolicyError(
+                f"policy.link_probe_every_s: must be a number of seconds in [0, 86400], "
+                f"got {self.link_probe_every_s!r}"
             )
         if not _number(self.min_saving) or not 0 <= self.min_saving < 1:
             raise PolicyError(

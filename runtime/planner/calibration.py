@@ -20,6 +20,15 @@ correction (learned / default) of learned classes of the same family (e.g.
 default. Calibrations are saved per job and per cluster kind, so a new job
 on a known cluster starts from what the last one learned.
 
+The load on the links moves over hours (other tenants' traffic), and every class that crosses a
+link slows alike. A gauge class timed alone now and then (``probes.LINK_GAUGES``) measures each
+link type's load against what it first measured (``observe_link``); a sample is recorded with
+its linked classes' ideal seconds scaled by the load it ran under, so the fit learns each class
+at the gauge's first load and samples from the hours of heavy and light traffic agree, and
+``efficiency`` prices the links at their load now. Without it, a fit over a window of changing
+load blames the load on whatever the window's plans happened to run most of (decode or the
+tensor-parallel all-reduce, when generation's mix of the two cannot tell them apart).
+
 Splitting a model-stage's time among its classes in proportion to their predicted time instead
 gives every class of the stage the same correction: on a cluster whose links are slow and whose
 decode is not, generation's decode is then learned as slow as its tensor-parallel all-reduce, and
@@ -46,6 +55,8 @@ from runtime.planner.plan import Plan
 from runtime.planner.shapes import LayoutShape
 from runtime.planner.workload import PpoWorkload
 
+LINKS = ("intra", "inter")
+"""The link types a communication class crosses (the suffix of its name)."""
 _MAD_SCALE = 1.4826  # MAD of a normal distribution -> its standard deviation
 _OUTLIER_MADS = 3.0
 SETTLED_CONFIDENCE = 0.5
@@ -83,7 +94,12 @@ class Calibrator:
         self._rows: dict[str, collections.deque[tuple[dict[str, float], float]]] = {}
         self._fit: _Fit | None = None
         self._learned: dict[str, float] = {}
-        """Each class's efficiency as last determined by the window (capped at 1)."""
+        """Each class's efficiency as last determined by the window (capped at 1), a linked
+        class's at its link's reference load."""
+        self._reference: dict[str, float] = {}
+        """Each link type's gauge efficiency when first measured (``observe_link``)."""
+        self._load: dict[str, float] = {}
+        """Each link type's load now: how many times slower its gauge runs than at first."""
 
     def observe(self, op_class: str, *, ideal_s: float, measured_s: float) -> None:
         """Record one measurement of an operation class alone."""
@@ -96,8 +112,8 @@ class Calibrator:
             _check_class(op_class)
             if not (isinstance(ideal_s, int | float) and math.isfinite(ideal_s) and ideal_s >= 0):
                 raise ValueError(f"ideal_s: {op_class}: must be finite and not negative")
-            if ideal_s > 0:
-                terms[op_class] = float(ideal_s)
+            if ideal_s > 0:  # at the reference load, this sample's classes took so long
+                terms[op_class] = float(ideal_s) * self.link_load(_link(op_class))
         ideal, measured = sum(terms.values()), sample.measured_s
         if not (ideal > 0 and measured > 0 and math.isfinite(measured)):
             raise ValueError(
@@ -127,9 +143,33 @@ class Calibrator:
         value = min(1.0, ideal_s / statistics.median(runs))
         if abs(math.log(value)) > 50:
             raise ValueError(f"measured_s: {op_class}: {runs} against {ideal_s} s is not plausible")
-        self._learned[op_class] = value
+        self._learned[op_class] = min(1.0, value * self.link_load(_link(op_class)))
         self._fit = None
         return value
+
+    def observe_link(self, link: str, efficiency: float) -> float:
+        """A link type's gauge class (``probes.LINK_GAUGES``) timed alone now, at
+        ``efficiency``: the first measurement of a link is its reference; each later one sets
+        the link's load, the reference over it (2 = its classes take twice as long as when
+        first measured). Samples recorded from now on ran under that load, and ``efficiency``
+        prices the link at it. Returns the load."""
+        if link not in LINKS:
+            raise ValueError(f"link: unknown {link!r}; valid: {', '.join(LINKS)}")
+        number = isinstance(efficiency, int | float) and not isinstance(efficiency, bool)
+        if not (number and 0 < efficiency <= 1):
+            raise ValueError(f"efficiency: {link}: must be a number in (0, 1], got {efficiency!r}")
+        reference = self._reference.setdefault(link, float(efficiency))
+        load = reference / float(efficiency)
+        if abs(math.log(load)) > 50:
+            raise ValueError(
+                f"efficiency: {link}: {efficiency} against {reference} is not plausible"
+            )
+        self._load[link] = load
+        return load
+
+    def link_load(self, link: str = "") -> float:
+        """``link``'s load now (1 until its gauge was measured twice; 1 for no link)."""
+        return self._load.get(link, 1.0)
 
     def learned(self) -> frozenset[str]:
         """The classes something has taught the calibration: settled by the stage samples, or
@@ -180,7 +220,7 @@ class Calibrator:
         fit = self._fitted()
         out = self._borrowed(fit)
         out.update({c: math.exp(v) for c, v in fit.log_efficiency.items()})
-        return {c: min(v, 1.0) for c, v in out.items()}
+        return {c: min(v / self.link_load(_link(c)), 1.0) for c, v in out.items()}
 
     def determined(self) -> frozenset[str]:
         """The classes the samples in the window determine (each took at least a twentieth of
@@ -220,6 +260,7 @@ class Calibrator:
             "prior": self.prior,
             "window": self.window,
             "learned": self._learned,
+            "links": {"reference": self._reference, "load": self._load},
             "rows": {
                 source: [[terms, measured] for terms, measured in rows]
                 for source, rows in self._rows.items()
@@ -240,6 +281,24 @@ class Calibrator:
                 if not (number and 0 < value <= 1):
                     raise ValueError(f"learned.{op_class}: must be a number in (0, 1]")
                 calibrator._learned[op_class] = float(value)
+            # The rows were recorded at the reference load: they are read before the load is.
+            links, state = data.get("links", {}), {"reference": {}, "load": {}}
+            if not isinstance(links, dict):
+                raise ValueError("links: must be an object with reference and load")
+            for part in ("reference", "load"):
+                values = links.get(part, {})
+                if not isinstance(values, dict):
+                    raise ValueError(f"links.{part}: must be an object of link type to number")
+                for link, value in values.items():
+                    number = isinstance(value, int | float) and not isinstance(value, bool)
+                    if link not in LINKS or not (number and value > 0 and math.isfinite(value)):
+                        raise ValueError(
+                            f"links.{part}.{link}: must be a link type ({', '.join(LINKS)}) "
+                            f"with a positive number, got {value!r}"
+                        )
+                    if part == "reference" and value > 1:
+                        raise ValueError(f"links.reference.{link}: must be at most 1")
+                    state[part][link] = float(value)
             # Files written before samples of several classes: one log ratio per sample.
             for op_class, samples in data.get("samples", {}).items():
                 if op_class not in OPERATION_CLASSES:
@@ -257,6 +316,7 @@ class Calibrator:
                         calibrator.observe_sample(Sample(str(source), row[0], float(row[1])))
                     except ValueError as exc:
                         raise ValueError(f"rows.{source}[{i}]: {exc}") from None
+            calibrator._reference, calibrator._load = state["reference"], state["load"]
         except (KeyError, TypeError) as exc:
             raise ValueError(f"calibration: malformed file ({exc})") from None
         return calibrator
@@ -275,6 +335,11 @@ class Calibrator:
     @classmethod
     def load(cls, path: str | Path) -> Calibrator:
         return cls.from_json(json.loads(Path(path).read_text()))
+
+
+def _link(op_class: str) -> str:
+    """The link type an operation class crosses (``""`` for one that stays on a device)."""
+    return op_class.partition(":")[2]
 
 
 def _check_class(op_class: str) -> None:

@@ -24,6 +24,8 @@ move bytes (pack, checksum).
 from __future__ import annotations
 
 import dataclasses
+import math
+import statistics
 from collections.abc import Iterable, Sequence
 
 from runtime.planner import cost
@@ -49,6 +51,12 @@ PROBED_CLASSES = tuple(
     # across nodes
     if (family, link) != ("tp_allreduce", "inter")
 )
+LINK_GAUGES = {"intra": "tp_allreduce:intra", "inter": "dp_allreduce:inter"}
+"""The class probed again and again, every ``policy.link_probe_every_s``, to follow the load on
+each link type: other tenants' traffic on the links (or a degraded switch) slows every class
+that crosses them alike, over hours, and the samples of the steps cannot tell that slowing from
+what the running plan's mix of classes does. What the gauge measures then against what it first
+measured is the link's load (``Calibrator.observe_link``)."""
 REPEATS = 5
 """Timed runs of each probe (after one untimed warm-up); calibration takes their median."""
 MAX_PROBE_BYTES = 1 << 30
@@ -92,6 +100,13 @@ class Probe:
     @property
     def link(self) -> str:
         return self.op_class.partition(":")[2]
+
+    def efficiency(self, acc: Accelerator, runs: Sequence[float]) -> float:
+        """What ``runs`` (its timed seconds) say of the class: ideal seconds over their median,
+        at most 1."""
+        if not runs or not all(isinstance(r, int | float) and 0 < r < math.inf for r in runs):
+            raise ValueError(f"measured_s: {self.op_class}: runs must be positive, got {runs}")
+        return min(1.0, self.ideal_s(acc) / statistics.median(runs))
 
     def ideal_s(self, acc: Accelerator) -> float:
         """Seconds at the link's peak, in the cost model's own form for the class (a ring
@@ -149,6 +164,12 @@ def probes_for(
             slots = group if pattern == "all_reduce" else group[:2]
             out.append(Probe(op_class=op_class, slots=slots, nbytes=sizes[family]))
     return out
+
+
+def link_probes(workload: PpoWorkload, acc: Accelerator, alive: Iterable[int]) -> list[Probe]:
+    """The gauge probe (``LINK_GAUGES``) of each link type the ``alive`` slots span."""
+    gauges = set(LINK_GAUGES.values())
+    return [p for p in probes_for(workload, acc, alive) if p.op_class in gauges]
 
 
 def check_probes(probes: Sequence[Probe], num_slots: int, lost: Iterable[int] = ()) -> None:

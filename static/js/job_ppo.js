@@ -507,6 +507,14 @@
       case "control.calibration":
         S.calibration = d; drawCalibration();
         break;
+      case "control.links": {  // the links timed again: their load against the first probing
+        const loads = Object.entries(d.load || {}).map(([link, v]) => `${link} ×${num(v)}`);
+        $("link-load").hidden = !loads.length;
+        $("link-load").textContent = `Link load after step ${d.step} (time of a collective ` +
+          `against the first probing; calibration prices the links at it): ${loads.join(", ")}` +
+          (d.simulated ? " (simulated)" : "");
+        break;
+      }
       case "control.probes": {  // a later round (a new node's links) adds to the earlier ones
         S.probes = { ...d, efficiency: { ...((S.probes && S.probes.efficiency) || {}), ...(d.efficiency || {}) } };
         const timed = Object.keys(d.efficiency || {}).length;

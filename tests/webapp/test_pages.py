@@ -164,6 +164,7 @@ def test_the_submit_page_submits_a_simulated_job_with_its_policy(client, operato
             "memory_runway": "amortized",
             "min_saving": 0.02,
             "calibration_probes": "off",
+            "link_probe_every_s": 600,
         },
     )
     job = Job.objects.get(name="sim")
@@ -174,6 +175,7 @@ def test_the_submit_page_submits_a_simulated_job_with_its_policy(client, operato
     assert job.spec["policy"]["memory_runway"] == "amortized"
     assert job.spec["policy"]["min_saving"] == 0.02
     assert job.spec["policy"]["calibration_probes"] is False
+    assert job.spec["policy"]["link_probe_every_s"] == 600
 
 
 def _submit_key(page: str) -> str:
@@ -228,6 +230,8 @@ def test_the_submit_form_lists_the_personal_project_once_as_its_empty_choice(
         ({"memory_runway": "forever"}, "memory_runway"),
         ({"min_saving": 1.5}, "min_saving"),
         ({"calibration_probes": "maybe"}, "calibration_probes"),
+        ({"link_probe_every_s": -5}, "link_probe_every_s"),
+        ({"link_probe_every_s": "often"}, "link_probe_every_s"),
         ({"kind": "quantum"}, "kind"),
     ],
 )

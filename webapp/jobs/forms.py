@@ -48,6 +48,7 @@ _SPEC_FIELD = {
     "policy.approval_above_s": "approval_above_s",
     "policy.memory_runway": "memory_runway",
     "policy.min_saving": "min_saving",
+    "policy.link_probe_every_s": "link_probe_every_s",
     "minibatch_size": "batch_size",  # the form derives minibatches from the batch size
     **{f"policy.thresholds.{signal}": "threshold" for signal in SIGNALS},
 }
@@ -200,6 +201,12 @@ class JobSubmitForm(forms.Form):
         label="Calibration probes",
         help_text="Time each communication class alone before plans are weighed.",
     )
+    link_probe_every_s = forms.FloatField(
+        required=False,
+        label="Link probes every (s)",
+        help_text=f"With calibration probes: time the links again this often, to follow their "
+        f"load ({JobPolicy().link_probe_every_s:g}; 0: never).",
+    )
 
     def __init__(self, *args, user, **kwargs):
         super().__init__(*args, **kwargs)
@@ -270,6 +277,8 @@ class JobSubmitForm(forms.Form):
             policy["memory_runway"] = data["memory_runway"]
         if data.get("calibration_probes"):
             policy["calibration_probes"] = data["calibration_probes"] == "on"
+        if data.get("link_probe_every_s") is not None:
+            policy["link_probe_every_s"] = data["link_probe_every_s"]
         if kind == "ppo":
             spec = {
                 "kind": "ppo",

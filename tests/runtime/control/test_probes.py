@@ -2,11 +2,12 @@
 alone before plans are weighed, at the start and when the pool first spans another node."""
 
 import dataclasses
+import itertools
 
 import pytest
 
 from runtime.control import Controller, JobPolicy, PolicyError, run_job
-from runtime.engine.sim import SimulatedEngine, TrueModel
+from runtime.engine.sim import PROBE_SETUP_S, SimulatedEngine, TrueModel
 from runtime.engine.traces import Trace
 from runtime.planner import PpoWorkload, default_catalog
 from runtime.planner.calibration import Calibrator
@@ -146,3 +147,71 @@ def test_probing_the_engine_could_not_finish_is_tried_again_at_the_next_replans(
 def test_the_probes_switch_must_be_a_boolean(value):
     with pytest.raises(PolicyError, match=r"policy\.calibration_probes: must be true or false"):
         JobPolicy.from_json({"calibration_probes": value})
+
+
+# --- the links' load, followed ---------------------------------------------------------------
+
+
+class _Clocked(SimulatedEngine):
+    """The simulated engine, noting the job seconds of each probing."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.probed_at: list[float] = []
+
+    def run_probes(self, probes):
+        self.probed_at.append(self.now())
+        return super().run_probes(probes)
+
+
+def _busy_links() -> TrueModel:
+    """Other traffic on the links building up and easing off twice an hour (every class that
+    crosses them up to 1.3 times slower), and no noise."""
+    return TrueModel.draw(13, noise=0.0, interference=0.3, interference_period_s=1800.0)
+
+
+def test_the_links_are_timed_again_every_while_and_calibration_prices_them_at_their_load():
+    trace = Trace(name="flat", steps=60, accelerator=ACC.name, gpus=16, gen_len=((0, 2048.0),))
+    truth = _busy_links()
+    engine = _Clocked(trace, ACC, truth=truth, seed=2)
+    controller = Controller(WORKLOAD, ACC, JobPolicy(link_probe_every_s=300.0))
+    summary = run_job(engine, controller, trace.steps)
+    rounds = _of(controller, "control.links")
+    first, *again = engine.probed_at
+    assert first == 0.0 and len(again) == len(rounds) >= 4
+    gaps = [b - a for a, b in itertools.pairwise(engine.probed_at)]
+    assert min(gaps) >= 300.0 and max(gaps) < 300.0 + 2 * max(_step_seconds(controller))
+    # Each round measures both links' load against the first probing: exactly the truth's, as
+    # there is no noise (a collective alone runs ``isolated`` faster at any load).
+    slow = {
+        t: truth.efficiency["tp_allreduce:intra"] / truth.efficiency_at(t)["tp_allreduce:intra"]
+        for t in engine.probed_at
+    }
+    for at, event in zip(again, rounds, strict=True):
+        assert event["simulated"] and not event["failure"]
+        assert set(event["load"]) == {"intra", "inter"}
+        for load in event["load"].values():
+            assert load == pytest.approx(slow[at] / slow[0.0], rel=1e-9)
+        # the groups were made at the first probing: a round costs its collectives alone
+        assert 0 < event["seconds"] < PROBE_SETUP_S
+    assert max(max(e["load"].values()) for e in rounds) > 1.1  # the wave was seen
+    # Calibration prices each link at the last round's load: the all-reduce inside a node,
+    # which every step runs, is learned as it runs at the reference load.
+    last = rounds[-1]["load"]["intra"]
+    assert controller.calibrator.link_load("intra") == pytest.approx(last)
+    assert summary.probe_seconds == pytest.approx(
+        sum(e["seconds"] for e in _of(controller, "control.probes") + rounds)
+    )
+    off = Controller(WORKLOAD, ACC, JobPolicy(link_probe_every_s=0))
+    run_job(_Clocked(trace, ACC, truth=truth, seed=2), off, trace.steps)
+    assert _of(off, "control.links") == [] and off.calibrator.link_load("intra") == 1.0
+
+
+def _step_seconds(controller):
+    return [e["seconds"] for e in controller.events if e["event"] == "step"]
+
+
+@pytest.mark.parametrize("value", [-1, "often", True, None, 100_000])
+def test_the_link_probing_interval_is_refused_out_of_range_naming_the_field(value):
+    with pytest.raises(PolicyError, match=r"policy\.link_probe_every_s: must be a number"):
+        JobPolicy.from_json({"link_probe_every_s": value})

@@ -7,7 +7,15 @@ import pytest
 
 from runtime.planner import PpoWorkload, default_catalog
 from runtime.planner.calibration import Calibrator, Sample
-from runtime.planner.probes import MAX_INTER_NODES, PROBED_CLASSES, Probe, check_probes, probes_for
+from runtime.planner.probes import (
+    LINK_GAUGES,
+    MAX_INTER_NODES,
+    PROBED_CLASSES,
+    Probe,
+    check_probes,
+    link_probes,
+    probes_for,
+)
 
 CATALOG = default_catalog()
 ACC = CATALOG.accelerator("h100-sxm")  # 8 GPUs a node
@@ -170,3 +178,115 @@ def test_a_broken_probe_measurement_is_refused_naming_the_field(op_class, ideal_
     with pytest.raises(ValueError, match=message):
         calibrator.measure(op_class, ideal_s=ideal_s, measured_s=runs)
     assert calibrator.learned() == frozenset()
+
+
+# --- the links' load -------------------------------------------------------------------------
+
+
+def test_each_link_type_is_gauged_by_one_class_timed_on_the_slots_its_probe_uses():
+    one_node = link_probes(WORKLOAD, ACC, range(8))
+    assert [p.op_class for p in one_node] == ["tp_allreduce:intra"]
+    two = {p.link: p for p in link_probes(WORKLOAD, ACC, range(16))}
+    assert {link: p.op_class for link, p in two.items()} == LINK_GAUGES
+    assert two["inter"].slots == (0, 8) and two["intra"].slots == tuple(range(8))
+    probe = two["inter"]
+    assert probe.efficiency(ACC, [4.0, 1.0, 2.0]) == pytest.approx(probe.ideal_s(ACC) / 2.0)
+    assert probe.efficiency(ACC, [probe.ideal_s(ACC) / 3]) == 1.0  # never above the peak
+    with pytest.raises(ValueError, match="measured_s: dp_allreduce:inter: runs must be positive"):
+        probe.efficiency(ACC, [])
+
+
+TRUE = {"decode": 0.55, "tp_allreduce:intra": 0.44, "gemm": 0.5}
+
+
+def _rising_load(calibrator: Calibrator, *, gauged: bool) -> float:
+    """25 steps while other traffic on the links inside a node builds up (each step's
+    classes crossing them up to 1.3 times slower): generation runs decode and its
+    tensor-parallel all-reduce in one unchanging mix, training a changing GEMM beside a small
+    all-reduce. Gauged: the link's gauge class timed alone before each step (alone it runs a
+    tenth faster, at any load). Returns the load at the end."""
+    for i in range(25):
+        load = 1 + 0.3 * 0.5 * (1 - math.cos(math.pi * i / 24))
+        if gauged:
+            calibrator.observe_link("intra", TRUE["tp_allreduce:intra"] * 1.1 / load)
+        mixes = {
+            "actor@generation": {"decode": 1.0, "tp_allreduce:intra": 0.35},
+            "training": {"gemm": 1.0 + 0.5 * (i % 4), "tp_allreduce:intra": 0.1},
+        }
+        for source, terms in mixes.items():
+            slowed = {c: s * (load if c.endswith(":intra") else 1) for c, s in terms.items()}
+            measured = sum(s / TRUE[c] for c, s in slowed.items())
+            calibrator.observe_sample(Sample(source, terms, measured))
+    return load
+
+
+def test_samples_are_learned_at_the_link_load_they_ran_under_and_priced_at_the_load_now():
+    gauged, blind = Calibrator(), Calibrator()
+    load = _rising_load(gauged, gauged=True)
+    _rising_load(blind, gauged=False)
+    assert gauged.link_load("intra") == pytest.approx(load) == pytest.approx(1.3)
+    now = TRUE["tp_allreduce:intra"] / load
+    learned = gauged.efficiency()
+    assert learned["tp_allreduce:intra"] == pytest.approx(now, rel=1e-6)
+    assert learned["decode"] == pytest.approx(TRUE["decode"], rel=1e-6)
+    assert learned["gemm"] == pytest.approx(TRUE["gemm"], rel=1e-6)
+    # every class crossing the link is priced at its load (the fit holds them at the first)
+    assert learned["dp_allreduce:intra"] < Calibrator().efficiency()["dp_allreduce:intra"]
+    # Without the gauge, the window's steps average the load: the all-reduce is priced as if
+    # the links were a tenth and more less busy than they are.
+    assert blind.efficiency()["tp_allreduce:intra"] > 1.1 * now
+    assert blind.link_load("intra") == 1.0
+
+
+def test_the_link_load_is_saved_with_the_calibration_and_its_rows_are_not_scaled_twice(tmp_path):
+    calibrator = Calibrator()
+    _rising_load(calibrator, gauged=True)
+    calibrator.measure("dp_allreduce:intra", ideal_s=1.0, measured_s=[2.0])  # 0.5 under load
+    path = tmp_path / "cluster.json"
+    calibrator.save(path)
+    loaded = Calibrator.load(path)
+    assert loaded.link_load("intra") == pytest.approx(calibrator.link_load("intra"))
+    for op_class, value in calibrator.efficiency().items():
+        assert loaded.efficiency()[op_class] == pytest.approx(value, rel=1e-9), op_class
+    assert loaded.efficiency()["dp_allreduce:intra"] == pytest.approx(0.5)
+    # the next gauge is measured against the first job's reference
+    assert loaded.observe_link("intra", TRUE["tp_allreduce:intra"] * 1.1) == pytest.approx(1.0)
+    assert loaded.efficiency()["dp_allreduce:intra"] == pytest.approx(0.5 * 1.3)
+
+
+@pytest.mark.parametrize(
+    ("link", "efficiency", "message"),
+    [
+        ("mars", 0.5, "link: unknown 'mars'"),
+        ("intra", 0.0, "efficiency: intra: must be a number in"),
+        ("inter", 1.5, "efficiency: inter: must be a number in"),
+        ("inter", True, "efficiency: inter: must be a number in"),
+        ("inter", math.nan, "efficiency: inter: must be a number in"),
+    ],
+)
+def test_a_broken_link_measurement_is_refused_naming_the_field(link, efficiency, message):
+    calibrator = Calibrator()
+    with pytest.raises(ValueError, match=message):
+        calibrator.observe_link(link, efficiency)
+    assert calibrator.link_load("intra") == calibrator.link_load("inter") == 1.0
+    calibrator.observe_link("intra", 0.5)
+    with pytest.raises(ValueError, match=r"efficiency: intra: .* not plausible"):
+        calibrator.observe_link("intra", 1e-30)
+    assert calibrator.link_load("intra") == 1.0
+
+
+@pytest.mark.parametrize(
+    ("links", "message"),
+    [
+        ([], "links: must be an object"),
+        ({"load": []}, "links.load: must be an object"),
+        ({"load": {"intra": -1}}, "links.load.intra: must be a link type"),
+        ({"load": {"mars": 1.0}}, "links.load.mars: must be a link type"),
+        ({"reference": {"inter": "fast"}}, "links.reference.inter: must be a link type"),
+        ({"reference": {"inter": 2.0}}, "links.reference.inter: must be at most 1"),
+    ],
+)
+def test_a_malformed_link_load_in_a_file_is_refused_naming_it(links, message):
+    data = Calibrator().to_json() | {"links": links}
+    with pytest.raises(ValueError, match=message):
+        Calibrator.from_json(data)
