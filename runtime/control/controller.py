@@ -519,14 +519,18 @@ class Controller:
         are told apart by stage samples only as far as the layouts that ran differ; a probe
         measures each, and the fit starts from what it measured. Probing that the engine could
         not finish (a slot lost, units building ahead) is tried again at later replans, up to
-        ``PROBE_ATTEMPTS`` in all; the job goes on meanwhile."""
+        ``PROBE_ATTEMPTS`` in all; the job goes on meanwhile. Each link type's gauge class is
+        timed even when learned (a calibration saved by an earlier job): the link's load now,
+        against the reference that job measured, is what the first plans are priced at."""
         if not self.policy.calibration_probes:
             return
         alive = self._alive(engine)
         nodes = len({s // self.acc.gpus_per_node for s in alive})
         if nodes <= self._probed_nodes:
             return
-        probes = probes_for(self.workload, self.acc, alive, skip=self.calibrator.learned())
+        learned = self.calibrator.learned()
+        gauges = set(LINK_GAUGES.values())
+        probes = probes_for(self.workload, self.acc, alive, skip=learned - gauges)
         if not probes:
             self._probed_nodes = nodes
             return
@@ -539,11 +543,14 @@ class Controller:
             )
         self.probe_s += report.seconds
         self._links_probed_at = engine.now()
-        measured = {}
+        measured, load = {}, {}
         for probe, runs in zip(probes, report.measured_s, strict=False):
             try:
-                if probe.op_class == LINK_GAUGES[probe.link]:  # the load it is learned under
-                    self.calibrator.observe_link(probe.link, probe.efficiency(self.acc, runs))
+                if probe.op_class in gauges:  # the load what it measures is learned under
+                    efficiency = probe.efficiency(self.acc, runs)
+                    load[probe.link] = self.calibrator.observe_link(probe.link, efficiency)
+                if probe.op_class in learned:  # a gauge the calibration knows: the load only
+                    continue
                 measured[probe.op_class] = self.calibrator.measure(
                     probe.op_class, ideal_s=probe.ideal_s(self.acc), measured_s=runs
                 )
@@ -556,6 +563,7 @@ class Controller:
                 "event": "control.probes",
                 "step": self.at_step,
                 "efficiency": measured,
+                "load": load,
                 "slots": {p.op_class: list(p.slots) for p in probes},
                 "seconds": report.seconds,
                 "failure": report.failure,

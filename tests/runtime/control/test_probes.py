@@ -11,7 +11,7 @@ from runtime.engine.sim import PROBE_SETUP_S, SimulatedEngine, TrueModel
 from runtime.engine.traces import Trace
 from runtime.planner import PpoWorkload, default_catalog
 from runtime.planner.calibration import Calibrator
-from runtime.planner.probes import PROBED_CLASSES
+from runtime.planner.probes import LINK_GAUGES, PROBED_CLASSES
 
 CATALOG = default_catalog()
 ACC = CATALOG.accelerator("a100-80gb")
@@ -92,7 +92,7 @@ def test_a_pool_that_first_spans_another_node_has_its_new_links_probed_before_th
     assert decision["trigger"]["kind"] == "pool"
 
 
-def test_classes_a_saved_calibration_has_learned_are_not_probed_again():
+def test_classes_a_saved_calibration_has_learned_are_not_probed_again_but_its_links_load_is():
     calibrator = Calibrator()
     for op_class in PROBED_CLASSES:
         if op_class.endswith(":intra"):
@@ -100,11 +100,22 @@ def test_classes_a_saved_calibration_has_learned_are_not_probed_again():
     controller, _ = _run(JobPolicy(), steps=2, calibrator=calibrator)
     [probes] = _of(controller, "control.probes")
     assert set(probes["efficiency"]) == {c for c in PROBED_CLASSES if c.endswith(":inter")}
+    # the gauge inside a node ran too: learned, it gives the link's load, not a new efficiency
+    assert set(probes["slots"]) == set(probes["efficiency"]) | {LINK_GAUGES["intra"]}
+    assert set(probes["load"]) == {"intra", "inter"}
     everything = Calibrator()
     for op_class in PROBED_CLASSES:
         everything.measure(op_class, ideal_s=1.0, measured_s=[2.0])
+    everything.observe_link("intra", 0.2)  # what the gauge measured when it was saved
     controller, summary = _run(JobPolicy(), steps=2, calibrator=everything)
-    assert _of(controller, "control.probes") == [] and summary.probe_seconds == 0
+    [probes] = _of(controller, "control.probes")
+    assert probes["efficiency"] == {} and set(probes["slots"]) == set(LINK_GAUGES.values())
+    # The saved reference is the gauge's: the links inside a node are timed as loaded against it.
+    truth = _pcie_truth()
+    now = truth.efficiency[LINK_GAUGES["intra"]] * truth.isolated
+    assert probes["load"]["intra"] == pytest.approx(0.2 / now, rel=1e-6)
+    assert probes["load"]["inter"] == 1.0  # first measured now: the reference
+    assert 0 < summary.probe_seconds < 2 * PROBE_SETUP_S
 
 
 class _ProbingFails(SimulatedEngine):
@@ -135,7 +146,11 @@ def test_probing_the_engine_could_not_finish_is_tried_again_at_the_next_replans(
     between = controller.events[controller.events.index(refused) : controller.events.index(cut)]
     assert "control.trigger" in [e["event"] for e in between]  # retried at the next replan
     # what ran before the failure is kept, and not probed again
-    assert cut["failure"] == "probing stopped: slot 9 failed" and len(cut["efficiency"]) == 2
+    assert cut["failure"] == "probing stopped: slot 9 failed"
+    # two probes ran, one of them the gauge inside a node (settled by the steps by now: it
+    # gave the link's load only)
+    ran = set(cut["efficiency"]) | {LINK_GAUGES[link] for link in cut["load"]}
+    assert len(ran) == 2 and LINK_GAUGES["intra"] in ran - set(cut["efficiency"])
     assert not whole["failure"] and not set(whole["efficiency"]) & set(cut["efficiency"])
     # what no round probed, the steps had settled meanwhile
     unprobed = set(PROBED_CLASSES) - set(cut["efficiency"]) - set(whole["efficiency"])
