@@ -12,7 +12,7 @@ import dataclasses
 import itertools
 import logging
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from runtime.control.admission import CONTESTED, Option, Verdict, decide, windowed_step_s
@@ -26,7 +26,7 @@ from runtime.planner.catalog import Accelerator
 from runtime.planner.cost import OPERATION_CLASSES
 from runtime.planner.memory import memory_breakdown, memory_budget, total_bytes
 from runtime.planner.plan import Plan
-from runtime.planner.probes import LINK_GAUGES, link_probes, probes_for
+from runtime.planner.probes import LINK_GAUGES, Probe, link_probes, probes_for
 from runtime.planner.search import PlanResult, on_ready, price_plan, rebatched, stage_prices
 from runtime.planner.shapes import LayoutShape, batchings
 from runtime.planner.space import only_layouts
@@ -507,7 +507,11 @@ class Controller:
             for c, was in self._weighed_with.items()
             if c in settled and was > 0 and now.get(c, 0.0) > 0
         ]
-        return max(moves, default=(1.0, ""))
+        factor, moved = max(moves, default=(1.0, ""))
+        link = moved.partition(" ")[0].partition(":")[2]
+        if link and self.calibrator.link_load(link) != 1.0:  # say how much of it is the load
+            moved += f" (its link's load now x{self.calibrator.link_load(link):.2f})"
+        return factor, moved
 
     def _run_probes(self, engine: Engine) -> None:
         """Time alone each communication class that the live pool can run and calibration has
@@ -521,14 +525,15 @@ class Controller:
         not finish (a slot lost, units building ahead) is tried again at later replans, up to
         ``PROBE_ATTEMPTS`` in all; the job goes on meanwhile. Each link type's gauge class is
         timed even when learned (a calibration saved by an earlier job): the link's load now,
-        against the reference that job measured, is what the first plans are priced at."""
+        against the reference that job measured with a gauge of the same shape, is what the
+        first plans are priced at."""
         if not self.policy.calibration_probes:
             return
         alive = self._alive(engine)
         nodes = len({s // self.acc.gpus_per_node for s in alive})
         if nodes <= self._probed_nodes:
             return
-        learned = self.calibrator.learned()
+        learned, referenced = self.calibrator.learned(), self.calibrator.referenced()
         gauges = set(LINK_GAUGES.values())
         probes = probes_for(self.workload, self.acc, alive, skip=learned - gauges)
         if not probes:
@@ -542,15 +547,15 @@ class Controller:
                 measured_s=(), seconds=0.0, simulated=engine.simulated, failure=f"not probed: {exc}"
             )
         self.probe_s += report.seconds
-        self._links_probed_at = engine.now()
         measured, load = {}, {}
-        for probe, runs in zip(probes, report.measured_s, strict=False):
+        ran = list(zip(probes, report.measured_s, strict=False))
+        # the gauges first: the other classes of a link are learned at the load they measure
+        for probe, runs in sorted(ran, key=lambda pair: pair[0].op_class not in gauges):
             try:
                 if probe.op_class in gauges:  # the load what it measures is learned under
-                    efficiency = probe.efficiency(self.acc, runs)
-                    load[probe.link] = self.calibrator.observe_link(probe.link, efficiency)
-                if probe.op_class in learned:  # a gauge the calibration knows: the load only
-                    continue
+                    load[probe.link] = self._observe_link(engine, probe, runs)
+                if probe.op_class in learned and probe.link in referenced:
+                    continue  # a gauge known, against a reference known: the load only
                 measured[probe.op_class] = self.calibrator.measure(
                     probe.op_class, ideal_s=probe.ideal_s(self.acc), measured_s=runs
                 )
@@ -581,25 +586,22 @@ class Controller:
         every = self.policy.link_probe_every_s
         if not (self.policy.calibration_probes and every > 0):
             return
-        if engine.now() - self._links_probed_at < every:
-            return
-        if self.staged is not None or (self.pending is not None and self.pending.ahead):
-            return
-        self._links_probed_at = engine.now()
+        if engine.now() - self._links_probed_at < every or self.staged is not None:
+            return  # a staged transition runs after the next step: the round waits for it
         probes = link_probes(self.workload, self.acc, self._alive(engine))
         if not probes:
+            self._links_probed_at = engine.now()
             return
         try:
             report = engine.run_probes(probes)
         except ValueError as exc:  # a slot lost since the pool was read: nothing ran
             logger.info("links not probed: %s", exc)
-            return
+            return  # tried again after the next step
         self.probe_s += report.seconds
         load = {}
         for probe, runs in zip(probes, report.measured_s, strict=False):
             try:
-                efficiency = probe.efficiency(self.acc, runs)
-                load[probe.link] = self.calibrator.observe_link(probe.link, efficiency)
+                load[probe.link] = self._observe_link(engine, probe, runs)
             except ValueError as exc:
                 logger.info("link probe dropped: %s", exc)
         self.emit(
@@ -612,6 +614,14 @@ class Controller:
                 "simulated": report.simulated,
             }
         )
+
+    def _observe_link(self, engine: Engine, probe: Probe, runs: Sequence[float]) -> float:
+        """A link's gauge ``probe`` ran ``runs``: its load, as calibration takes it (the next
+        round of ``_probe_links`` is due ``policy.link_probe_every_s`` from now)."""
+        efficiency = probe.efficiency(self.acc, runs, capped=False)
+        load = self.calibrator.observe_link(probe.link, efficiency, gauge=probe.gauge)
+        self._links_probed_at = engine.now()
+        return load
 
     def initial_plan(self, engine: Engine) -> Plan:
         self._run_probes(engine)

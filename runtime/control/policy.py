@@ -65,9 +65,9 @@ class JobPolicy:
     link_probe_every_s: float = 900.0
     """With ``calibration_probes``: how often (job seconds, between steps) each link type's
     gauge class is timed alone again, to follow the load other traffic puts on the links
-    (``probes.LINK_GAUGES``); a few milliseconds of collectives on groups already made. 0 turns
-    it off: calibration then learns the load from the steps, late, and blames it on whatever
-    the window's plans ran most of."""
+    (``probes.LINK_GAUGES``): a few collectives on groups already made (0.5 s a round at 1,024
+    simulated GPUs). 0 turns it off: calibration then learns the load from the steps, late,
+    and blames it on whatever the window's plans ran most of."""
 
     def __post_init__(self) -> None:
         for name, value in self.thresholds.items():

@@ -100,6 +100,8 @@ class Calibrator:
         """Each link type's gauge efficiency when first measured (``observe_link``)."""
         self._load: dict[str, float] = {}
         """Each link type's load now: how many times slower its gauge runs than at first."""
+        self._gauge: dict[str, tuple[int, int] | None] = {}
+        """The (ranks, bytes) of the gauge each reference was measured with."""
 
     def observe(self, op_class: str, *, ideal_s: float, measured_s: float) -> None:
         """Record one measurement of an operation class alone."""
@@ -147,25 +149,46 @@ class Calibrator:
         self._fit = None
         return value
 
-    def observe_link(self, link: str, efficiency: float) -> float:
+    def observe_link(
+        self, link: str, efficiency: float, *, gauge: tuple[int, int] | None = None
+    ) -> float:
         """A link type's gauge class (``probes.LINK_GAUGES``) timed alone now, at
-        ``efficiency``: the first measurement of a link is its reference; each later one sets
-        the link's load, the reference over it (2 = its classes take twice as long as when
-        first measured). Samples recorded from now on ran under that load, and ``efficiency``
-        prices the link at it. Returns the load."""
+        ``efficiency`` (ideal over measured seconds, not capped at 1: alone, a collective may
+        run at the catalog's peak or past it): the first measurement of a link is its
+        reference; each later one sets the link's load, the reference over it (2 = its classes
+        take twice as long as when first measured). Samples recorded from now on ran under
+        that load, and ``efficiency`` prices the link at it. ``gauge`` is the probe's (ranks,
+        bytes): a collective's efficiency depends on them, so a gauge of another shape than the
+        reference's (a node lost a slot, the pool spans more nodes, another job's model) is
+        not compared with it: the reference is re-based on it at the load last known, and the
+        load carries on. Returns the load."""
         if link not in LINKS:
             raise ValueError(f"link: unknown {link!r}; valid: {', '.join(LINKS)}")
-        number = isinstance(efficiency, int | float) and not isinstance(efficiency, bool)
-        if not (number and 0 < efficiency <= 1):
-            raise ValueError(f"efficiency: {link}: must be a number in (0, 1], got {efficiency!r}")
-        reference = self._reference.setdefault(link, float(efficiency))
-        load = reference / float(efficiency)
-        if abs(math.log(load)) > 50:
+        if not _plausible(efficiency):
+            raise ValueError(f"efficiency: {link}: must be a positive number, got {efficiency!r}")
+        shape = None
+        if gauge is not None:
+            if not (
+                isinstance(gauge, tuple | list)
+                and len(gauge) == 2
+                and all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in gauge)
+            ):
+                raise ValueError(f"gauge: {link}: must be (ranks, bytes), got {gauge!r}")
+            shape = (gauge[0], gauge[1])
+        if link not in self._reference or self._gauge.get(link) != shape:
+            self._reference[link] = float(efficiency) * self.link_load(link)
+            self._gauge[link] = shape
+        load = self._reference[link] / float(efficiency)
+        if not _plausible(load):
             raise ValueError(
-                f"efficiency: {link}: {efficiency} against {reference} is not plausible"
+                f"efficiency: {link}: {efficiency} against {self._reference[link]} is not plausible"
             )
         self._load[link] = load
         return load
+
+    def referenced(self) -> frozenset[str]:
+        """The link types whose gauge has a reference (here or in the file loaded)."""
+        return frozenset(self._reference)
 
     def link_load(self, link: str = "") -> float:
         """``link``'s load now (1 until its gauge was measured twice; 1 for no link)."""
@@ -260,7 +283,11 @@ class Calibrator:
             "prior": self.prior,
             "window": self.window,
             "learned": self._learned,
-            "links": {"reference": self._reference, "load": self._load},
+            "links": {
+                "reference": self._reference,
+                "load": self._load,
+                "gauge": {k: list(v) for k, v in self._gauge.items() if v is not None},
+            },
             "rows": {
                 source: [[terms, measured] for terms, measured in rows]
                 for source, rows in self._rows.items()
@@ -282,23 +309,7 @@ class Calibrator:
                     raise ValueError(f"learned.{op_class}: must be a number in (0, 1]")
                 calibrator._learned[op_class] = float(value)
             # The rows were recorded at the reference load: they are read before the load is.
-            links, state = data.get("links", {}), {"reference": {}, "load": {}}
-            if not isinstance(links, dict):
-                raise ValueError("links: must be an object with reference and load")
-            for part in ("reference", "load"):
-                values = links.get(part, {})
-                if not isinstance(values, dict):
-                    raise ValueError(f"links.{part}: must be an object of link type to number")
-                for link, value in values.items():
-                    number = isinstance(value, int | float) and not isinstance(value, bool)
-                    if link not in LINKS or not (number and value > 0 and math.isfinite(value)):
-                        raise ValueError(
-                            f"links.{part}.{link}: must be a link type ({', '.join(LINKS)}) "
-                            f"with a positive number, got {value!r}"
-                        )
-                    if part == "reference" and value > 1:
-                        raise ValueError(f"links.reference.{link}: must be at most 1")
-                    state[part][link] = float(value)
+            links = _links_from_json(data.get("links", {}))
             # Files written before samples of several classes: one log ratio per sample.
             for op_class, samples in data.get("samples", {}).items():
                 if op_class not in OPERATION_CLASSES:
@@ -316,7 +327,7 @@ class Calibrator:
                         calibrator.observe_sample(Sample(str(source), row[0], float(row[1])))
                     except ValueError as exc:
                         raise ValueError(f"rows.{source}[{i}]: {exc}") from None
-            calibrator._reference, calibrator._load = state["reference"], state["load"]
+            calibrator._reference, calibrator._load, calibrator._gauge = links
         except (KeyError, TypeError) as exc:
             raise ValueError(f"calibration: malformed file ({exc})") from None
         return calibrator
@@ -335,6 +346,41 @@ class Calibrator:
     @classmethod
     def load(cls, path: str | Path) -> Calibrator:
         return cls.from_json(json.loads(Path(path).read_text()))
+
+
+def _plausible(value) -> bool:
+    """A positive number within e**±50 of 1 (further is a broken measurement, not a link)."""
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    return number and 0 < value < math.inf and abs(math.log(value)) <= 50
+
+
+def _links_from_json(links) -> tuple[dict, dict, dict]:
+    """A calibration file's ``links`` (each link type's gauge reference, the (ranks, bytes) it
+    was measured with, and its load), checked: each named by its field when malformed."""
+    if not isinstance(links, dict):
+        raise ValueError("links: must be an object with reference, load and gauge")
+    parts = {}
+    for part in ("reference", "load", "gauge"):
+        values = links.get(part, {})
+        if not isinstance(values, dict):
+            raise ValueError(f"links.{part}: must be an object keyed by link type")
+        for link, value in values.items():
+            if link not in LINKS:
+                raise ValueError(
+                    f"links.{part}.{link}: unknown link type; valid: {', '.join(LINKS)}"
+                )
+            if part == "gauge":
+                whole = isinstance(value, list) and len(value) == 2
+                if not (whole and all(isinstance(n, int) and n > 0 for n in value)):
+                    raise ValueError(f"links.gauge.{link}: must be [ranks, bytes], got {value!r}")
+            elif not _plausible(value):
+                raise ValueError(f"links.{part}.{link}: must be a positive number, got {value!r}")
+            if part != "reference" and link not in links.get("reference", {}):
+                raise ValueError(f"links.{part}.{link}: the link has no reference")
+        parts[part] = dict(values)
+    gauge = {link: tuple(parts["gauge"].get(link, ())) or None for link in parts["reference"]}
+    reference = {k: float(v) for k, v in parts["reference"].items()}
+    return reference, {k: float(v) for k, v in parts["load"].items()}, gauge
 
 
 def _link(op_class: str) -> str:

@@ -101,12 +101,18 @@ class Probe:
     def link(self) -> str:
         return self.op_class.partition(":")[2]
 
-    def efficiency(self, acc: Accelerator, runs: Sequence[float]) -> float:
+    def efficiency(self, acc: Accelerator, runs: Sequence[float], *, capped: bool = True) -> float:
         """What ``runs`` (its timed seconds) say of the class: ideal seconds over their median,
-        at most 1."""
+        at most 1 unless not ``capped`` (a link's load is measured from the ratio itself)."""
         if not runs or not all(isinstance(r, int | float) and 0 < r < math.inf for r in runs):
             raise ValueError(f"measured_s: {self.op_class}: runs must be positive, got {runs}")
-        return min(1.0, self.ideal_s(acc) / statistics.median(runs))
+        ratio = self.ideal_s(acc) / statistics.median(runs)
+        return min(1.0, ratio) if capped else ratio
+
+    @property
+    def gauge(self) -> tuple[int, int]:
+        """Its shape, as a link's load compares gauges of one shape: (ranks, bytes)."""
+        return len(self.slots), self.nbytes
 
     def ideal_s(self, acc: Accelerator) -> float:
         """Seconds at the link's peak, in the cost model's own form for the class (a ring

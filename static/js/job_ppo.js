@@ -355,6 +355,21 @@
       `(H ${num(v.horizon_steps)}${signals.length ? ` from ${signals.join(", ")}` : ""})`;
   };
 
+  // The links' load (control.links, and the gauges of a control.probes round): a round that
+  // measured nothing leaves the load calibration still uses on show, and says so.
+  function showLinkLoad(d) {
+    const loads = Object.entries(d.load || {}).map(([link, v]) => `${link} ×${num(v)}`);
+    const el = $("link-load");
+    if (!loads.length) {
+      if (d.failure && !el.hidden) el.textContent += ` (not measured after step ${d.step}: ${d.failure})`;
+      return;
+    }
+    el.hidden = false;
+    el.textContent = `Link load after step ${d.step} (a collective's time alone against its ` +
+      `first, as calibration prices the links): ${loads.join(", ")}` +
+      (d.simulated ? " (simulated)" : "");
+  }
+
   // --- dispatch -----------------------------------------------------------------------------
   NereusLive.on((event) => {
     const d = event.data;
@@ -507,18 +522,17 @@
       case "control.calibration":
         S.calibration = d; drawCalibration();
         break;
-      case "control.links": {  // the links timed again: their load against the first probing
-        const loads = Object.entries(d.load || {}).map(([link, v]) => `${link} ×${num(v)}`);
-        $("link-load").hidden = !loads.length;
-        $("link-load").textContent = `Link load after step ${d.step} (time of a collective ` +
-          `against the first probing; calibration prices the links at it): ${loads.join(", ")}` +
-          (d.simulated ? " (simulated)" : "");
+      case "control.links":  // the links timed again: their load against the first probing
+        showLinkLoad(d);
         break;
-      }
-      case "control.probes": {  // a later round (a new node's links) adds to the earlier ones
+      case "control.probes": {
+        showLinkLoad(d);  // a later round (a new node's links) adds to the earlier ones
         S.probes = { ...d, efficiency: { ...((S.probes && S.probes.efficiency) || {}), ...(d.efficiency || {}) } };
         const timed = Object.keys(d.efficiency || {}).length;
-        log("probes", "", `${timed} operation class${timed === 1 ? "" : "es"} timed alone in ${num(d.seconds)} s`,
+        const gauged = Object.keys(d.load || {}).length;
+        const what = timed ? `${timed} operation class${timed === 1 ? "" : "es"}` :
+          `the links' gauge${gauged === 1 ? "" : "s"} (their load only)`;
+        log("probes", "", `${what} timed alone in ${num(d.seconds)} s`,
           d.failure || "calibration starts from what they measured", "");
         label(d.simulated);
         drawCalibration();

@@ -199,7 +199,7 @@ def test_submit_watch_approve_and_see_the_dag_complete(browser, service, shots):
         assert "complete" in page.locator("#dag-summary").inner_text()
         page.locator("#dag").scroll_into_view_if_needed()
         page.screenshot(path=shots / "4-dag-complete.png", full_page=True)
-        # The links are timed again every 15 minutes of the job: their load is shown.
+        # The links' load, from the first probing on (timed again every 15 minutes of the job).
         page.wait_for_function("!document.getElementById('link-load').hidden")
         assert "(simulated)" in page.locator("#link-load").inner_text()
 

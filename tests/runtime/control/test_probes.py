@@ -11,7 +11,7 @@ from runtime.engine.sim import PROBE_SETUP_S, SimulatedEngine, TrueModel
 from runtime.engine.traces import Trace
 from runtime.planner import PpoWorkload, default_catalog
 from runtime.planner.calibration import Calibrator
-from runtime.planner.probes import LINK_GAUGES, PROBED_CLASSES
+from runtime.planner.probes import LINK_GAUGES, PROBED_CLASSES, link_probes
 
 CATALOG = default_catalog()
 ACC = CATALOG.accelerator("a100-80gb")
@@ -99,17 +99,22 @@ def test_classes_a_saved_calibration_has_learned_are_not_probed_again_but_its_li
             calibrator.measure(op_class, ideal_s=1.0, measured_s=[10.0])
     controller, _ = _run(JobPolicy(), steps=2, calibrator=calibrator)
     [probes] = _of(controller, "control.probes")
-    assert set(probes["efficiency"]) == {c for c in PROBED_CLASSES if c.endswith(":inter")}
-    # the gauge inside a node ran too: learned, it gives the link's load, not a new efficiency
-    assert set(probes["slots"]) == set(probes["efficiency"]) | {LINK_GAUGES["intra"]}
-    assert set(probes["load"]) == {"intra", "inter"}
+    # the gauge inside a node is measured again: learned, but with no reference to measure
+    # the link's load against (a file written before the gauges)
+    assert set(probes["efficiency"]) == {c for c in PROBED_CLASSES if c.endswith(":inter")} | {
+        LINK_GAUGES["intra"]
+    }
+    assert probes["load"] == {"intra": 1.0, "inter": 1.0}  # each the reference from now on
     everything = Calibrator()
     for op_class in PROBED_CLASSES:
         everything.measure(op_class, ideal_s=1.0, measured_s=[2.0])
-    everything.observe_link("intra", 0.2)  # what the gauge measured when it was saved
+    # what the gauge inside a node measured when the file was saved, on the same slots and bytes
+    [gauge] = [p for p in link_probes(WORKLOAD, ACC, range(16)) if p.link == "intra"]
+    everything.observe_link("intra", 0.2, gauge=gauge.gauge)
     controller, summary = _run(JobPolicy(), steps=2, calibrator=everything)
     [probes] = _of(controller, "control.probes")
-    assert probes["efficiency"] == {} and set(probes["slots"]) == set(LINK_GAUGES.values())
+    assert set(probes["slots"]) == set(LINK_GAUGES.values())
+    assert set(probes["efficiency"]) == {LINK_GAUGES["inter"]}  # no reference saved for it
     # The saved reference is the gauge's: the links inside a node are timed as loaded against it.
     truth = _pcie_truth()
     now = truth.efficiency[LINK_GAUGES["intra"]] * truth.isolated
@@ -147,10 +152,10 @@ def test_probing_the_engine_could_not_finish_is_tried_again_at_the_next_replans(
     assert "control.trigger" in [e["event"] for e in between]  # retried at the next replan
     # what ran before the failure is kept, and not probed again
     assert cut["failure"] == "probing stopped: slot 9 failed"
-    # two probes ran, one of them the gauge inside a node (settled by the steps by now: it
-    # gave the link's load only)
-    ran = set(cut["efficiency"]) | {LINK_GAUGES[link] for link in cut["load"]}
-    assert len(ran) == 2 and LINK_GAUGES["intra"] in ran - set(cut["efficiency"])
+    # two probes ran, one of them the gauge inside a node: its first measurement, the link's
+    # reference (it was settled by the steps by now, but nothing had measured the link alone)
+    assert len(cut["efficiency"]) == 2 and LINK_GAUGES["intra"] in cut["efficiency"]
+    assert cut["load"] == {"intra": 1.0}
     assert not whole["failure"] and not set(whole["efficiency"]) & set(cut["efficiency"])
     # what no round probed, the steps had settled meanwhile
     unprobed = set(PROBED_CLASSES) - set(cut["efficiency"]) - set(whole["efficiency"])
@@ -217,9 +222,20 @@ def test_the_links_are_timed_again_every_while_and_calibration_prices_them_at_th
     assert summary.probe_seconds == pytest.approx(
         sum(e["seconds"] for e in _of(controller, "control.probes") + rounds)
     )
+    # What the window learned at the load each step ran under is the truth at the load now:
+    # the all-reduce inside a node, and decode, which generation runs beside it in one mix.
+    now = truth.efficiency_at(engine.now())
+    learned = controller.calibrator.efficiency()
+    assert learned["tp_allreduce:intra"] == pytest.approx(now["tp_allreduce:intra"], rel=0.03)
+    assert learned["decode"] == pytest.approx(now["decode"], rel=0.01)
+    blind_engine = _Clocked(trace, ACC, truth=truth, seed=2)
     off = Controller(WORKLOAD, ACC, JobPolicy(link_probe_every_s=0))
-    run_job(_Clocked(trace, ACC, truth=truth, seed=2), off, trace.steps)
+    run_job(blind_engine, off, trace.steps)
     assert _of(off, "control.links") == [] and off.calibrator.link_load("intra") == 1.0
+    # without the rounds, the window's steps average the load, and the all-reduce is off
+    now = truth.efficiency_at(blind_engine.now())
+    blind = off.calibrator.efficiency()
+    assert abs(blind["tp_allreduce:intra"] / now["tp_allreduce:intra"] - 1) > 0.05
 
 
 def _step_seconds(controller):

@@ -246,6 +246,7 @@ def test_the_link_load_is_saved_with_the_calibration_and_its_rows_are_not_scaled
     calibrator.save(path)
     loaded = Calibrator.load(path)
     assert loaded.link_load("intra") == pytest.approx(calibrator.link_load("intra"))
+    assert loaded.to_json()["links"] == calibrator.to_json()["links"]
     for op_class, value in calibrator.efficiency().items():
         assert loaded.efficiency()[op_class] == pytest.approx(value, rel=1e-9), op_class
     assert loaded.efficiency()["dp_allreduce:intra"] == pytest.approx(0.5)
@@ -254,24 +255,42 @@ def test_the_link_load_is_saved_with_the_calibration_and_its_rows_are_not_scaled
     assert loaded.efficiency()["dp_allreduce:intra"] == pytest.approx(0.5 * 1.3)
 
 
+def test_a_gauge_of_another_shape_is_not_compared_with_the_reference_but_carries_the_load():
+    """A collective's efficiency depends on its ranks and bytes: when the gauge's group
+    changes (a node lost a slot) its first measurement re-bases the reference at the load
+    last known, and the load goes on from there."""
+    calibrator = Calibrator()
+    assert calibrator.observe_link("intra", 0.5, gauge=(8, 1 << 20)) == 1.0
+    assert calibrator.observe_link("intra", 0.4, gauge=(8, 1 << 20)) == pytest.approx(1.25)
+    # four ranks run the collective at another efficiency, at the same load
+    assert calibrator.observe_link("intra", 0.3, gauge=(4, 1 << 20)) == pytest.approx(1.25)
+    assert calibrator.observe_link("intra", 0.375, gauge=(4, 1 << 20)) == pytest.approx(1.0)
+    # alone, a collective may run past the catalog's peak: the ratio is what counts
+    assert calibrator.observe_link("intra", 1.5, gauge=(4, 1 << 20)) == pytest.approx(0.25)
+    assert calibrator.referenced() == {"intra"}
+
+
 @pytest.mark.parametrize(
-    ("link", "efficiency", "message"),
+    ("link", "efficiency", "gauge", "message"),
     [
-        ("mars", 0.5, "link: unknown 'mars'"),
-        ("intra", 0.0, "efficiency: intra: must be a number in"),
-        ("inter", 1.5, "efficiency: inter: must be a number in"),
-        ("inter", True, "efficiency: inter: must be a number in"),
-        ("inter", math.nan, "efficiency: inter: must be a number in"),
+        ("mars", 0.5, None, "link: unknown 'mars'"),
+        ("intra", 0.0, None, "efficiency: intra: must be a positive number"),
+        ("inter", math.inf, None, "efficiency: inter: must be a positive number"),
+        ("inter", True, None, "efficiency: inter: must be a positive number"),
+        ("inter", math.nan, None, "efficiency: inter: must be a positive number"),
+        ("inter", 1e-30, None, "efficiency: inter: must be a positive number"),
+        ("inter", 0.5, (0, 1024), r"gauge: inter: must be \(ranks, bytes\)"),
+        ("inter", 0.5, (2,), r"gauge: inter: must be \(ranks, bytes\)"),
     ],
 )
-def test_a_broken_link_measurement_is_refused_naming_the_field(link, efficiency, message):
+def test_a_broken_link_measurement_is_refused_naming_the_field(link, efficiency, gauge, message):
     calibrator = Calibrator()
     with pytest.raises(ValueError, match=message):
-        calibrator.observe_link(link, efficiency)
+        calibrator.observe_link(link, efficiency, gauge=gauge)
     assert calibrator.link_load("intra") == calibrator.link_load("inter") == 1.0
-    calibrator.observe_link("intra", 0.5)
+    calibrator.observe_link("intra", 1e-20)
     with pytest.raises(ValueError, match=r"efficiency: intra: .* not plausible"):
-        calibrator.observe_link("intra", 1e-30)
+        calibrator.observe_link("intra", 1e10)
     assert calibrator.link_load("intra") == 1.0
 
 
@@ -280,10 +299,14 @@ def test_a_broken_link_measurement_is_refused_naming_the_field(link, efficiency,
     [
         ([], "links: must be an object"),
         ({"load": []}, "links.load: must be an object"),
-        ({"load": {"intra": -1}}, "links.load.intra: must be a link type"),
-        ({"load": {"mars": 1.0}}, "links.load.mars: must be a link type"),
-        ({"reference": {"inter": "fast"}}, "links.reference.inter: must be a link type"),
-        ({"reference": {"inter": 2.0}}, "links.reference.inter: must be at most 1"),
+        ({"reference": {"intra": 0.5}, "load": {"intra": -1}}, "links.load.intra: must be a pos"),
+        ({"reference": {"intra": 0.5}, "load": {"intra": 1e200}}, "links.load.intra: must be a"),
+        ({"load": {"intra": 1.2}}, "links.load.intra: the link has no reference"),
+        ({"load": {"mars": 1.0}}, "links.load.mars: unknown link type"),
+        ({"reference": {"inter": "fast"}}, "links.reference.inter: must be a positive number"),
+        ({"reference": {"inter": 1e-300}}, "links.reference.inter: must be a positive number"),
+        ({"reference": {"inter": 0.5}, "gauge": {"inter": [2]}}, "links.gauge.inter: must be"),
+        ({"gauge": {"inter": [2, 1024]}}, "links.gauge.inter: the link has no reference"),
     ],
 )
 def test_a_malformed_link_load_in_a_file_is_refused_naming_it(links, message):
