@@ -503,14 +503,17 @@ class Controller:
         now = self.calibrator.efficiency()
         settled = self.calibrator.settled()
         moves = [
-            (max(now[c] / was, was / now[c]), f"{c} {was:.3g} -> {now[c]:.3g}")
+            (max(now[c] / was, was / now[c]), c, was)
             for c, was in self._weighed_with.items()
             if c in settled and was > 0 and now.get(c, 0.0) > 0
         ]
-        factor, moved = max(moves, default=(1.0, ""))
-        link = moved.partition(" ")[0].partition(":")[2]
-        if link and self.calibrator.link_load(link) != 1.0:  # say how much of it is the load
-            moved += f" (its link's load now x{self.calibrator.link_load(link):.2f})"
+        if not moves:
+            return 1.0, ""
+        factor, op_class, was = max(moves)
+        moved = f"{op_class} {was:.3g} -> {now[op_class]:.3g}"
+        load = self.calibrator.link_load(op_class.partition(":")[2])
+        if load != 1.0:  # say how much of it is the links' load
+            moved += f" (its link's load now x{load:.2f})"
         return factor, moved
 
     def _run_probes(self, engine: Engine) -> None:
@@ -618,7 +621,7 @@ class Controller:
     def _observe_link(self, engine: Engine, probe: Probe, runs: Sequence[float]) -> float:
         """A link's gauge ``probe`` ran ``runs``: its load, as calibration takes it (the next
         round of ``_probe_links`` is due ``policy.link_probe_every_s`` from now)."""
-        efficiency = probe.efficiency(self.acc, runs, capped=False)
+        efficiency = probe.efficiency(self.acc, runs)
         load = self.calibrator.observe_link(probe.link, efficiency, gauge=probe.gauge)
         self._links_probed_at = engine.now()
         return load
@@ -1256,7 +1259,7 @@ class Controller:
         candidate faster only under the latest of them (a layout with more tensor parallelism
         once the all-reduce looks fast again) loses its saving when they swing back. So the
         candidate must also be faster, at the latest length, under the calibrations of the
-        window's oldest, quartile and latest steps. A candidate that is not rests on the
+        window's oldest, quartiles and latest steps. A candidate that is not rests on the
         calibration as it is now, which the window has seen otherwise: admission does not make
         that move now (``decide``'s ``contested``), but keeps it (``Deferred``) and weighs it
         again each calm step: a lasting change is taken once the window has seen only it. (The
@@ -1294,7 +1297,7 @@ class Controller:
         self, candidate: Plan
     ) -> tuple[tuple[int, ...], tuple[int, float] | None]:
         """Price the running plan and ``candidate`` at the latest length under the calibrations
-        of the oldest, quartile and latest steps of ``_calibrated``: those steps, and the first
+        of the oldest, quartiles and latest steps of ``_calibrated``: those steps, and the first
         under which the candidate saves nothing (its step and saving; None if none). A class
         not yet learned at one of those steps takes its efficiency as calibrated now: what
         calibration did not know then (a default, a relative's correction) is not a state the

@@ -166,15 +166,9 @@ class Calibrator:
             raise ValueError(f"link: unknown {link!r}; valid: {', '.join(LINKS)}")
         if not _plausible(efficiency):
             raise ValueError(f"efficiency: {link}: must be a positive number, got {efficiency!r}")
-        shape = None
-        if gauge is not None:
-            if not (
-                isinstance(gauge, tuple | list)
-                and len(gauge) == 2
-                and all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in gauge)
-            ):
-                raise ValueError(f"gauge: {link}: must be (ranks, bytes), got {gauge!r}")
-            shape = (gauge[0], gauge[1])
+        shape = None if gauge is None else _gauge_shape(gauge)
+        if gauge is not None and shape is None:
+            raise ValueError(f"gauge: {link}: must be (ranks, bytes), got {gauge!r}")
         if link not in self._reference or self._gauge.get(link) != shape:
             self._reference[link] = float(efficiency) * self.link_load(link)
             self._gauge[link] = shape
@@ -354,6 +348,14 @@ def _plausible(value) -> bool:
     return number and 0 < value < math.inf and abs(math.log(value)) <= 50
 
 
+def _gauge_shape(value) -> tuple[int, int] | None:
+    """``value`` as a gauge's (ranks, bytes), two positive integers; None if it is not one."""
+    whole = isinstance(value, tuple | list) and len(value) == 2
+    if not (whole and all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in value)):
+        return None
+    return value[0], value[1]
+
+
 def _links_from_json(links) -> tuple[dict, dict, dict]:
     """A calibration file's ``links`` (each link type's gauge reference, the (ranks, bytes) it
     was measured with, and its load), checked: each named by its field when malformed."""
@@ -370,15 +372,14 @@ def _links_from_json(links) -> tuple[dict, dict, dict]:
                     f"links.{part}.{link}: unknown link type; valid: {', '.join(LINKS)}"
                 )
             if part == "gauge":
-                whole = isinstance(value, list) and len(value) == 2
-                if not (whole and all(isinstance(n, int) and n > 0 for n in value)):
+                if _gauge_shape(value) is None:
                     raise ValueError(f"links.gauge.{link}: must be [ranks, bytes], got {value!r}")
             elif not _plausible(value):
                 raise ValueError(f"links.{part}.{link}: must be a positive number, got {value!r}")
             if part != "reference" and link not in links.get("reference", {}):
                 raise ValueError(f"links.{part}.{link}: the link has no reference")
         parts[part] = dict(values)
-    gauge = {link: tuple(parts["gauge"].get(link, ())) or None for link in parts["reference"]}
+    gauge = {link: _gauge_shape(parts["gauge"].get(link)) for link in parts["reference"]}
     reference = {k: float(v) for k, v in parts["reference"].items()}
     return reference, {k: float(v) for k, v in parts["load"].items()}, gauge
 

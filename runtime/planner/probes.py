@@ -101,13 +101,13 @@ class Probe:
     def link(self) -> str:
         return self.op_class.partition(":")[2]
 
-    def efficiency(self, acc: Accelerator, runs: Sequence[float], *, capped: bool = True) -> float:
-        """What ``runs`` (its timed seconds) say of the class: ideal seconds over their median,
-        at most 1 unless not ``capped`` (a link's load is measured from the ratio itself)."""
+    def efficiency(self, acc: Accelerator, runs: Sequence[float]) -> float:
+        """What ``runs`` (its timed seconds) say of the link: ideal seconds over their median,
+        not capped at 1 (alone, a collective may reach the catalog's peak or pass it, and a
+        link's load is measured from the ratio itself)."""
         if not runs or not all(isinstance(r, int | float) and 0 < r < math.inf for r in runs):
             raise ValueError(f"measured_s: {self.op_class}: runs must be positive, got {runs}")
-        ratio = self.ideal_s(acc) / statistics.median(runs)
-        return min(1.0, ratio) if capped else ratio
+        return self.ideal_s(acc) / statistics.median(runs)
 
     @property
     def gauge(self) -> tuple[int, int]:

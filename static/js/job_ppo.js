@@ -526,7 +526,8 @@
         showLinkLoad(d);
         break;
       case "control.probes": {
-        showLinkLoad(d);  // a later round (a new node's links) adds to the earlier ones
+        showLinkLoad(d);
+        // a later round (a new node's links) adds to the earlier ones
         S.probes = { ...d, efficiency: { ...((S.probes && S.probes.efficiency) || {}), ...(d.efficiency || {}) } };
         const timed = Object.keys(d.efficiency || {}).length;
         const gauged = Object.keys(d.load || {}).length;
