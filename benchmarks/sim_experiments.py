@@ -40,6 +40,7 @@ from runtime.control.policy import RUNWAYS
 from runtime.engine.sim import COMMUNICATION, SimulatedEngine, TrueModel
 from runtime.engine.traces import Trace, generate
 from runtime.planner import PlanningError, PpoWorkload, default_catalog, memory, plan
+from runtime.planner.plan import PlanError
 from runtime.planner.shapes import LayoutShape
 from runtime.planner.space import only_layouts
 
@@ -48,14 +49,19 @@ FIGURES = _report.RESULTS / "sim"
 
 
 class _Recording(SimulatedEngine):
-    """The simulated engine, noting the pool each step ran on (exp1's bound replays them)."""
+    """The simulated engine, noting the pool each step ran on (exp1's bound replays them) and
+    the plan and clock it ran at (the move audit replays those)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.pools: list[int] = []
+        self.ran: dict[int, tuple[object, float]] = {}
+        """Step: (the plan it ran, the simulated clock when it started); a step done again
+        after a restart keeps its last run."""
 
     def step(self, plan_, workload, step):
         self.pools.append(self.pool_size())
+        self.ran[step] = (plan_, self.clock)
         return super().step(plan_, workload, step)
 
 
@@ -227,12 +233,41 @@ def experiment_adaptation(quick: bool) -> dict:
     steady = None
     if not quick:
         steady = _online_vs_fixed(trace, workload, TrueModel.draw(7, interference=0.0), fixed)
+    # Every micro-batch pinned to the workload's, as a static framework's configuration sets
+    # them (verl's and OpenRLHF's micro-batch sizes): the fixed layouts must then hold that many
+    # sequences per micro-batch at the longest length, and a layout memory outgrows can only be
+    # moved. Both sides pinned: what TP/PP adaptation alone is worth there; and Nereus as it
+    # runs (its micro-batches planned) against that baseline.
+    pinned = None
+    if not quick:
+        still = dataclasses.replace(workload, adaptive_micro_batch=False)
+        held = plan(still.with_gen_len(round(longest)), CATALOG.accelerator("h100-sxm"), 64).best
+        layouts = {ms.name: (ms.layout.tp, ms.layout.pp) for ms in held.model_stages}
+        online = rows[0]["runs"][ADAPTATION_POLICIES[0]]
+        pinned_online, _, _ = _run(trace, "h100-sxm", still, JobPolicy(), truth=base)
+        pinned_fixed, _, engine = _run(
+            trace, "h100-sxm", still, JobPolicy(fixed_layouts=True), truth=base, fixed=layouts
+        )
+        pinned = {
+            "online_s": pinned_online.mean_step_s,
+            "fixed_s": pinned_fixed.mean_step_s,
+            "online_transitions": pinned_online.transitions,
+            "fixed_transitions": pinned_fixed.transitions,
+            "reduction": 1 - pinned_online.mean_step_s / pinned_fixed.mean_step_s,
+            "bound": _bound(trace, engine.pools, still, base, layouts),
+            "fixed_layouts": layouts,
+            "micro_batch": workload.micro_batch,
+            "planned_online_s": online["mean_step_s"],
+            "planned_online_transitions": online["transitions"],
+        }
+        pinned["planned_reduction"] = 1 - pinned["planned_online_s"] / pinned["fixed_s"]
     return {
         "trace": trace.name,
         "rows": rows,
         "seed": 0.277,
         "spread": spread,
         "steady_links": steady,
+        "pinned_micro_batches": pinned,
     }
 
 
@@ -352,6 +387,7 @@ def experiment_scale(quick: bool) -> dict:
     ahead = [t for t in transitions if t["dag"]["built_ahead"] > 0]
     _figure_scale(steps_ev, transitions, controller, trace)
     joining = sum(_joining_excess(controller.events, t) for t in transitions)
+    audit = move_audit(controller.events, engine, workload, engine.truth)
     return {
         "trace": trace.name,
         "summary": summary.to_json(),
@@ -391,8 +427,9 @@ def experiment_scale(quick: bool) -> dict:
                 "joining": len(t["dag"]["joining"]),
                 "joining_s": t["dag"]["joining_s"],
                 "generation_s": _generation_after(controller.events, t),
+                **audited,
             }
-            for t in transitions
+            for t, audited in zip(transitions, audit, strict=True)
         ],
         "seed": {"transitions": 6, "share": 0.00079},
     }
@@ -412,6 +449,112 @@ def _generation_after(events: list[dict], transition: dict) -> list[float]:
     after = events[events.index(transition) + 1 :]
     steps = [e for e in after if e["event"] == "step" and e["ok"]][:2]
     return [e["stage_seconds"]["generation"] for e in steps]
+
+
+def _why(decision: dict | None) -> str:
+    """What made a transition: the slots changing (``slots``), the running plan not fitting
+    (``memory``), a failure (``urgent``), or a predicted saving that repays the move
+    (``payback``)."""
+    if decision is None:
+        return "?"
+    reason = (decision.get("verdict") or {}).get("reason", "")
+    if decision["trigger"]["kind"] == "pool":
+        return "slots"
+    if reason.startswith("the running plan will not fit"):
+        return "memory"
+    if reason.startswith("urgent"):
+        return "urgent"
+    return "payback"
+
+
+def _entry(ms) -> tuple:
+    """What a move changes about a model-stage: its layout, its units' slots, its micro-batch."""
+    return (ms.layout, ms.units, ms.micro_batch)
+
+
+def move_audit(events: list[dict], engine: _Recording, workload, truth: TrueModel) -> list[dict]:
+    """Every transition of a run, with what made it; for each made for its saving (payback),
+    what it truly saved over its life. At every later step, the true seconds (noise aside) of
+    the plan that step ran against the same plan with the model-stages the move changed back as
+    they were (those the run has not changed since), for as long as the pool is the same, the
+    model-stages whose TP or PP it changed keep them, and the old ones would still have fitted.
+    A move that repays within its horizon can lose after it, and one that seems to lose over
+    the next stretch can win over its life."""
+    acc = CATALOG.accelerator(engine.trace.accelerator)
+    audit = []
+    decision, last_step = None, -1
+    for i, event in enumerate(events):
+        if event["event"] == "step":
+            last_step = event["step"]
+        elif event["event"] == "control.decision" and event["admit"]:
+            decision = event
+        elif event["event"] == "control.transition":
+            entry = {"why": _why(decision), "step": last_step, "cost_s": event["actual_s"]}
+            audit.append(entry)
+            after = next((e["step"] for e in events[i + 1 :] if e["event"] == "step"), None)
+            if entry["why"] != "payback" or last_step not in engine.ran or after is None:
+                continue
+            old, new = engine.ran[last_step][0], engine.ran[after][0]
+            changed = {
+                ms.name: ms
+                for ms in old.model_stages
+                if _entry(ms) != _entry(new.model_stage(ms.name))
+            }
+            moved = {
+                n: (ms.layout.tp, ms.layout.pp)
+                for n, ms in changed.items()
+                if (ms.layout.tp, ms.layout.pp)
+                != (new.model_stage(n).layout.tp, new.model_stage(n).layout.pp)
+            } or {n: (ms.layout.tp, ms.layout.pp) for n, ms in changed.items()}
+            saved, steps, until = 0.0, 0, "the run ended"
+            for step in sorted(s for s in engine.ran if s >= after):
+                ran, clock = engine.ran[step]
+                if ran.num_slots != new.num_slots:
+                    until = f"the pool changed at step {step}"
+                    break
+                if [s.mode for s in ran.stages] != [s.mode for s in new.stages]:
+                    until = f"step {step} changed how a stage shares its slots"
+                    break
+                if any(
+                    (ran.model_stage(n).layout.tp, ran.model_stage(n).layout.pp)
+                    != (new.model_stage(n).layout.tp, new.model_stage(n).layout.pp)
+                    for n in moved
+                ):
+                    until = f"step {step} moved them"
+                    break
+                try:
+                    back = dataclasses.replace(
+                        ran,
+                        stages=old.stages,  # the old modes (disjoint or colocated) with them
+                        model_stages=tuple(
+                            changed[ms.name]
+                            if ms.name in changed and _entry(ms) == _entry(new.model_stage(ms.name))
+                            else ms
+                            for ms in ran.model_stages
+                        ),
+                    )
+                except PlanError:  # a model-stage moved since holds the old slots
+                    until = f"step {step} gave the old slots to others"
+                    break
+                at = workload.with_gen_len(round(engine.trace.gen_len_at(step)))
+                seconds, _ = true_step_s(ran, at, acc, truth, at_s=clock)
+                old_s, peak = true_step_s(back, at, acc, truth, at_s=clock)
+                if peak > 1.0:
+                    until = f"the old layouts would not fit at step {step}"
+                    break
+                saved += old_s - seconds
+                steps += 1
+            entry.update(
+                moved={
+                    n: [list(tp_pp), [new.model_stage(n).layout.tp, new.model_stage(n).layout.pp]]
+                    for n, tp_pp in moved.items()
+                },
+                predicted_saving_s=decision["verdict"]["saving_s"],
+                true_saving_s=saved,
+                steps=steps,
+                until=until,
+            )
+    return audit
 
 
 def _figure_scale(steps_ev, transitions, controller, trace) -> None:
@@ -739,6 +882,20 @@ def markdown(results: dict) -> str:
             "As catalogued, on links whose speed does not shift over the hours (no interference; "
             f"engine seed 3): {_versus(e1['steady_links'])}.",
         ]
+    if e1.get("pinned_micro_batches"):
+        p = e1["pinned_micro_batches"]
+        lines += [
+            "",
+            f"As catalogued, with every micro-batch pinned to the workload's {p['micro_batch']} "
+            "sequences, as a static framework's configuration sets them (the fixed layouts "
+            "planned to hold them at the longest length: "
+            + ", ".join(f"{n} TP{tp}/PP{pp}" for n, (tp, pp) in p["fixed_layouts"].items())
+            + f"): online TP/PP adaptation, pinned too, {_versus(p)} (oracle bound "
+            f"{p['bound']['reduction']:.1%}: {p['bound']['any_layouts_s']:.2f} vs "
+            f"{p['bound']['fixed_layouts_s']:.2f} s); Nereus as it runs, its micro-batches "
+            f"planned, {p['planned_online_s']:.2f} ({p['planned_online_transitions']}t) "
+            f"against that baseline, **{p['planned_reduction']:.1%}**.",
+        ]
     lines += [
         "",
         "Seed: 27.7% lower mean step latency than the initial fixed TP/PP layout with DP scaling. "
@@ -815,14 +972,38 @@ def markdown(results: dict) -> str:
         "sets `adaptive_micro_batch: false` runs. Least saving 0: every move that repays "
         "within gamma × H is made, however little it saves.",
         "",
-        "| # | predicted s | actual s | of which rebuilding s | nodes | units built ahead | "
-        "units joining | charged s | generation s, first step (next) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| # | step | why | predicted s | actual s | of which rebuilding s | nodes | "
+        "units built ahead | units joining | charged s | generation s, first step (next) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         *(
-            f"| {i} | {t['predicted_s']:.1f} | {t['actual_s']:.1f} | {t['rebuild_s']:.1f} | "
+            f"| {i} | {t.get('step', '')} | {t.get('why', '')} | {t['predicted_s']:.1f} | "
+            f"{t['actual_s']:.1f} | {t['rebuild_s']:.1f} | "
             f"{t['nodes']} | {t['built_ahead']} | {t.get('joining', 0)} | "
             f"{t.get('joining_s', 0.0):.1f} | {_pair(t.get('generation_s', []))} |"
             for i, t in enumerate(e2["transitions"], 1)
+        ),
+        "",
+        "Why: the slots changed (`slots`), the running plan would not fit the length the trend "
+        "reaches within the lookahead (`memory`), or admission found that the move repays "
+        "itself (`payback`). What each payback move truly saved, at every later step for as "
+        "long as the run kept the layouts it moved to (the plan that step ran against the same "
+        "plan with those model-stages back in their old layouts on the same slots, both under "
+        "the true model at that step's length and link load, noise aside):",
+        "",
+        "| # | step | moved | predicted saving s/step | true saving s/step | over steps | "
+        "true saving s | move s | net s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        *(
+            f"| {i} | {t['step']} | "
+            + ", ".join(
+                f"{n} TP{a[0]}/PP{a[1]} → TP{b[0]}/PP{b[1]}" for n, (a, b) in t["moved"].items()
+            )
+            + f" | {t['predicted_saving_s']:.3f} | "
+            f"{t['true_saving_s'] / max(1, t['steps']):.3f} | {t['steps']} ({t['until']}) | "
+            f"{t['true_saving_s']:.1f} | {t['actual_s']:.1f} | "
+            f"{t['true_saving_s'] - t['actual_s']:+.1f} |"
+            for i, t in enumerate(e2["transitions"], 1)
+            if t.get("why") == "payback" and "moved" in t
         ),
         "",
     ]
