@@ -37,11 +37,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks import _report
 from runtime.control import Controller, JobPolicy, run_job
 from runtime.control.policy import RUNWAYS
+from runtime.engine import hindsight
 from runtime.engine.sim import COMMUNICATION, SimulatedEngine, TrueModel
 from runtime.engine.traces import Trace, generate
-from runtime.planner import PlanningError, PpoWorkload, default_catalog, memory, plan
-from runtime.planner.plan import PlanError
-from runtime.planner.shapes import LayoutShape
+from runtime.planner import PlanningError, PpoWorkload, default_catalog, plan
 from runtime.planner.space import only_layouts
 
 CATALOG = default_catalog()
@@ -49,19 +48,14 @@ FIGURES = _report.RESULTS / "sim"
 
 
 class _Recording(SimulatedEngine):
-    """The simulated engine, noting the pool each step ran on (exp1's bound replays them) and
-    the plan and clock it ran at (the move audit replays those)."""
+    """The simulated engine, noting the pool each step ran on (exp1's bound replays them)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.pools: list[int] = []
-        self.ran: dict[int, tuple[object, float]] = {}
-        """Step: (the plan it ran, the simulated clock when it started); a step done again
-        after a restart keeps its last run."""
 
     def step(self, plan_, workload, step):
         self.pools.append(self.pool_size())
-        self.ran[step] = (plan_, self.clock)
         return super().step(plan_, workload, step)
 
 
@@ -74,24 +68,10 @@ def _run(trace, accelerator, workload, policy: JobPolicy, *, truth=None, engine_
     return summary, controller, engine
 
 
-def true_step_s(plan_, workload, acc, truth: TrueModel, at_s: float = 0.0) -> tuple[float, float]:
-    """Noise-free true seconds of a plan's step, and its fullest slot's true memory fraction."""
-    modes = {s.stage: s.mode for s in plan_.stages}
-    per_stage: dict[str, list[float]] = {}
-    peak = 0.0
-    for ms in workload.model_stages():
-        shape = LayoutShape.of_plan(ms, workload, acc, plan_)
-        per_stage.setdefault(ms.stage, []).append(
-            truth.seconds(shape, num_slots=plan_.num_slots, at_s=at_s)
-        )
-        use = memory.memory_breakdown(shape, num_slots=plan_.num_slots)
-        scaled = sum(
-            float(v[0]) * (truth.memory_factor if k in ("activations", "kv_cache") else 1)
-            for k, v in use.items()
-        )
-        peak = max(peak, scaled / acc.memory_bytes)
-    seconds = sum(sum(t) if modes[s] == "colocated" else max(t) for s, t in per_stage.items())
-    return seconds, peak
+def true_step_s(plan_, workload, acc, truth: TrueModel) -> tuple[float, float]:
+    """Noise-free true seconds of a plan's step at the start of the run (no link load), and
+    its fullest slot's true memory fraction."""
+    return truth.step_seconds(plan_, workload, acc, at_s=0.0)
 
 
 def optimum(workload, acc, truth: TrueModel, num_slots: int, extra=()):
@@ -387,7 +367,7 @@ def experiment_scale(quick: bool) -> dict:
     ahead = [t for t in transitions if t["dag"]["built_ahead"] > 0]
     _figure_scale(steps_ev, transitions, controller, trace)
     joining = sum(_joining_excess(controller.events, t) for t in transitions)
-    audit = move_audit(controller.events, engine, workload, engine.truth)
+    audit = hindsight.moves(controller.events, engine, workload)
     return {
         "trace": trace.name,
         "summary": summary.to_json(),
@@ -427,9 +407,9 @@ def experiment_scale(quick: bool) -> dict:
                 "joining": len(t["dag"]["joining"]),
                 "joining_s": t["dag"]["joining_s"],
                 "generation_s": _generation_after(controller.events, t),
-                **audited,
+                **seen.to_json(),
             }
-            for t, audited in zip(transitions, audit, strict=True)
+            for t, seen in zip(transitions, audit, strict=True)
         ],
         "seed": {"transitions": 6, "share": 0.00079},
     }
@@ -449,112 +429,6 @@ def _generation_after(events: list[dict], transition: dict) -> list[float]:
     after = events[events.index(transition) + 1 :]
     steps = [e for e in after if e["event"] == "step" and e["ok"]][:2]
     return [e["stage_seconds"]["generation"] for e in steps]
-
-
-def _why(decision: dict | None) -> str:
-    """What made a transition: the slots changing (``slots``), the running plan not fitting
-    (``memory``), a failure (``urgent``), or a predicted saving that repays the move
-    (``payback``)."""
-    if decision is None:
-        return "?"
-    reason = (decision.get("verdict") or {}).get("reason", "")
-    if decision["trigger"]["kind"] == "pool":
-        return "slots"
-    if reason.startswith("the running plan will not fit"):
-        return "memory"
-    if reason.startswith("urgent"):
-        return "urgent"
-    return "payback"
-
-
-def _entry(ms) -> tuple:
-    """What a move changes about a model-stage: its layout, its units' slots, its micro-batch."""
-    return (ms.layout, ms.units, ms.micro_batch)
-
-
-def move_audit(events: list[dict], engine: _Recording, workload, truth: TrueModel) -> list[dict]:
-    """Every transition of a run, with what made it; for each made for its saving (payback),
-    what it truly saved over its life. At every later step, the true seconds (noise aside) of
-    the plan that step ran against the same plan with the model-stages the move changed back as
-    they were (those the run has not changed since), for as long as the pool is the same, the
-    model-stages whose TP or PP it changed keep them, and the old ones would still have fitted.
-    A move that repays within its horizon can lose after it, and one that seems to lose over
-    the next stretch can win over its life."""
-    acc = CATALOG.accelerator(engine.trace.accelerator)
-    audit = []
-    decision, last_step = None, -1
-    for i, event in enumerate(events):
-        if event["event"] == "step":
-            last_step = event["step"]
-        elif event["event"] == "control.decision" and event["admit"]:
-            decision = event
-        elif event["event"] == "control.transition":
-            entry = {"why": _why(decision), "step": last_step, "cost_s": event["actual_s"]}
-            audit.append(entry)
-            after = next((e["step"] for e in events[i + 1 :] if e["event"] == "step"), None)
-            if entry["why"] != "payback" or last_step not in engine.ran or after is None:
-                continue
-            old, new = engine.ran[last_step][0], engine.ran[after][0]
-            changed = {
-                ms.name: ms
-                for ms in old.model_stages
-                if _entry(ms) != _entry(new.model_stage(ms.name))
-            }
-            moved = {
-                n: (ms.layout.tp, ms.layout.pp)
-                for n, ms in changed.items()
-                if (ms.layout.tp, ms.layout.pp)
-                != (new.model_stage(n).layout.tp, new.model_stage(n).layout.pp)
-            } or {n: (ms.layout.tp, ms.layout.pp) for n, ms in changed.items()}
-            saved, steps, until = 0.0, 0, "the run ended"
-            for step in sorted(s for s in engine.ran if s >= after):
-                ran, clock = engine.ran[step]
-                if ran.num_slots != new.num_slots:
-                    until = f"the pool changed at step {step}"
-                    break
-                if [s.mode for s in ran.stages] != [s.mode for s in new.stages]:
-                    until = f"step {step} changed how a stage shares its slots"
-                    break
-                if any(
-                    (ran.model_stage(n).layout.tp, ran.model_stage(n).layout.pp)
-                    != (new.model_stage(n).layout.tp, new.model_stage(n).layout.pp)
-                    for n in moved
-                ):
-                    until = f"step {step} moved them"
-                    break
-                try:
-                    back = dataclasses.replace(
-                        ran,
-                        stages=old.stages,  # the old modes (disjoint or colocated) with them
-                        model_stages=tuple(
-                            changed[ms.name]
-                            if ms.name in changed and _entry(ms) == _entry(new.model_stage(ms.name))
-                            else ms
-                            for ms in ran.model_stages
-                        ),
-                    )
-                except PlanError:  # a model-stage moved since holds the old slots
-                    until = f"step {step} gave the old slots to others"
-                    break
-                at = workload.with_gen_len(round(engine.trace.gen_len_at(step)))
-                seconds, _ = true_step_s(ran, at, acc, truth, at_s=clock)
-                old_s, peak = true_step_s(back, at, acc, truth, at_s=clock)
-                if peak > 1.0:
-                    until = f"the old layouts would not fit at step {step}"
-                    break
-                saved += old_s - seconds
-                steps += 1
-            entry.update(
-                moved={
-                    n: [list(tp_pp), [new.model_stage(n).layout.tp, new.model_stage(n).layout.pp]]
-                    for n, tp_pp in moved.items()
-                },
-                predicted_saving_s=decision["verdict"]["saving_s"],
-                true_saving_s=saved,
-                steps=steps,
-                until=until,
-            )
-    return audit
 
 
 def _figure_scale(steps_ev, transitions, controller, trace) -> None:
@@ -985,10 +859,11 @@ def markdown(results: dict) -> str:
         "",
         "Why: the slots changed (`slots`), the running plan would not fit the length the trend "
         "reaches within the lookahead (`memory`), or admission found that the move repays "
-        "itself (`payback`). What each payback move truly saved, at every later step for as "
-        "long as the run kept the layouts it moved to (the plan that step ran against the same "
-        "plan with those model-stages back in their old layouts on the same slots, both under "
-        "the true model at that step's length and link load, noise aside):",
+        "itself (`saving`). What each move made for its saving truly saved over its life "
+        "(`runtime/engine/hindsight.py`: at every later step, the plan that step ran against "
+        "the same plan with the model-stages the move changed back as they were, both under the "
+        "true model at that step's length and link load, noise aside, until the pool changes, "
+        "those model-stages move again or their old layouts would no longer fit):",
         "",
         "| # | step | moved | predicted saving s/step | true saving s/step | over steps | "
         "true saving s | move s | net s |",
@@ -996,14 +871,15 @@ def markdown(results: dict) -> str:
         *(
             f"| {i} | {t['step']} | "
             + ", ".join(
-                f"{n} TP{a[0]}/PP{a[1]} → TP{b[0]}/PP{b[1]}" for n, (a, b) in t["moved"].items()
+                f"{m['model_stage']} TP{m['before'][0]}/PP{m['before'][1]} → "
+                f"TP{m['after'][0]}/PP{m['after'][1]}"
+                for m in t["moved"]
             )
             + f" | {t['predicted_saving_s']:.3f} | "
             f"{t['true_saving_s'] / max(1, t['steps']):.3f} | {t['steps']} ({t['until']}) | "
-            f"{t['true_saving_s']:.1f} | {t['actual_s']:.1f} | "
-            f"{t['true_saving_s'] - t['actual_s']:+.1f} |"
+            f"{t['true_saving_s']:.1f} | {t['cost_s']:.1f} | {t['net_s']:+.1f} |"
             for i, t in enumerate(e2["transitions"], 1)
-            if t.get("why") == "payback" and "moved" in t
+            if t.get("true_saving_s") is not None
         ),
         "",
     ]

@@ -14,6 +14,7 @@ import typer
 
 from nereus.client import loads_strict
 from runtime.control import Controller, JobPolicy, PolicyError, run_job
+from runtime.engine import hindsight
 from runtime.engine.sim import SimulatedEngine, TrueModel
 from runtime.engine.traces import (
     MAX_GPUS,
@@ -160,6 +161,8 @@ def simulate(
     transitions = [e for e in controller.events if e["event"] == "control.transition"]
     built_ahead = sum(e["dag"]["built_ahead"] > 0 for e in transitions)
     joined = sum(bool(e["dag"]["joining"]) for e in transitions)
+    seen = hindsight.moves(controller.events, engine, workload)
+    looked_back = hindsight.summary(seen)
     result = {
         "simulated": True,
         "trace": trace.name,
@@ -167,6 +170,7 @@ def simulate(
         **summary.to_json(),
         "built_ahead": built_ahead,
         "joined": joined,
+        "hindsight": {**looked_back, "moves": [m.to_json() for m in seen]},
     }
     if as_json:
         typer.echo(json.dumps(result, indent=2))
@@ -184,5 +188,14 @@ def simulate(
         f"{built_ahead} with new units built ahead on idle slots, {joined} with new units "
         "built while the next step generated on the built ones)"
     )
+    why = ", ".join(f"{n} {why}" for why, n in looked_back["transitions"].items() if n)
+    typer.echo(f"  made for           {why or 'no transition'}")
+    if looked_back["moves_for_saving"]:
+        typer.echo(
+            f"  in hindsight       {looked_back['repaid']} of {looked_back['moves_for_saving']} "
+            f"moves made for their saving truly repaid their cost; their true saving less "
+            f"their cost, in all: {looked_back['net_s']:+.1f} s (the true model, over each "
+            "move's life)"
+        )
     typer.echo(f"  restarts           {summary.restarts}, {summary.restart_seconds:.1f} s")
     return 0

@@ -121,6 +121,45 @@ class TrueModel:
             seconds += micro * ms.model.num_layers / shape.pp * passes * self.launch_s
         return seconds
 
+    def plan_seconds(
+        self,
+        plan: Plan,
+        workload: PpoWorkload,
+        accelerator: Accelerator,
+        *,
+        at_s: float,
+        num_slots: int | None = None,
+    ) -> tuple[dict[str, float], float]:
+        """Each model-stage's true seconds as ``plan`` runs it at ``at_s``, noise aside, and the
+        fullest slot's true memory as a fraction of a device (over 1: it does not fit).
+        ``num_slots``: the pool the plan's collectives span (the plan's own by default)."""
+        pool = plan.num_slots if num_slots is None else num_slots
+        seconds: dict[str, float] = {}
+        peak = 0.0
+        for ms in workload.model_stages():
+            shape = LayoutShape.of_plan(ms, workload, accelerator, plan)
+            seconds[ms.name] = self.seconds(shape, num_slots=pool, at_s=at_s)
+            use = memory.memory_breakdown(shape, num_slots=pool)
+            scaled = sum(
+                float(v[0]) * (self.memory_factor if k in ("activations", "kv_cache") else 1)
+                for k, v in use.items()
+            )
+            peak = max(peak, scaled / accelerator.memory_bytes)
+        return seconds, peak
+
+    def step_seconds(
+        self, plan: Plan, workload: PpoWorkload, accelerator: Accelerator, *, at_s: float
+    ) -> tuple[float, float]:
+        """A step's true seconds as ``plan`` runs it at ``at_s``, noise aside (its stages one
+        after another, each stage's model-stages as its mode says), and its fullest slot's true
+        memory as a fraction of a device."""
+        seconds, peak = self.plan_seconds(plan, workload, accelerator, at_s=at_s)
+        modes = {s.stage: s.mode for s in plan.stages}
+        per_stage: dict[str, list[float]] = {}
+        for ms in workload.model_stages():
+            per_stage.setdefault(ms.stage, []).append(seconds[ms.name])
+        return sum(stage_time(modes[s], ts) for s, ts in per_stage.items()), peak
+
     def efficiency_at(self, seconds: float) -> dict[str, float]:
         """True efficiencies at a simulated time: communication slowed by the interference wave."""
         wave = 0.5 * (1 - math.cos(2 * math.pi * seconds / self.interference_period_s))
@@ -179,6 +218,9 @@ class SimulatedEngine:
         """Steps lost with the state (those since the checkpoint): a restart does them again."""
         self._ahead: dict[tuple[str, tuple[int, ...]], float] = {}
         """Units being built ahead of a transition: when each is ready (simulated seconds)."""
+        self.history: dict[int, tuple[Plan, float]] = {}
+        """Step: the plan it ran on and the simulated clock it started at (a step done again
+        after a restart, its last run); what ``hindsight`` replays."""
         self._joining: dict[tuple[str, tuple[int, ...]], float] = {}
         """Derived units a transition did not wait for (``TransitionDag.joining``): when each is
         ready. The next step generates on the others meanwhile (``search.on_ready``)."""
@@ -237,6 +279,7 @@ class SimulatedEngine:
                 failure=f"{name}: the unit on slots {list(unit)} is gone (simulated)",
                 simulated=True,
             )
+        self.history[step] = (plan, self.clock)
         rng = random.Random(f"{self.seed}:step:{step}")
         gen_len = self.trace.gen_len_at(step) * math.exp(rng.gauss(0, 0.02))
         now = workload.with_gen_len(max(1, round(gen_len)))
@@ -244,18 +287,12 @@ class SimulatedEngine:
         modes = {s.stage: s.mode for s in plan.stages}
         per_stage: dict[str, list[float]] = {}
         measured: dict[str, float] = {}  # what the slots time: each model-stage, whole
-        peak = 0.0
+        true_s, peak = self.truth.plan_seconds(
+            runs_on, now, self.acc, at_s=self.clock, num_slots=plan.num_slots
+        )
         for ms in now.model_stages():
-            shape = LayoutShape.of_plan(ms, now, self.acc, runs_on)
-            true_s = self.truth.seconds(shape, num_slots=plan.num_slots, at_s=self.clock)
-            measured[ms.name] = true_s * math.exp(rng.gauss(0, self.truth.noise))
+            measured[ms.name] = true_s[ms.name] * math.exp(rng.gauss(0, self.truth.noise))
             per_stage.setdefault(ms.stage, []).append(measured[ms.name])
-            use = memory.memory_breakdown(shape, num_slots=plan.num_slots)
-            scaled = sum(
-                float(v[0]) * (self.truth.memory_factor if k in ("activations", "kv_cache") else 1)
-                for k, v in use.items()
-            )
-            peak = max(peak, scaled / self.acc.memory_bytes)
         stage_seconds = {stage: stage_time(modes[stage], ts) for stage, ts in per_stage.items()}
         # The units still building hold their slots until they are built: the next stage
         # (on every slot) waits for them.

@@ -226,6 +226,10 @@ def test_simulate_prints_simulated_figures_and_names_bad_input(tmp_path):
     assert data["simulated"] is True and data["steps"] == 20 and data["mean_step_s"] > 0
     assert 0 <= data["built_ahead"] <= data["transitions"]
     assert 0 <= data["joined"] <= data["transitions"]
+    looked_back = data["hindsight"]  # every transition has its reason, labelled simulated
+    assert looked_back["simulated"] is True
+    assert sum(looked_back["transitions"].values()) == data["transitions"]
+    assert len(looked_back["moves"]) == data["transitions"]
     events = tmp_path / "events.jsonl"
     short = ["simulate", "--trace", "gen:growth", "--gpus", "16", "--steps", "5"]
     text = _run([*short, "--events", str(events)], env)

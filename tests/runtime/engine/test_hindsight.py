@@ -1,0 +1,152 @@
+"""Hindsight on a simulated run (runtime/engine/hindsight.py): why each transition was made, and
+what a move made for its saving truly saved over its life. Every second here is simulated: the
+engine's true model without noise, replayed over a history of steps written by hand, so the
+assertions check how a move's life is bounded and what is summed over it."""
+
+import math
+
+import pytest
+
+from runtime.engine import hindsight
+from runtime.engine.sim import SimulatedEngine, TrueModel
+from runtime.engine.traces import Trace
+from runtime.planner import PpoWorkload, default_catalog
+from runtime.planner.plan import Layout, Plan
+
+CATALOG = default_catalog()
+ACC = CATALOG.accelerator("h100-sxm")
+WORKLOAD = PpoWorkload.for_model(CATALOG.model("llama-3.1-8b"), gen_len=1024)
+
+
+def _plan(num_slots: int, generation_tp: int) -> Plan:
+    """Every model-stage tensor-parallel over 8 slots across the pool, but generation over
+    ``generation_tp``."""
+    layouts = {}
+    for ms in WORKLOAD.model_stages():
+        tp = generation_tp if ms.stage == "generation" else 8
+        dp = num_slots // tp
+        units = tuple(tuple(range(i * tp, (i + 1) * tp)) for i in range(dp))
+        layouts[ms.name] = (Layout(dp=dp, tp=tp, pp=1), units)
+    return Plan.of_units(accelerator=ACC.name, num_slots=num_slots, layouts=layouts)
+
+
+TP2, TP4 = _plan(16, 2), _plan(16, 4)
+SMALLER = _plan(8, 4)
+
+
+def _engine(history: dict[int, Plan]) -> SimulatedEngine:
+    """An engine whose history is ``history``, one step every 100 simulated seconds, on a trace
+    whose generated length doubles every few steps (so each step's prices differ)."""
+    trace = Trace(
+        name="h",
+        steps=len(history),
+        accelerator=ACC.name,
+        gpus=16,
+        gen_len=((0, 512.0), (3, 1024.0), (5, 2048.0)),
+    )
+    engine = SimulatedEngine(trace, ACC, truth=TrueModel.draw(3, noise=0.0), seed=1)
+    engine.history = {step: (plan, 100.0 * step) for step, plan in history.items()}
+    return engine
+
+
+def _events(*, move_after: int, steps: int, kind: str = "drift", said: str = "pays back") -> list:
+    """Steps 0..steps-1, with a decision of ``kind`` and a transition after ``move_after``."""
+    events = []
+    for step in range(steps):
+        events.append({"event": "step", "step": step})
+        if step == move_after:
+            events.append(
+                {
+                    "event": "control.decision",
+                    "admit": True,
+                    "trigger": {"kind": kind},
+                    "verdict": {"reason": f"{said} ...", "saving_s": 0.25},
+                }
+            )
+            events.append({"event": "control.transition", "actual_s": 7.5})
+    return events
+
+
+def _true(engine: SimulatedEngine, plan: Plan, step: int) -> float:
+    at = WORKLOAD.with_gen_len(round(engine.trace.gen_len_at(step)))
+    return engine.truth.step_seconds(plan, at, ACC, at_s=100.0 * step)[0]
+
+
+def test_a_moves_life_ends_when_the_pool_changes_and_sums_what_it_truly_saved():
+    history = {0: TP2, 1: TP2, 2: TP4, 3: TP4, 4: TP4, 5: TP4, 6: SMALLER, 7: SMALLER}
+    engine = _engine(history)
+    [move] = hindsight.moves(_events(move_after=1, steps=8), engine, WORKLOAD)
+    assert move.why == "saving" and move.step == 1 and move.cost_s == 7.5
+    assert move.moved == (("actor@generation", (2, 1), (4, 1)),)
+    assert move.predicted_saving_s == 0.25
+    # Steps 2-5 ran TP4; the old plan is the same but for generation in TP2.
+    expected = sum(_true(engine, TP2, s) - _true(engine, TP4, s) for s in range(2, 6))
+    assert move.steps == 4 and move.until == "the pool changed at step 6"
+    assert math.isclose(move.true_saving_s, expected, rel_tol=1e-12)
+    assert expected != 0  # the two layouts truly differ, at lengths that differ
+    assert math.isclose(move.net_s, expected - 7.5, rel_tol=1e-12)
+
+
+def test_a_moves_life_ends_when_its_model_stages_move_again():
+    history = {0: TP2, 1: TP4, 2: TP4, 3: TP2, 4: TP2}
+    engine = _engine(history)
+    [move] = hindsight.moves(_events(move_after=0, steps=5), engine, WORKLOAD)
+    assert move.steps == 2 and move.until == "step 3 moved them again"
+    expected = sum(_true(engine, TP2, s) - _true(engine, TP4, s) for s in (1, 2))
+    assert math.isclose(move.true_saving_s, expected, rel_tol=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("kind", "said", "why"),
+    [
+        ("pool", "pays back", "slots"),
+        ("memory", "the running plan will not fit (x)", "memory"),
+        ("lost", "urgent: feasibility only", "urgent"),
+        ("override", "a person's plan", "override"),
+        ("drift", "faster by 0.1 s/step", "saving"),
+    ],
+)
+def test_each_transition_has_its_reason_and_only_moves_for_a_saving_are_replayed(kind, said, why):
+    engine = _engine({0: TP2, 1: TP4, 2: TP4})
+    [move] = hindsight.moves(_events(move_after=0, steps=3, kind=kind, said=said), engine, WORKLOAD)
+    assert move.why == why
+    assert (move.true_saving_s is not None) == (why == "saving")
+    looked_back = hindsight.summary([move])
+    assert looked_back["simulated"] is True
+    assert looked_back["transitions"][why] == 1 and sum(looked_back["transitions"].values()) == 1
+    assert looked_back["moves_for_saving"] == (why == "saving")
+
+
+def test_a_transition_no_decision_admitted_since_the_last_is_other():
+    engine = _engine({0: TP2, 1: TP4, 2: TP4, 3: TP2})
+    events = _events(move_after=0, steps=4)
+    events.insert(-1, {"event": "control.transition", "actual_s": 3.0})  # before step 3
+    first, second = hindsight.moves(events, engine, WORKLOAD)
+    assert first.why == "saving" and second.why == "other" and second.true_saving_s is None
+
+
+def test_the_summary_counts_the_moves_that_repaid_and_their_net():
+    moves = [
+        hindsight.MoveHindsight(step=1, why="saving", cost_s=10.0, true_saving_s=25.0, steps=9),
+        hindsight.MoveHindsight(step=5, why="saving", cost_s=10.0, true_saving_s=4.0, steps=3),
+        hindsight.MoveHindsight(step=9, why="slots", cost_s=6.0),
+    ]
+    looked_back = hindsight.summary(moves)
+    assert looked_back["moves_for_saving"] == 2 and looked_back["repaid"] == 1
+    assert looked_back["net_s"] == pytest.approx(9.0)
+    assert looked_back["transitions"]["slots"] == 1 and looked_back["transitions"]["saving"] == 2
+    assert moves[0].to_json()["net_s"] == 15.0 and moves[2].to_json()["net_s"] is None
+
+
+def test_a_simulated_step_records_the_plan_and_clock_it_ran_at():
+    trace = Trace(name="r", steps=3, accelerator=ACC.name, gpus=16, gen_len=((0, 512.0),))
+    engine = SimulatedEngine(trace, ACC, truth=TrueModel.draw(3, noise=0.0), seed=1)
+    engine.start(TP2, WORKLOAD)
+    first = engine.step(TP2, WORKLOAD, 0)
+    engine.step(TP2, WORKLOAD, 1)
+    assert engine.history[0] == (TP2, 0.0)
+    assert engine.history[1][1] == pytest.approx(first.seconds)
+    # Without noise, the step took what the true model says of the plan at that length (the
+    # step's jitter of the length aside, which the engine draws on its own).
+    at = WORKLOAD.with_gen_len(round(first.gen_len))
+    assert first.seconds == pytest.approx(engine.truth.step_seconds(TP2, at, ACC, at_s=0.0)[0])
