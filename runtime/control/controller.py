@@ -1546,6 +1546,7 @@ class Controller:
         self.emit(
             {
                 "event": "control.transition",
+                "step": self.at_step,  # the last step before it
                 "ok": outcome.ok,
                 "predicted_s": dag.predicted_s,
                 "actual_s": outcome.seconds,

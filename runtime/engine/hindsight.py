@@ -97,26 +97,29 @@ def moves(
 ) -> list[MoveHindsight]:
     """Every transition in ``events`` (a controller's, run on ``engine``), with why it was
     made and, for a move made for its saving, what it truly saved over its life (the module's
-    docstring). ``workload``: the job's; each step is priced at the trace's length for it."""
+    docstring). A transition's ``step`` is the last step before it (else the last ``step``
+    event before it). ``workload``: the job's; each step is priced at the trace's length for
+    it."""
     out = []
     decision, last_step = None, -1
-    for i, event in enumerate(events):
+    for event in events:
         if event["event"] == "step":
             last_step = event["step"]
         elif event["event"] == "control.decision" and event["admit"]:
             decision = event
         elif event["event"] == "control.transition":
             why = reason(decision)
-            after = next((e["step"] for e in events[i + 1 :] if e["event"] == "step"), None)
+            step = event.get("step", last_step)
             ran = engine.history
-            if why != "saving" or last_step not in ran or after not in ran:
-                out.append(MoveHindsight(step=last_step, why=why, cost_s=event["actual_s"]))
+            after = min((s for s in ran if s > step), default=None)
+            if why != "saving" or step not in ran or after is None:
+                out.append(MoveHindsight(step=step, why=why, cost_s=event["actual_s"]))
             else:
                 out.append(
                     _life(
                         engine,
                         workload,
-                        step=last_step,
+                        step=step,
                         after=after,
                         cost_s=event["actual_s"],
                         predicted_saving_s=decision["verdict"]["saving_s"],

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 
 from runtime.control import Controller, JobPolicy, run_job
+from runtime.engine import hindsight
 from runtime.engine.sim import SimulatedEngine, TrueModel
 from runtime.engine.traces import generate
 from runtime.events import EventSink, RuntimeEvent
@@ -85,6 +86,9 @@ def run_sim_ppo_job(
         engine, controller, spec.num_steps, between_steps=between_steps, on_step=on_step
     )
     status = "cancelled" if summary.stopped else "succeeded"
+    # What only a simulation can tell: why each transition was made, and whether the moves made
+    # for their saving truly repaid (runtime/engine/hindsight.py).
+    looked_back = hindsight.summary(hindsight.moves(controller.events, engine, controller.workload))
     sink.emit(
         RuntimeEvent(
             kind="job.finished",
@@ -94,6 +98,7 @@ def run_sim_ppo_job(
                 "simulated_s": round(summary.seconds, 1),
                 "transitions": summary.transitions,
                 "restarts": summary.restarts,
+                "hindsight": {**looked_back, "net_s": round(looked_back["net_s"], 1)},
                 "simulated": True,
             },
         )

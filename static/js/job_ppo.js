@@ -553,7 +553,7 @@
       case "job.finished":
         $("job-summary").textContent = d.simulated
           ? `Finished (${d.status}): ${d.steps} steps in ${num(d.simulated_s, 4)} simulated seconds, ` +
-            `${plural(d.transitions, "transition")}, ${plural(d.restarts, "restart")}.`
+            `${plural(d.transitions, "transition")}, ${plural(d.restarts, "restart")}.` + hindsight(d.hindsight)
           : `Finished (${d.status}): ${d.steps} steps in ${num(d.wall_s, 4)} s, ` +
             `${plural(d.transitions, "transition")} (${num(d.transition_s)} s), ${plural(d.restarts, "restart")}, final mean reward ` +
             `${num(d.mean_reward)}.`;
@@ -561,6 +561,21 @@
       default:
     }
   });
+  // A simulated job's last word: why its transitions were made, and whether the moves made for
+  // their saving truly repaid on the hidden true model (runtime/engine/hindsight.py).
+  function hindsight(h) {
+    if (!h || !h.transitions) return "";
+    const why = Object.entries(h.transitions).filter(([, n]) => n > 0)
+      .map(([reason, n]) => `${n} ${reason}`).join(", ");
+    let text = why ? ` Transitions made for: ${why}.` : "";
+    if (h.moves_for_saving > 0) {
+      text += ` In hindsight (the simulated true model), ${h.repaid} of ` +
+        `${plural(h.moves_for_saving, "move")} made for their saving repaid their cost; ` +
+        `their true saving less their cost: ${h.net_s >= 0 ? "+" : ""}${num(h.net_s)} s.`;
+    }
+    return text;
+  }
+
   NereusLive.onTheme(() => { drawCharts(); drawCalibration(); });
   window.addEventListener("DOMContentLoaded", () => { drawCharts(); drawCalibration(); });
 })();

@@ -150,3 +150,40 @@ def test_a_simulated_step_records_the_plan_and_clock_it_ran_at():
     # step's jitter of the length aside, which the engine draws on its own).
     at = WORKLOAD.with_gen_len(round(first.gen_len))
     assert first.seconds == pytest.approx(engine.truth.step_seconds(TP2, at, ACC, at_s=0.0)[0])
+
+
+def test_a_transition_that_names_its_step_needs_no_step_events():
+    """A web job's steps go to its own event log, not the controller's: the transition's
+    ``step`` (the last step before it) places it in the engine's history."""
+    engine = _engine({0: TP2, 1: TP2, 2: TP4, 3: TP4})
+    events = [e for e in _events(move_after=1, steps=4) if e["event"] != "step"]
+    events[-1]["step"] = 1
+    [move] = hindsight.moves(events, engine, WORKLOAD)
+    assert move.step == 1 and move.steps == 2 and move.until == "the run ended"
+    expected = sum(_true(engine, TP2, s) - _true(engine, TP4, s) for s in (2, 3))
+    assert math.isclose(move.true_saving_s, expected, rel_tol=1e-12)
+
+
+def test_a_simulated_jobs_last_event_carries_its_hindsight():
+    from runtime.events import ListSink
+    from runtime.jobs.sim_job import run_sim_ppo_job
+    from runtime.jobs.spec import PpoSimJobSpec
+
+    sink = ListSink()
+    spec = PpoSimJobSpec(
+        gpus=32,
+        trace="oscillate",
+        num_steps=40,
+        pace_s=0,
+        seed=9,
+        policy={"admission": "always_faster"},
+    )
+    run_sim_ppo_job(spec, sink=sink, emit_control=lambda event: None)
+    [finished] = sink.of_kind("job.finished")
+    looked_back = finished.data["hindsight"]
+    assert looked_back["simulated"] is True
+    assert sum(looked_back["transitions"].values()) == finished.data["transitions"] > 0
+    # Moves made for a saving are replayed although the controller's log holds no step events
+    # (the job's steps go to its own log).
+    assert looked_back["moves_for_saving"] == looked_back["transitions"]["saving"] > 0
+    assert 0 <= looked_back["repaid"] <= looked_back["moves_for_saving"]
