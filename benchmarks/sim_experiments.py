@@ -871,7 +871,7 @@ def markdown(results: dict) -> str:
         "those model-stages move again or their old layouts would no longer fit):",
         "",
         "| # | step | moved | predicted saving s/step | true saving s/step | over steps | "
-        "true saving s | move s | net s |",
+        "true saving s | move s (with the joining charge) | net s |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         *(
             f"| {i} | {t['step']} | "
@@ -880,7 +880,7 @@ def markdown(results: dict) -> str:
                 f"TP{m['after'][0]}/PP{m['after'][1]}"
                 for m in t["moved"]
             )
-            + f" | {t['predicted_saving_s']:.3f} | "
+            + f" | {t['predicted_saving_s'] or 0:.3f} | "
             f"{t['true_saving_s'] / max(1, t['steps']):.3f} | {t['steps']} ({t['until']}) | "
             f"{t['true_saving_s']:.1f} | {t['cost_s']:.1f} | {t['net_s']:+.1f} |"
             for i, t in enumerate(e2["transitions"], 1)

@@ -304,6 +304,11 @@ class Controller:
         """The run's last step (``run_job`` sets it); a move must repay before then."""
         self.at_step = 0
         """The step the job is at: the one about to run (``before_step``) or just run."""
+        self.ran_step = -1
+        """The last step run (-1: none yet)."""
+        self._moving_for: Event | None = None
+        """The decision the next transition carries out: the last one emitted that admitted a
+        move, a salvage or a person's override (a transition names it: ``because``)."""
         self.staged: Staged | None = None
         """An admitted transition building its units ahead; it runs after the next step."""
         self._settling = False
@@ -360,6 +365,12 @@ class Controller:
 
     def emit(self, event: Event) -> None:
         event = finite(event)  # strict JSON for every reader: no NaN, no infinities
+        if event["event"] == "control.decision" and (
+            event["admit"] or str(event["reason"]).startswith(MOVES_WITHOUT_VERDICT)
+        ):
+            self._moving_for = event
+        elif event["event"] == "control.restart":
+            self._moving_for = None  # the decision went that way
         self.events.append(event)
         if self._emit_to is not None:
             self._emit_to(event)
@@ -644,6 +655,7 @@ class Controller:
         """Learn from the step, fire triggers, and act on the most pressing one."""
         assert self.plan is not None
         self.at_step = report.step
+        self.ran_step = report.step
         if report.ok:  # the load the step's samples are learned under: the links' right after
             self._probe_links(engine)
         for sample in report.samples:
@@ -1546,7 +1558,8 @@ class Controller:
         self.emit(
             {
                 "event": "control.transition",
-                "step": self.at_step,  # the last step before it
+                "step": self.ran_step,  # the last step run before it
+                "because": _because(self._moving_for),
                 "ok": outcome.ok,
                 "predicted_s": dag.predicted_s,
                 "actual_s": outcome.seconds,
@@ -1558,6 +1571,7 @@ class Controller:
                 "target": candidate.to_json(),
             }
         )
+        self._moving_for = None
         if outcome.ok:
             self.plan = candidate
             self.monitor.plan_changed()
@@ -1865,6 +1879,25 @@ class Controller:
             "built_ahead": ahead,
             "steps_left": None if self.last_step is None else self._steps_left(step),
         }
+
+
+MOVES_WITHOUT_VERDICT = ("salvage:", "override approved")
+"""How the reasons of decisions that move without an admission verdict begin (the intact
+units kept after a loss; a person's plan)."""
+
+
+def _because(decision: Event | None) -> dict | None:
+    """What a transition event says of the decision it carries out: its trigger's kind, its
+    reason, and the saving per step its verdict priced (None without a verdict)."""
+    if decision is None:
+        return None
+    verdict = decision.get("verdict") or {}
+    return {
+        "trigger": decision["trigger"]["kind"],
+        "reason": (verdict.get("reason") or decision["reason"]),
+        "saving_s": verdict.get("saving_s"),
+        "step": decision["trigger"].get("step"),
+    }
 
 
 def _layouts(plan_: Plan) -> dict[str, tuple[int, int]]:

@@ -5,21 +5,26 @@ Only the simulated engine can say the second: it knows the true model that the p
 from measurements, and it keeps the plan and clock of every step it ran
 (``SimulatedEngine.history``). A move admitted because it repays itself was priced on what the
 controller had learned, at the length, load and pool of that moment; the world then moves on.
-Hindsight replays the steps that followed: at each, the true seconds (noise aside) of the plan
-that step ran, against the same plan with the model-stages the move changed back as they were
-(those the run has not changed again since), at that step's generated length and link load. The
-move's life ends where that comparison stops meaning anything: the pool changes (the old plan
-would have been replanned too), a model-stage whose TP or PP the move changed moves again,
-another model-stage takes the old slots, or the old layouts would no longer have fitted in
-memory. A move that repays within its horizon can lose after it, and one that seems to lose over
+Hindsight replays the steps that followed and ran to their end: at each, the true seconds
+(noise aside) of the plan that step ran, against the same plan with the model-stages the move
+changed back as they were (those the run has not changed again since; a later change of one is
+the later move's), at the length the step ran at and the link load of its time. The move's life
+ends where that comparison stops meaning anything: the pool changes (the old plan would have
+been replanned too), a model-stage whose TP or PP the move changed moves again, a stage's mode
+changes, another model-stage takes the old slots, or the old layouts would no longer have fitted
+in memory. A failed transition is not replayed, nor one followed by another change before the
+next step (which plan is whose would be a guess). A slot that fails without the pool changing
+does not end a life. A move that repays within its horizon can lose after it, and one that seems to lose over
 the next stretch can win over its life.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from collections.abc import Sequence
 
+from runtime.control.controller import MOVES_WITHOUT_VERDICT
 from runtime.engine.sim import SimulatedEngine
 from runtime.planner.plan import ModelStagePlan, Plan, PlanError
 from runtime.planner.workload import PpoWorkload
@@ -37,21 +42,23 @@ class MoveHindsight:
     saving."""
 
     step: int
-    """The last step before the transition."""
+    """The last step run before the transition (-1: none)."""
     why: str
     cost_s: float
-    """The transition's seconds."""
+    """The transition's seconds, and what admission charged its first step for the new units
+    that joined during it (``joining_s``)."""
     moved: tuple[tuple[str, tuple[int, int], tuple[int, int]], ...] = ()
     """(model-stage, (tp, pp) before, (tp, pp) after) of those whose layout changed (or, if
     none did, of those whose units or micro-batches did)."""
     predicted_saving_s: float | None = None
     """Seconds per step admission priced the move to save."""
     true_saving_s: float | None = None
-    """Seconds the move truly saved over its life, in all."""
+    """Seconds the move truly saved over its life, in all; None where it was not replayed
+    (not made for a saving, failed, or no step ran after it)."""
     steps: int = 0
     """The steps of its life."""
     until: str = ""
-    """What ended its life."""
+    """What ended its life (or why it was not replayed)."""
 
     @property
     def net_s(self) -> float | None:
@@ -68,16 +75,19 @@ class MoveHindsight:
 
 
 def reason(decision: dict | None) -> str:
-    """``REASONS``' name for what made a transition, from the decision that admitted it."""
+    """``REASONS``' name for what made a transition, from what it says of the decision it
+    carries out (``because``: trigger kind, reason, saving) or from that decision's event."""
     if decision is None:
         return "other"
-    kind = decision["trigger"]["kind"]
-    said = (decision.get("verdict") or {}).get("reason", "")
+    trigger = decision.get("trigger")
+    kind = trigger.get("kind") if isinstance(trigger, dict) else trigger
+    verdict = decision.get("verdict") or {}
+    said = str(verdict.get("reason") or decision.get("reason") or "")
     if kind in ("pool", "override"):
         return "slots" if kind == "pool" else "override"
     if said.startswith("the running plan will not fit"):
         return "memory"
-    if said.startswith("urgent"):
+    if said.startswith(("urgent", "salvage")):
         return "urgent"
     return "saving"
 
@@ -96,35 +106,38 @@ def moves(
     events: Sequence[dict], engine: SimulatedEngine, workload: PpoWorkload
 ) -> list[MoveHindsight]:
     """Every transition in ``events`` (a controller's, run on ``engine``), with why it was
-    made and, for a move made for its saving, what it truly saved over its life (the module's
-    docstring). A transition's ``step`` is the last step before it (else the last ``step``
-    event before it). ``workload``: the job's; each step is priced at the trace's length for
-    it."""
+    made and, for a move made for its saving that succeeded, what it truly saved over its life
+    (the module's docstring). A transition names the last step run before it and the decision
+    it carries out (``step``, ``because``); in a log without them, the last ``step`` event and
+    the last decision that admitted a move stand in. ``workload``: the job's."""
     out = []
+    steps = sorted(engine.history)
     decision, last_step = None, -1
+    moved_at: dict[int, dict] = {}  # step: the target of the last transition after it
     for event in events:
-        if event["event"] == "step":
+        kind = event["event"]
+        if kind == "step":
             last_step = event["step"]
-        elif event["event"] == "control.decision" and event["admit"]:
+        elif kind == "control.decision" and (
+            event["admit"] or str(event.get("reason", "")).startswith(MOVES_WITHOUT_VERDICT)
+        ):
             decision = event
-        elif event["event"] == "control.transition":
-            why = reason(decision)
+        elif kind == "control.restart":
+            decision = None
+        elif kind == "control.transition":
+            because = event.get("because", decision)
+            why = reason(because)
             step = event.get("step", last_step)
-            ran = engine.history
-            after = min((s for s in ran if s > step), default=None)
-            if why != "saving" or step not in ran or after is None:
-                out.append(MoveHindsight(step=step, why=why, cost_s=event["actual_s"]))
-            else:
-                out.append(
-                    _life(
-                        engine,
-                        workload,
-                        step=step,
-                        after=after,
-                        cost_s=event["actual_s"],
-                        predicted_saving_s=decision["verdict"]["saving_s"],
-                    )
-                )
+            joining_s = float((event.get("dag") or {}).get("joining_s") or 0.0)
+            move = MoveHindsight(step=step, why=why, cost_s=event["actual_s"] + joining_s)
+            if why == "saving" and event.get("ok", True) and step in engine.history:
+                before = moved_at.get(step)  # another transition at the same boundary first
+                old = Plan.from_json(before) if before else engine.history[step].plan
+                saving = (because.get("verdict") or because).get("saving_s")
+                move = _life(engine, workload, steps, move, old, event.get("target"), saving)
+            if event.get("ok", True) and event.get("target"):
+                moved_at[step] = event["target"]
+            out.append(move)
             decision = None
     return out
 
@@ -132,50 +145,53 @@ def moves(
 def _life(
     engine: SimulatedEngine,
     workload: PpoWorkload,
-    *,
-    step: int,
-    after: int,
-    cost_s: float,
-    predicted_saving_s: float,
+    steps: list[int],
+    move: MoveHindsight,
+    old: Plan,
+    target: dict | None,
+    predicted_saving_s: float | None,
 ) -> MoveHindsight:
-    old, new = engine.history[step][0], engine.history[after][0]
+    after = steps[bisect.bisect_right(steps, move.step) :]
+    if not after:
+        return move
+    new = engine.history[after[0]].plan
+    if target is not None and Plan.from_json(target).model_stages != new.model_stages:
+        return dataclasses.replace(move, until="another change came before the next step")
     changed = {
         ms.name: ms for ms in old.model_stages if _entry(ms) != _entry(new.model_stage(ms.name))
     }
     relaid = [n for n, ms in changed.items() if _tp_pp(ms) != _tp_pp(new.model_stage(n))]
     moved = relaid or list(changed)
-    saved, steps, until = 0.0, 0, "the run ended"
-    for later in sorted(s for s in engine.history if s >= after):
-        ran, clock = engine.history[later]
-        if ran.num_slots != new.num_slots:
+    saved, lived, until = 0.0, 0, "the run ended"
+    for later in after:
+        ran = engine.history[later]
+        if ran.plan.num_slots != new.num_slots:
             until = f"the pool changed at step {later}"
             break
-        if any(_tp_pp(ran.model_stage(n)) != _tp_pp(new.model_stage(n)) for n in moved):
+        if any(_tp_pp(ran.plan.model_stage(n)) != _tp_pp(new.model_stage(n)) for n in moved):
             until = f"step {later} moved them again"
             break
-        if [s.mode for s in ran.stages] != [s.mode for s in new.stages]:
+        if [s.mode for s in ran.plan.stages] != [s.mode for s in new.stages]:
             until = f"step {later} changed how a stage shares its slots"
             break
-        back = _back(ran, new, old, changed)
+        back = _back(ran.plan, new, old, changed)
         if back is None:
             until = f"step {later} gave their old slots to others"
             break
-        at = workload.with_gen_len(max(1, round(engine.trace.gen_len_at(later))))
-        seconds, _ = engine.truth.step_seconds(ran, at, engine.acc, at_s=clock)
-        old_s, peak = engine.truth.step_seconds(back, at, engine.acc, at_s=clock)
+        at = workload.with_gen_len(max(1, round(ran.gen_len)))
+        seconds, _ = engine.truth.step_seconds(ran.plan, at, engine.acc, at_s=ran.at_s)
+        old_s, peak = engine.truth.step_seconds(back, at, engine.acc, at_s=ran.at_s)
         if peak > 1.0:
             until = f"their old layouts would not have fitted at step {later}"
             break
         saved += old_s - seconds
-        steps += 1
-    return MoveHindsight(
-        step=step,
-        why="saving",
-        cost_s=cost_s,
+        lived += 1
+    return dataclasses.replace(
+        move,
         moved=tuple((n, _tp_pp(old.model_stage(n)), _tp_pp(new.model_stage(n))) for n in moved),
         predicted_saving_s=predicted_saving_s,
         true_saving_s=saved,
-        steps=steps,
+        steps=lived,
         until=until,
     )
 

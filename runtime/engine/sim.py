@@ -64,6 +64,17 @@ PLANNER_ONLY = ("weight_read",)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class Ran:
+    """A step the simulated engine ran to its end."""
+
+    plan: Plan
+    at_s: float
+    """The simulated clock when it started."""
+    gen_len: float
+    """The mean generated length it ran at (the trace's, with the step's jitter)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class TrueModel:
     """What the cluster really does; the planner never reads it."""
 
@@ -218,9 +229,9 @@ class SimulatedEngine:
         """Steps lost with the state (those since the checkpoint): a restart does them again."""
         self._ahead: dict[tuple[str, tuple[int, ...]], float] = {}
         """Units being built ahead of a transition: when each is ready (simulated seconds)."""
-        self.history: dict[int, tuple[Plan, float]] = {}
-        """Step: the plan it ran on and the simulated clock it started at (a step done again
-        after a restart, its last run); what ``hindsight`` replays."""
+        self.history: dict[int, Ran] = {}
+        """Each step that ran to its end: its plan, clock and length (``hindsight`` replays
+        them)."""
         self._joining: dict[tuple[str, tuple[int, ...]], float] = {}
         """Derived units a transition did not wait for (``TransitionDag.joining``): when each is
         ready. The next step generates on the others meanwhile (``search.on_ready``)."""
@@ -279,7 +290,6 @@ class SimulatedEngine:
                 failure=f"{name}: the unit on slots {list(unit)} is gone (simulated)",
                 simulated=True,
             )
-        self.history[step] = (plan, self.clock)
         rng = random.Random(f"{self.seed}:step:{step}")
         gen_len = self.trace.gen_len_at(step) * math.exp(rng.gauss(0, 0.02))
         now = workload.with_gen_len(max(1, round(gen_len)))
@@ -337,6 +347,7 @@ class SimulatedEngine:
             self._since_checkpoint.append(seconds)
             if len(self._since_checkpoint) >= self.checkpoint_every:
                 self._since_checkpoint.clear()  # committed
+            self.history[step] = Ran(plan=plan, at_s=self.clock, gen_len=gen_len)
         self._advance(seconds)
         return StepReport(
             step=step,

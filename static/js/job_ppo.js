@@ -566,12 +566,12 @@
   function hindsight(h) {
     if (!h || !h.transitions) return "";
     const why = Object.entries(h.transitions).filter(([, n]) => n > 0)
-      .map(([reason, n]) => `${n} ${reason}`).join(", ");
+      .map(([reason, n]) => `${reason} ${n}`).join(", ");
     let text = why ? ` Transitions made for: ${why}.` : "";
     if (h.moves_for_saving > 0) {
       text += ` In hindsight (the simulated true model), ${h.repaid} of ` +
         `${plural(h.moves_for_saving, "move")} made for their saving repaid their cost; ` +
-        `their true saving less their cost: ${h.net_s >= 0 ? "+" : ""}${num(h.net_s)} s.`;
+        `their true saving less their cost: ${h.net_s >= 0 ? "+" : ""}${Number(h.net_s).toFixed(1)} s.`;
     }
     return text;
   }

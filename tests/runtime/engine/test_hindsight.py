@@ -8,7 +8,7 @@ import math
 import pytest
 
 from runtime.engine import hindsight
-from runtime.engine.sim import SimulatedEngine, TrueModel
+from runtime.engine.sim import Ran, SimulatedEngine, TrueModel
 from runtime.engine.traces import Trace
 from runtime.planner import PpoWorkload, default_catalog
 from runtime.planner.plan import Layout, Plan
@@ -45,7 +45,10 @@ def _engine(history: dict[int, Plan]) -> SimulatedEngine:
         gen_len=((0, 512.0), (3, 1024.0), (5, 2048.0)),
     )
     engine = SimulatedEngine(trace, ACC, truth=TrueModel.draw(3, noise=0.0), seed=1)
-    engine.history = {step: (plan, 100.0 * step) for step, plan in history.items()}
+    engine.history = {
+        step: Ran(plan=plan, at_s=100.0 * step, gen_len=trace.gen_len_at(step))
+        for step, plan in history.items()
+    }
     return engine
 
 
@@ -144,10 +147,10 @@ def test_a_simulated_step_records_the_plan_and_clock_it_ran_at():
     engine.start(TP2, WORKLOAD)
     first = engine.step(TP2, WORKLOAD, 0)
     engine.step(TP2, WORKLOAD, 1)
-    assert engine.history[0] == (TP2, 0.0)
-    assert engine.history[1][1] == pytest.approx(first.seconds)
-    # Without noise, the step took what the true model says of the plan at that length (the
-    # step's jitter of the length aside, which the engine draws on its own).
+    assert engine.history[0].plan == TP2 and engine.history[0].at_s == 0.0
+    assert engine.history[0].gen_len == first.gen_len  # with the step's jitter
+    assert engine.history[1].at_s == pytest.approx(first.seconds)
+    # Without noise, the step took what the true model says of the plan at that length.
     at = WORKLOAD.with_gen_len(round(first.gen_len))
     assert first.seconds == pytest.approx(engine.truth.step_seconds(TP2, at, ACC, at_s=0.0)[0])
 
@@ -158,6 +161,8 @@ def test_a_transition_that_names_its_step_needs_no_step_events():
     engine = _engine({0: TP2, 1: TP2, 2: TP4, 3: TP4})
     events = [e for e in _events(move_after=1, steps=4) if e["event"] != "step"]
     events[-1]["step"] = 1
+    del events[0]  # the decision: the transition says what it carried out
+    events[-1]["because"] = {"trigger": "drift", "reason": "pays back ...", "saving_s": 0.25}
     [move] = hindsight.moves(events, engine, WORKLOAD)
     assert move.step == 1 and move.steps == 2 and move.until == "the run ended"
     expected = sum(_true(engine, TP2, s) - _true(engine, TP4, s) for s in (2, 3))
@@ -178,12 +183,68 @@ def test_a_simulated_jobs_last_event_carries_its_hindsight():
         seed=9,
         policy={"admission": "always_faster"},
     )
-    run_sim_ppo_job(spec, sink=sink, emit_control=lambda event: None)
+    control: list[dict] = []
+    run_sim_ppo_job(spec, sink=sink, emit_control=control.append)
     [finished] = sink.of_kind("job.finished")
+    # Each transition names the last step run before it and the decision it carries out.
+    ran = [e.data["step"] for e in sink.of_kind("step.finished")]
+    decided = None
+    for event in control:
+        if event["event"] == "control.decision" and event["admit"]:
+            decided = event
+        if event["event"] == "control.transition":
+            assert event["because"]["trigger"] == decided["trigger"]["kind"]
+            assert event["because"]["saving_s"] == decided["verdict"]["saving_s"]
+            assert event["step"] in ran or event["step"] == -1
     looked_back = finished.data["hindsight"]
     assert looked_back["simulated"] is True
     assert sum(looked_back["transitions"].values()) == finished.data["transitions"] > 0
     # Moves made for a saving are replayed although the controller's log holds no step events
     # (the job's steps go to its own log).
-    assert looked_back["moves_for_saving"] == looked_back["transitions"]["saving"] > 0
+    assert 0 < looked_back["moves_for_saving"] <= looked_back["transitions"]["saving"]
     assert 0 <= looked_back["repaid"] <= looked_back["moves_for_saving"]
+
+
+def test_a_failed_transition_or_one_followed_by_another_change_is_not_replayed():
+    engine = _engine({0: TP2, 1: TP4, 2: TP4})
+    events = _events(move_after=0, steps=3)
+    events[2]["ok"] = False
+    [failed] = hindsight.moves(events, engine, WORKLOAD)
+    assert failed.why == "saving" and failed.true_saving_s is None
+    # The move's target is not what the next step ran: something else changed in between.
+    events[2].update(ok=True, target=SMALLER.to_json())
+    [muddled] = hindsight.moves(events, engine, WORKLOAD)
+    assert muddled.true_saving_s is None and muddled.until.startswith("another change")
+    events[2]["target"] = TP4.to_json()
+    [clean] = hindsight.moves(events, engine, WORKLOAD)
+    assert clean.steps == 2
+
+
+def test_a_second_transition_at_one_boundary_is_weighed_against_the_first_ones_target():
+    """A salvage after step 0 goes to TP4 on generation; a move at the same boundary then goes
+    back to TP2: the move's old plan is the salvage's target, not what step 0 ran."""
+    engine = _engine({0: TP2, 1: TP2, 2: TP2})
+    salvage = {"trigger": "lost", "reason": "salvage: keep the intact units", "saving_s": None}
+    saving = {"trigger": "drift", "reason": "pays back ...", "saving_s": 0.5}
+    events = [
+        {"event": "step", "step": 0},
+        {
+            "event": "control.transition",
+            "step": 0,
+            "actual_s": 4.0,
+            "because": salvage,
+            "target": TP4.to_json(),
+        },
+        {
+            "event": "control.transition",
+            "step": 0,
+            "actual_s": 6.0,
+            "because": saving,
+            "target": TP2.to_json(),
+        },
+    ]
+    first, second = hindsight.moves(events, engine, WORKLOAD)
+    assert first.why == "urgent" and first.true_saving_s is None
+    assert second.moved == (("actor@generation", (4, 1), (2, 1)),)
+    expected = sum(_true(engine, TP4, s) - _true(engine, TP2, s) for s in (1, 2))
+    assert math.isclose(second.true_saving_s, expected, rel_tol=1e-12)
