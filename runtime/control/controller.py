@@ -366,7 +366,7 @@ class Controller:
     def emit(self, event: Event) -> None:
         event = finite(event)  # strict JSON for every reader: no NaN, no infinities
         if event["event"] == "control.decision" and (
-            event["admit"] or str(event["reason"]).startswith(MOVES_WITHOUT_VERDICT)
+            event["admit"] or str(event["reason"]).startswith(_MOVES_WITHOUT_VERDICT)
         ):
             self._moving_for = event
         elif event["event"] == "control.restart":
@@ -1881,7 +1881,7 @@ class Controller:
         }
 
 
-MOVES_WITHOUT_VERDICT = ("salvage:", "override approved")
+_MOVES_WITHOUT_VERDICT = ("salvage:", "override approved")
 """How the reasons of decisions that move without an admission verdict begin (the intact
 units kept after a loss; a person's plan)."""
 
@@ -1896,7 +1896,6 @@ def _because(decision: Event | None) -> dict | None:
         "trigger": decision["trigger"]["kind"],
         "reason": (verdict.get("reason") or decision["reason"]),
         "saving_s": verdict.get("saving_s"),
-        "step": decision["trigger"].get("step"),
     }
 
 

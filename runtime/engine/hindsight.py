@@ -24,7 +24,6 @@ import bisect
 import dataclasses
 from collections.abc import Sequence
 
-from runtime.control.controller import MOVES_WITHOUT_VERDICT
 from runtime.engine.sim import SimulatedEngine
 from runtime.planner.plan import ModelStagePlan, Plan, PlanError
 from runtime.planner.workload import PpoWorkload
@@ -33,7 +32,7 @@ REASONS = ("slots", "memory", "urgent", "override", "saving", "other")
 """Why a transition was made: the slots changed; the running plan would not fit the length
 the trend reaches; a failure forced it; a person chose the plan; admission found that it saves
 enough to repay itself (payback) or that it is faster (DynaRL-style ``always_faster``); or no
-decision since the last transition admitted it (``other``)."""
+decision it carried out (``other``)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -74,17 +73,14 @@ class MoveHindsight:
         return out
 
 
-def reason(decision: dict | None) -> str:
+def reason(because: dict | None) -> str:
     """``REASONS``' name for what made a transition, from what it says of the decision it
-    carries out (``because``: trigger kind, reason, saving) or from that decision's event."""
-    if decision is None:
+    carried out (``because``: its trigger's kind, its reason)."""
+    if because is None:
         return "other"
-    trigger = decision.get("trigger")
-    kind = trigger.get("kind") if isinstance(trigger, dict) else trigger
-    verdict = decision.get("verdict") or {}
-    said = str(verdict.get("reason") or decision.get("reason") or "")
-    if kind in ("pool", "override"):
-        return "slots" if kind == "pool" else "override"
+    said = str(because.get("reason") or "")
+    if because["trigger"] in ("pool", "override"):
+        return "slots" if because["trigger"] == "pool" else "override"
     if said.startswith("the running plan will not fit"):
         return "memory"
     if said.startswith(("urgent", "salvage")):
@@ -107,38 +103,27 @@ def moves(
 ) -> list[MoveHindsight]:
     """Every transition in ``events`` (a controller's, run on ``engine``), with why it was
     made and, for a move made for its saving that succeeded, what it truly saved over its life
-    (the module's docstring). A transition names the last step run before it and the decision
-    it carries out (``step``, ``because``); in a log without them, the last ``step`` event and
-    the last decision that admitted a move stand in. ``workload``: the job's."""
+    (the module's docstring). Each transition names the last step run before it and the
+    decision it carried out (``step``, ``because``). ``workload``: the job's."""
     out = []
     steps = sorted(engine.history)
-    decision, last_step = None, -1
     moved_at: dict[int, dict] = {}  # step: the target of the last transition after it
     for event in events:
-        kind = event["event"]
-        if kind == "step":
-            last_step = event["step"]
-        elif kind == "control.decision" and (
-            event["admit"] or str(event.get("reason", "")).startswith(MOVES_WITHOUT_VERDICT)
-        ):
-            decision = event
-        elif kind == "control.restart":
-            decision = None
-        elif kind == "control.transition":
-            because = event.get("because", decision)
-            why = reason(because)
-            step = event.get("step", last_step)
-            joining_s = float((event.get("dag") or {}).get("joining_s") or 0.0)
-            move = MoveHindsight(step=step, why=why, cost_s=event["actual_s"] + joining_s)
-            if why == "saving" and event.get("ok", True) and step in engine.history:
-                before = moved_at.get(step)  # another transition at the same boundary first
-                old = Plan.from_json(before) if before else engine.history[step].plan
-                saving = (because.get("verdict") or because).get("saving_s")
-                move = _life(engine, workload, steps, move, old, event.get("target"), saving)
-            if event.get("ok", True) and event.get("target"):
-                moved_at[step] = event["target"]
-            out.append(move)
-            decision = None
+        if event["event"] != "control.transition":
+            continue
+        because, step = event["because"], event["step"]
+        why = reason(because)
+        joining_s = float((event.get("dag") or {}).get("joining_s") or 0.0)
+        move = MoveHindsight(step=step, why=why, cost_s=event["actual_s"] + joining_s)
+        if why == "saving" and event.get("ok", True) and step in engine.history:
+            before = moved_at.get(step)  # another transition at the same boundary first
+            old = Plan.from_json(before) if before else engine.history[step].plan
+            move = _life(
+                engine, workload, steps, move, old, event.get("target"), because["saving_s"]
+            )
+        if event.get("ok", True) and event.get("target"):
+            moved_at[step] = event["target"]
+        out.append(move)
     return out
 
 

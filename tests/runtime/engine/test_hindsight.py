@@ -53,20 +53,25 @@ def _engine(history: dict[int, Plan]) -> SimulatedEngine:
 
 
 def _events(*, move_after: int, steps: int, kind: str = "drift", said: str = "pays back") -> list:
-    """Steps 0..steps-1, with a decision of ``kind`` and a transition after ``move_after``."""
+    """Steps 0..steps-1, with a decision of ``kind`` and the transition that carries it out
+    after ``move_after``."""
     events = []
     for step in range(steps):
         events.append({"event": "step", "step": step})
         if step == move_after:
+            verdict = {"reason": f"{said} ...", "saving_s": 0.25}
             events.append(
                 {
                     "event": "control.decision",
                     "admit": True,
                     "trigger": {"kind": kind},
-                    "verdict": {"reason": f"{said} ...", "saving_s": 0.25},
+                    "verdict": verdict,
                 }
             )
-            events.append({"event": "control.transition", "actual_s": 7.5})
+            because = {"trigger": kind, **verdict}
+            events.append(
+                {"event": "control.transition", "step": step, "because": because, "actual_s": 7.5}
+            )
     return events
 
 
@@ -120,10 +125,12 @@ def test_each_transition_has_its_reason_and_only_moves_for_a_saving_are_replayed
     assert looked_back["moves_for_saving"] == (why == "saving")
 
 
-def test_a_transition_no_decision_admitted_since_the_last_is_other():
+def test_a_transition_that_carried_out_no_decision_is_other():
     engine = _engine({0: TP2, 1: TP4, 2: TP4, 3: TP2})
     events = _events(move_after=0, steps=4)
-    events.insert(-1, {"event": "control.transition", "actual_s": 3.0})  # before step 3
+    events.insert(  # before step 3
+        -1, {"event": "control.transition", "step": 2, "because": None, "actual_s": 3.0}
+    )
     first, second = hindsight.moves(events, engine, WORKLOAD)
     assert first.why == "saving" and second.why == "other" and second.true_saving_s is None
 
