@@ -5,9 +5,13 @@
 #   2. the kernel tests, every one that takes a device on the CPU and on the GPU;
 #   3. compute-sanitizer's memcheck over the GPU tests of odd alignments, chunks and bad input;
 #   4. benchmarks/kernels.py --device cuda (GB/s against copy_ and the catalogued bandwidth).
-# Logs and the benchmark's JSON go to $OUT (default /tmp/nereus-device).
+# Logs and the benchmark's JSON go to $OUT (default /tmp/nereus-device); the library to
+# $NEREUS_KERNELS_DIR (default build/kernels-device, so that the project's own build stays).
+# Where nvcc and a CUDA build of PyTorch exist but no GPU does, it stops after step 2: the build
+# and the CPU tests of a library with CUDA kernels in it, and tests/runtime/kernels/test_nvcc.py.
 #
 #     bash benchmarks/device_kernels.sh
+#     PYTHON=/path/to/cuda-torch/bin/python CUDA_HOME=/usr/local/cuda bash benchmarks/device_kernels.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/nereus-device}
@@ -15,6 +19,7 @@ PYTHON=${PYTHON:-python3}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 export MAX_JOBS=${MAX_JOBS:-$(nproc)} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
+export NEREUS_KERNELS_DIR=${NEREUS_KERNELS_DIR:-$PWD/build/kernels-device}
 status=0
 
 echo "== environment" | tee "$OUT/summary.txt"
@@ -29,6 +34,8 @@ if ! "$PYTHON" -m runtime.kernels.build --verbose >"$OUT/build.log" 2>&1; then
   exit 1
 fi
 tail -1 "$OUT/build.log" | tee -a "$OUT/summary.txt"
+"$PYTHON" -c "from runtime import kernels; print('CUDA kernels registered:', kernels.has_kernels_for('cuda'))" \
+  2>&1 | tail -1 | tee -a "$OUT/summary.txt"
 
 # The project's pytest configuration names plugins (Django, asyncio) this machine may lack, and
 # the kernel tests need none of them or of the shared conftest.
@@ -37,6 +44,11 @@ PYTEST=("$PYTHON" -m pytest -q -c /dev/null --rootdir . --noconftest -p no:cache
 echo "== tests" | tee -a "$OUT/summary.txt"
 "${PYTEST[@]}" -rs tests/runtime/kernels >"$OUT/tests.log" 2>&1 || status=1
 tail -3 "$OUT/tests.log" | tee -a "$OUT/summary.txt"
+
+if ! "$PYTHON" -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
+  echo "no GPU: the memcheck and the benchmark need one" | tee -a "$OUT/summary.txt"
+  exit $status
+fi
 
 echo "== memcheck" | tee -a "$OUT/summary.txt"
 if command -v compute-sanitizer >/dev/null; then

@@ -66,27 +66,49 @@ struct Run {
   int32_t unit;
 };
 
-template <typename Word, bool kPack>
-__device__ __forceinline__ void copy_word(const Run& r, int32_t run, int32_t w) {
-  Word* t = reinterpret_cast<Word*>(r.tensor + run * r.stride) + w;
-  Word* b = reinterpret_cast<Word*>(r.buffer + run * r.block) + w;
-  if (kPack) {
-    *b = *t;
-  } else {
-    *t = *b;
+// Word `i` of a chunk's runs taken together, runs `step` bytes apart from `base`, `words` words
+// each (one run: no division).
+template <typename Word, bool kOneRun>
+__device__ __forceinline__ Word* word_at(uint8_t* base, int64_t step, int32_t words, int32_t i) {
+  if (kOneRun) return reinterpret_cast<Word*>(base) + i;
+  const int32_t run = i / words;
+  return reinterpret_cast<Word*>(base + run * step) + (i - run * words);
+}
+
+// Each thread copies kUnroll words a round, blockDim.x apart (so that a warp's accesses stay
+// consecutive), and loads them all before it stores any, so that kUnroll loads are in flight at
+// once: a copy is bound by the bytes in flight over the memory's latency, and a thread that loaded
+// and stored one word at a time would wait out a whole round trip per word.
+constexpr int kUnroll = 4;
+
+template <typename Word, bool kPack, bool kOneRun>
+__device__ __forceinline__ void copy_rounds(const Run& r) {
+  const int32_t total = r.nruns * r.words;  // a chunk holds at most kChunkBytes
+  uint8_t* from = kPack ? r.tensor : r.buffer;
+  uint8_t* to = kPack ? r.buffer : r.tensor;
+  const int64_t from_step = kPack ? r.stride : r.block, to_step = kPack ? r.block : r.stride;
+  const int32_t threads = static_cast<int32_t>(blockDim.x);
+  for (int32_t first = threadIdx.x; first < total; first += kUnroll * threads) {
+    Word held[kUnroll];
+#pragma unroll
+    for (int k = 0; k < kUnroll; ++k) {
+      const int32_t i = first + k * threads;
+      if (i < total) held[k] = *word_at<Word, kOneRun>(from, from_step, r.words, i);
+    }
+#pragma unroll
+    for (int k = 0; k < kUnroll; ++k) {
+      const int32_t i = first + k * threads;
+      if (i < total) *word_at<Word, kOneRun>(to, to_step, r.words, i) = held[k];
+    }
   }
 }
 
 template <typename Word, bool kPack>
 __device__ __forceinline__ void copy_words(const Run& r) {
   if (r.nruns == 1) {
-    for (int32_t w = threadIdx.x; w < r.words; w += blockDim.x) copy_word<Word, kPack>(r, 0, w);
-    return;
-  }
-  const int32_t total = r.nruns * r.words;  // a chunk holds at most kChunkBytes
-  for (int32_t i = threadIdx.x; i < total; i += blockDim.x) {
-    const int32_t run = i / r.words;
-    copy_word<Word, kPack>(r, run, i - run * r.words);
+    copy_rounds<Word, kPack, true>(r);
+  } else {
+    copy_rounds<Word, kPack, false>(r);
   }
 }
 

@@ -7,6 +7,8 @@ reported "compiled" while CUDA tensors used the reference."""
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -180,3 +182,22 @@ def test_the_device_sources_join_the_build_for_cuda_and_rocm(
         cuda=cuda, cuda_home=cuda_home, hip=hip, rocm_home=rocm_home
     )
     assert found == expected
+
+
+def test_a_second_pytorch_keeps_its_build_in_its_own_folder(tmp_path):
+    """NEREUS_KERNELS_DIR: a CUDA build of PyTorch beside the CPU one (benchmarks/device_kernels.sh)
+    builds and loads its library there, and leaves the default build alone."""
+    show = "from runtime.kernels import paths; print(paths.library_path(), paths.stamp_path())"
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(paths.REPO)}
+    default = subprocess.run(
+        [sys.executable, "-c", show], env=env, capture_output=True, text=True, check=True
+    ).stdout.split()
+    moved = subprocess.run(
+        [sys.executable, "-c", show],
+        env={**env, "NEREUS_KERNELS_DIR": str(tmp_path / "cuda")},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    assert [Path(p).parent for p in default] == [paths.REPO / "build" / "kernels"] * 2
+    assert [Path(p).parent for p in moved] == [tmp_path / "cuda"] * 2
