@@ -37,10 +37,19 @@ __global__ void checksum_kernel(const Bits* data, Geometry g, Tiling tiling, uns
     } else {  // whole short rows: elements of the tile, row by row
       const int64_t n = tile.nrows * g.cols;
       const Bits* first = data + tile.row * g.cols;
+      // A thread's element i is column j of row r; its next, blockDim.x further on, is found
+      // from the step in rows and columns, without a division per element.
+      const int64_t step_rows = blockDim.x / g.cols, step_cols = blockDim.x - step_rows * g.cols;
+      int64_t r = threadIdx.x / g.cols, j = threadIdx.x - r * g.cols;
       for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
-        const int64_t r = i / g.cols, j = i - r * g.cols;
         const uint64_t index = static_cast<uint64_t>(row_start(g, tile.row + r) + j);
         sum += checksum_term(index, static_cast<uint64_t>(first[i]));
+        r += step_rows;
+        j += step_cols;
+        if (j >= g.cols) {
+          j -= g.cols;
+          ++r;
+        }
       }
     }
   }

@@ -62,6 +62,10 @@ LARGE_PIECES = [
     ((200_000, 3), (25_000, 1), (150_000, 2)),  # many short rows, tiles of whole rows
     ((4, 3, 140_000), (1, 1, 20_000), (2, 2, 100_000)),  # two row dimensions, long rows
     ((5, 6, 7, 8), (1, 0, 2, 0), (3, 6, 4, 8)),  # inner dimensions merged with cut ones
+    # short rows whose length divides no block of threads: a thread's next element is further on
+    # in its row or in a later one (3 columns; 300, more than a block's 256 threads)
+    ((40_000, 7), (1_000, 2), (30_000, 3)),
+    ((3_000, 1_000), (10, 100), (2_000, 300)),
 ]
 
 
