@@ -34,8 +34,13 @@ if ! "$PYTHON" -m runtime.kernels.build --verbose >"$OUT/build.log" 2>&1; then
   exit 1
 fi
 tail -1 "$OUT/build.log" | tee -a "$OUT/summary.txt"
-"$PYTHON" -c "from runtime import kernels; print('CUDA kernels registered:', kernels.has_kernels_for('cuda'))" \
-  2>&1 | tail -1 | tee -a "$OUT/summary.txt"
+# A CUDA build of PyTorch must have loaded the library with its CUDA kernels in it.
+"$PYTHON" -c "
+import sys, torch
+from runtime import kernels
+registered = kernels.has_kernels_for('cuda')
+print('CUDA kernels registered:', registered)
+sys.exit(bool(torch.version.cuda) and not registered)" 2>&1 | tee -a "$OUT/summary.txt" || status=1
 
 # The project's pytest configuration names plugins (Django, asyncio) this machine may lack, and
 # the kernel tests need none of them or of the shared conftest.

@@ -6,9 +6,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 CSRC = REPO / "csrc"
-BUILD_DIR = Path(os.environ.get("NEREUS_KERNELS_DIR") or REPO / "build" / "kernels")
-"""Where the library is built and loaded from: ``NEREUS_KERNELS_DIR`` where a second PyTorch (a
-CUDA build beside a CPU-only install, say) keeps its own build beside the default one."""
+BUILD_DIR = REPO / (os.environ.get("NEREUS_KERNELS_DIR") or "build/kernels")
+"""Where the library is built and loaded from: ``NEREUS_KERNELS_DIR`` (relative to the repository
+unless absolute) where a second PyTorch (a CUDA build beside a CPU-only install, say) keeps its own
+build beside the default one."""
 NAME = "nereus_kernels"
 # The files whose change makes a built library stale: the sources and headers the build compiles.
 SOURCE_SUFFIXES = (".h", ".cuh", ".cpp", ".cu")

@@ -95,24 +95,42 @@ def _checksum(lib, piece, shape, offset) -> int:
     )
 
 
-def _odd_buffer(nbytes: int) -> torch.Tensor:
-    """A buffer at an odd address: the kernels must fall back to narrower words."""
-    return torch.zeros(nbytes + 1, dtype=torch.uint8)[1:]
+SENTINEL = 0xA5
+MARGIN = 64  # bytes of sentinel either side of a buffer: a word or a chunk's run past its end
 
 
-def _round_trip(lib, tensors, slices, buffer):
+def _guarded(nbytes: int, *, odd: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """A zeroed buffer of ``nbytes`` inside a larger one of sentinel bytes (the buffer at an odd
+    address when ``odd``: the kernels must fall back to narrower words); returns both."""
+    whole = torch.full((nbytes + 2 * MARGIN + 1,), SENTINEL, dtype=torch.uint8)
+    start = MARGIN + int(odd)
+    buffer = whole[start : start + nbytes]
+    buffer.zero_()
+    return whole, buffer
+
+
+def _untouched_outside(whole: torch.Tensor, buffer: torch.Tensor) -> bool:
+    start = buffer.data_ptr() - whole.data_ptr()
+    outside = torch.cat([whole[:start], whole[start + buffer.numel() :]])
+    return bool((outside == SENTINEL).all())
+
+
+def _round_trip(lib, tensors, slices, *, odd: bool = False):
+    """Pack equals the oracle's and writes nothing around the buffer; unpacked into zeros, every
+    tensor equals the oracle's unpack into zeros, whole (so no byte outside a slice was written)."""
     expected = reference.pack(tensors, slices)
-    assert buffer.numel() == expected.numel()
+    whole, buffer = _guarded(expected.numel(), odd=odd)
     _copy(lib, True, tensors, slices, buffer)
     assert torch.equal(buffer, expected)
-    restored = [torch.zeros_like(t) for t in tensors]
+    assert _untouched_outside(whole, buffer), "pack wrote outside its buffer"
+    guarded = [_guarded(t.numel() * t.element_size()) for t in tensors]
+    restored = [b.view(t.dtype).view(t.shape) for (_, b), t in zip(guarded, tensors, strict=True)]
+    oracle = [torch.zeros_like(t) for t in tensors]
     _copy(lib, False, restored, slices, buffer)
-    for index, dim, start, length in slices.tolist():
-        tensor = restored[index]
-        assert torch.equal(
-            tensor.narrow(dim, start, length).view(torch.uint8),
-            tensors[index].narrow(dim, start, length).contiguous().view(torch.uint8),
-        )
+    reference.unpack(expected, oracle, slices)
+    for got, want, (whole_t, bytes_t) in zip(restored, oracle, guarded, strict=True):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+        assert _untouched_outside(whole_t, bytes_t), "unpack wrote outside its destination"
 
 
 def test_the_alignment_check_is_live(emulator, capfd):
@@ -130,9 +148,8 @@ def test_the_alignment_check_is_live(emulator, capfd):
 @given(slice_sets())
 def test_emulated_pack_and_unpack_equal_the_oracle(emulator, capfd, case):
     tensors, slices = case
-    nbytes = reference.pack(tensors, slices).numel()
-    for buffer in (torch.zeros(nbytes, dtype=torch.uint8), _odd_buffer(nbytes)):
-        _round_trip(emulator, tensors, slices, buffer)
+    for odd in (False, True):
+        _round_trip(emulator, tensors, slices, odd=odd)
     assert "runtime error" not in capfd.readouterr().err
 
 
@@ -182,6 +199,6 @@ def test_emulated_copy_of_slices_larger_than_a_chunk(emulator, capfd):
     nbytes = reference.pack(tensors, slices).numel()
     blocks = _copy(emulator, True, tensors, slices, torch.empty(nbytes, dtype=torch.uint8))
     assert blocks > len(slices), "every slice fitted one chunk: the chunking went untested"
-    for buffer in (torch.zeros(nbytes, dtype=torch.uint8), _odd_buffer(nbytes)):
-        _round_trip(emulator, tensors, slices, buffer)
+    for odd in (False, True):
+        _round_trip(emulator, tensors, slices, odd=odd)
     assert "runtime error" not in capfd.readouterr().err

@@ -95,6 +95,11 @@ def _round_trip(tensors, slices) -> list[torch.Tensor]:
     assert torch.equal(packed, reference.pack(tensors, slices))
     odd = torch.zeros(packed.numel() + 1, dtype=torch.uint8, device=packed.device)[1:]
     odd.copy_(packed)
+    # pack into a buffer inside sentinel bytes: nothing around it is written
+    guarded = torch.full((packed.numel() + 129,), 0xA5, dtype=torch.uint8, device=packed.device)
+    kernels.pack(tensors, slices, out=guarded[65 : 65 + packed.numel()])
+    assert torch.equal(guarded[65 : 65 + packed.numel()], packed)
+    assert (guarded[:65] == 0xA5).all() and (guarded[65 + packed.numel() :] == 0xA5).all()
     for impl, buffer in itertools.product((kernels, reference), (packed, odd)):
         restored = [torch.zeros_like(t) for t in tensors]
         impl.unpack(buffer, restored, slices)
@@ -104,6 +109,11 @@ def _round_trip(tensors, slices) -> list[torch.Tensor]:
                 restored[index].narrow(dim, start, length).view(torch.uint8),
                 original.contiguous().view(torch.uint8),
             )
+        # whole: nothing outside the slices was written
+        oracle = [torch.zeros_like(t) for t in tensors]
+        reference.unpack(packed, oracle, slices)
+        for got, want in zip(restored, oracle, strict=True):
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
     return restored
 
 
