@@ -335,6 +335,7 @@ def logs_command(
         int,
         typer.Option(
             min=0,
+            max=2**63 - 1,  # an event id; past it, the API's own field name came back
             help="Only events with ids above N (each line's first column: the last one "
             "shown goes on from there).",
         ),

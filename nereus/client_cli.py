@@ -43,8 +43,26 @@ EXIT_INTERRUPTED = 130
 BAR_WIDTH = 30
 
 
+# Control characters, tab aside: C0, DEL and C1.
+_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f-\x9f]")
+
+
+def shown(value: Any) -> Any:
+    """What the service sent, safe to print as lines: every control character in its strings
+    (keys too), which could move the cursor, retitle a terminal or start a fake line in a CI
+    log, is printed as a ``\\xNN`` escape. Job names, reasons, comments and events' data are
+    anyone's words; ``--json`` output escapes them itself."""
+    if isinstance(value, str):
+        return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", value)
+    if isinstance(value, Mapping):
+        return {shown(k): shown(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [shown(v) for v in value]
+    return value
+
+
 def _fail(command: str, exc: ApiError, *, as_json: bool) -> int:
-    for line in exc.lines():
+    for line in map(shown, exc.lines()):
         typer.echo(f"nereus {command}: {line}" if not line.startswith("  ") else line, err=True)
     if as_json:
         typer.echo(json.dumps({"error": exc.to_json()}))
@@ -120,6 +138,7 @@ def status(*, job_id: int, as_json: bool, url: str | None, token: str | None) ->
     if as_json:
         typer.echo(json.dumps(job))
         return EXIT_OK
+    job = shown(job)
     typer.echo(f"job {job['id']}  {job.get('name', '')}")
     for label, key in (
         ("project", "project"),
@@ -173,6 +192,7 @@ def decide(
     if as_json:
         typer.echo(json.dumps(proposal))
     else:
+        proposal = shown(proposal)
         state = proposal.get("state") or ("approved" if decision == "approve" else "rejected")
         job = f" (job {proposal['job']})" if proposal.get("job") is not None else ""
         typer.echo(f"proposal {proposal_id}: {state}{job}")
@@ -200,6 +220,7 @@ def override(
     if as_json:
         typer.echo(json.dumps(proposal))
     else:
+        proposal = shown(proposal)
         typer.echo(
             f"proposal {proposal.get('id')}: {proposal.get('state', 'waiting')} (job {job_id}); "
             "another approver approves it with nereus approve"
@@ -293,7 +314,7 @@ def _follow(
         tty=not as_json and sys.stdout.isatty(),
     )
     if not as_json:
-        typer.echo(f"job {job_id} ({job.get('project')}): {job.get('state')}")
+        typer.echo(f"job {job_id} ({shown(job.get('project'))}): {shown(job.get('state'))}")
     last_id, failing_since = 0, None
     try:
         while True:
@@ -353,6 +374,7 @@ class EventPrinter:
         if self.as_json:
             self._write(json.dumps({"event": event}) + "\n")
             return
+        event = shown(event)
         data = event.get("data") or {}
         if event.get("kind") == "step.finished" and isinstance(data.get("step"), int):
             done = data["step"] + 1
@@ -373,6 +395,7 @@ class EventPrinter:
         if self.as_json:
             self._write(json.dumps({"job": job}) + "\n")
             return
+        job = shown(job)
         line = f"job {job.get('id')} {job.get('state')}"
         if job.get("failure_reason"):
             line += f": {job['failure_reason']}"

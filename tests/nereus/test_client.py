@@ -9,6 +9,7 @@ import dataclasses
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import urllib.request
@@ -18,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from nereus import client
-from nereus.client_cli import EventPrinter
+from nereus.client_cli import EventPrinter, shown
 from nereus.processes import free_port
 from tests.support import live, plans
 
@@ -272,9 +273,10 @@ def test_logs_prints_the_events_once_and_pages_with_since_and_limit(service, spe
     ]
     assert [r["event"]["id"] for r in records] == ids
     assert records[-1]["event"]["data"]["state"] == "cancelled"
-    # An id past the largest the API reads is its 400, named.
+    # An id past the largest there can be is refused by the command, naming its flag (found by
+    # audit: it named the API's field, "after").
     bad = _run(["logs", str(job_id), "--since", str(2**63)], env)
-    assert bad.returncode == client.EXIT_USAGE and "after" in bad.stderr, bad.stderr
+    assert bad.returncode == client.EXIT_USAGE and "--since" in bad.stderr, bad.stderr
     _no_traceback(bad)
 
 
@@ -561,3 +563,26 @@ def test_an_event_line_shows_a_plan_by_its_size_and_cuts_long_values():
     printer = EventPrinter(total_steps=None, as_json=True, tty=False, out=(whole := io.StringIO()))
     printer.event(event)
     assert json.loads(whole.getvalue())["event"]["data"]["candidate"] == plan
+
+
+def test_what_anyone_typed_is_printed_without_its_control_characters():
+    """Found by audit: a job named "ok\x1b]0;pwned\x07\r\nfake line" retitled the terminal of
+    whoever ran `nereus status` or `logs` on it, and put a fake line in a CI log."""
+    hostile = "ok\x1b]0;pwned\x07\r\nfake line\x9b2J"
+    event = {
+        "id": 9,
+        "kind": "job.override",
+        "at": "2026-01-01T10:00:00+00:00",
+        "data": {"reason": hostile, hostile: 1},
+    }
+    printer = EventPrinter(total_steps=None, as_json=False, tty=False, out=(out := io.StringIO()))
+    printer.event(event)
+    printer.final({"id": 9, "state": "failed", "failure_reason": "x", "failure_detail": hostile})
+    text = out.getvalue()
+    assert text.count("\n") == 2  # two lines: the event, the job
+    assert not re.search(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]", text)
+    assert r"ok\x1b]0;pwned\x07\x0d\x0afake line\x9b2J" in text  # what was sent, readable
+    assert shown({"a\nb": ["\t", 3]}) == {r"a\x0ab": ["\t", 3]}  # tabs kept, numbers untouched
+    printer = EventPrinter(total_steps=None, as_json=True, tty=False, out=(whole := io.StringIO()))
+    printer.event(event)  # --json: the words as they were, escaped by JSON
+    assert json.loads(whole.getvalue())["event"]["data"]["reason"] == hostile

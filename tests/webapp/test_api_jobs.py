@@ -140,6 +140,10 @@ def test_unreadable_bodies_are_400_or_415_never_500(api, project, member):
     form = client.post(JOBS, {"name": "x"})  # multipart
     assert form.status_code == 415
     assert _fields(client.post(JOBS, BODY | {"project": "ml\x00"}, format="json"))["project"]
+    # Found by audit: a name that retitles the terminal of whoever prints it, or fakes a line
+    named = _fields(client.post(JOBS, BODY | {"name": "ok\x1b]0;pwned\x07\r\nfake"}, format="json"))
+    assert named == {"name": ["must not hold control characters (found U+001B)"]}
+    assert _fields(client.post(JOBS, BODY | {"name": "a\nb"}, format="json"))["name"]
     for body in (
         "[" * 100_000 + "]" * 100_000,
         '{"name": "x", "spec": ' + "[" * 100_000 + "]" * 100_000 + "}",

@@ -214,6 +214,7 @@ def test_another_project_gets_404_and_a_revoked_token_401(
         ({"comment": None}, "comment"),
         ({"comment": ["a"]}, "comment"),
         ({"comment": "x" * 4001}, "comment"),
+        ({"comment": "fine\x1b[2J"}, "comment"),  # control characters; line breaks are allowed
         ({"comment": 1.5}, "comment"),
         ({"comment": True}, "comment"),
         ({"comment": "ok", "plan": {}}, "plan"),

@@ -516,6 +516,7 @@ def test_a_viewer_or_operator_cannot_approve_through_the_page(client, waiting, v
         ({"decision": "approve", "comment": "   "}, "comment"),
         ({"decision": "maybe", "comment": "hmm"}, "decision"),
         ({"decision": "reject", "comment": "a\x00b"}, "comment"),  # PostgreSQL's text refuses NUL
+        ({"decision": "reject", "comment": "ok\x1b]0;pwned\x07"}, "comment"),  # a terminal's
         ({"decision": "approve", "comment": "x" * 4001}, "comment"),  # the API's limit too
     ],
 )

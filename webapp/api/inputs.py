@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from rest_framework import serializers
 
+from webapp.validators import NoControlCharacters
+
 UNKNOWN_FIELD = "unknown field"
 
 
@@ -42,7 +44,12 @@ class Number(serializers.FloatField):
 
 
 class Text(serializers.CharField):
-    """A JSON string, and only that: not ``1.5`` or ``true``."""
+    """A JSON string, and only that: not ``1.5`` or ``true``; without control characters (line
+    breaks and tabs only where ``multiline``)."""
+
+    def __init__(self, *, multiline: bool = False, **kwargs):
+        super().__init__(**kwargs)
+        self.validators.append(NoControlCharacters(multiline=multiline))
 
     def to_internal_value(self, data):
         if not isinstance(data, str):

@@ -108,7 +108,9 @@ class ProposalDetailApi(APIView):
 
 
 class DecisionInput(StrictInput):
-    comment = Text(max_length=services.COMMENT_MAX_CHARS, help_text="Why; required, not blank.")
+    comment = Text(
+        max_length=services.COMMENT_MAX_CHARS, multiline=True, help_text="Why; required, not blank."
+    )
 
 
 class _DecisionApi(APIView):
@@ -165,7 +167,7 @@ class OverrideInput(StrictInput):
         help_text="The plan to move the job to, as the runtime's Plan.to_json() (a plan of "
         "GET /api/v1/jobs/<id>/plans/, changed)."
     )
-    reason = Text(max_length=4000, help_text="Why; required, not blank.")
+    reason = Text(max_length=4000, multiline=True, help_text="Why; required, not blank.")
 
 
 class JobOverrideApi(APIView):

@@ -19,6 +19,7 @@ from runtime.ppo.job import REWARDS
 from runtime.ppo.tasks import TASK_NAMES
 from webapp.projects.models import Project, Role
 from webapp.projects.selectors import projects_visible_to
+from webapp.validators import NoControlCharacters
 
 _SFT = SftJobSpec()
 _SIM = PpoSimJobSpec()
@@ -65,7 +66,7 @@ class JobSubmitForm(forms.Form):
         empty_label="my personal project",
         help_text="Projects where you may submit (operator role or above).",
     )
-    name = forms.CharField(max_length=200, initial="sft-demo")
+    name = forms.CharField(max_length=200, initial="sft-demo", validators=[NoControlCharacters()])
     submit_key = forms.RegexField(
         regex=r"^[0-9a-f]{32}$",
         required=False,

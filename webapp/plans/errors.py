@@ -13,6 +13,7 @@ OVERRIDE_FIXED = (
 SELF_APPROVAL = "you proposed this change; another approver must approve it"
 COMMENT_REQUIRED = "a comment is required: say why"
 COMMENT_NUL = "must not contain NUL characters"
+COMMENT_CONTROL = "must not hold control characters other than line breaks and tabs (found {char})"
 COMMENT_TOO_LONG = "at most {most} characters, got {got}"
 PLAN_UNKNOWN_FIELD = "{path}: unknown field"
 PLAN_NUL = "{path}: must not contain NUL characters"

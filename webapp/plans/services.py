@@ -38,6 +38,7 @@ from webapp.plans.models import (
 )
 from webapp.projects.models import ApiToken, Role
 from webapp.projects.selectors import require_role
+from webapp.validators import control_character
 
 DECISIONS = ("approve", "reject")
 # What the controller reports about a proposal, as the state it leaves the proposal in.
@@ -418,6 +419,8 @@ def proposal_decide(
         raise ValidationError({"comment": [errors.COMMENT_REQUIRED]})
     if "\x00" in comment:  # PostgreSQL's text cannot hold it (SQLite would store it)
         raise ValidationError({"comment": [errors.COMMENT_NUL]})
+    if char := control_character(comment, multiline=True):  # the page's form, as the API's
+        raise ValidationError({"comment": [errors.COMMENT_CONTROL.format(char=char)]})
     if len(comment) > COMMENT_MAX_CHARS:  # the API's limit, for the page's form too
         raise ValidationError(
             {"comment": [errors.COMMENT_TOO_LONG.format(most=COMMENT_MAX_CHARS, got=len(comment))]}
