@@ -329,6 +329,7 @@ def load(environ: Mapping[str, str] | None = None) -> ServiceConfig:
     jobs_dir = Path(env.get("NEREUS_JOBS_DIR") or var_dir / "jobs")
     if not jobs_dir.is_absolute():
         jobs_dir = REPO_ROOT / jobs_dir
+    _check_directory("NEREUS_JOBS_DIR", jobs_dir)
 
     raw_lost = env.get("NEREUS_DRIVER_LOST_S") or "60"
     try:
@@ -356,13 +357,35 @@ def load(environ: Mapping[str, str] | None = None) -> ServiceConfig:
 
 
 def _local_secret_key(var_dir: Path) -> str:
-    """A per-checkout key kept under var/, so sessions survive restarts of the local service."""
+    """A per-checkout key kept under var/, so sessions survive restarts of the local service. A
+    key file that cannot be read, or is empty (truncated on a full disk, say), is refused here:
+    the service would otherwise start and then fail every request."""
     path = var_dir / "secret_key"
     try:
-        return path.read_text().strip()
+        key = path.read_text().strip()
     except FileNotFoundError:
-        pass
-    var_dir.mkdir(parents=True, exist_ok=True)
+        key = None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(
+            "NEREUS_VAR_DIR", f"cannot read {str(path)!r}: {getattr(exc, 'strerror', None) or exc}"
+        ) from None
+    if key is None:
+        try:
+            key = _create_secret_key(path)
+        except OSError as exc:
+            raise ConfigError(
+                "NEREUS_VAR_DIR", f"cannot write {str(path)!r}: {exc.strerror}"
+            ) from None
+    if not key:
+        raise ConfigError(
+            "NEREUS_VAR_DIR",
+            f"{str(path)!r} is empty: delete it to make a new key (signed-in sessions end) "
+            "or set NEREUS_SECRET_KEY",
+        )
+    return key
+
+
+def _create_secret_key(path: Path) -> str:
     key = secrets.token_urlsafe(50)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(key)
@@ -373,3 +396,14 @@ def _local_secret_key(var_dir: Path) -> str:
     finally:
         tmp.unlink()
     return path.read_text().strip()
+
+
+def _check_directory(name: str, path: Path) -> None:
+    """``path`` is a directory, or can become one: its nearest existing ancestor is a directory
+    (it is made when first needed, where it is needed)."""
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        where = "is" if existing == path else f"lies under {str(existing)!r}, which is"
+        raise ConfigError(name, f"{str(path)!r} {where} not a directory")

@@ -205,6 +205,38 @@ def test_local_secret_key_is_stable_across_loads(tmp_path):
     assert first == second and len(first) >= 50
 
 
+@pytest.mark.parametrize("broken", ["empty", "a directory", "unreadable bytes"])
+def test_a_local_secret_key_that_cannot_be_used_is_refused(tmp_path, broken):
+    """Found by audit: an empty key file (truncated on a full disk) let the service start and then
+    fail every request; a directory there was a traceback."""
+    path = tmp_path / "secret_key"
+    if broken == "empty":
+        path.write_text("  \n")
+    elif broken == "a directory":
+        path.mkdir()
+    else:
+        path.write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(ConfigError, match=r"^NEREUS_VAR_DIR: .*secret_key"):
+        config.load({"NEREUS_VAR_DIR": str(tmp_path)})
+    if broken == "empty":  # nothing was overwritten: the operator decides
+        assert path.read_text() == "  \n"
+
+
+def test_the_jobs_directory_must_be_one(tmp_path):
+    """Found by audit: NEREUS_JOBS_DIR=/etc/passwd passed the checks and every job's driver then
+    failed with NotADirectoryError."""
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    env = {"NEREUS_VAR_DIR": str(tmp_path / "var")}
+    with pytest.raises(ConfigError, match=r"^NEREUS_JOBS_DIR: .*is not a directory"):
+        config.load({**env, "NEREUS_JOBS_DIR": str(a_file)})
+    with pytest.raises(ConfigError, match=r"^NEREUS_JOBS_DIR: .*lies under .*file.*not a dir"):
+        config.load({**env, "NEREUS_JOBS_DIR": str(a_file / "jobs")})
+    later = tmp_path / "not" / "yet"  # made when a job first needs it
+    assert config.load({**env, "NEREUS_JOBS_DIR": str(later)}).jobs_dir == later
+    assert not later.exists()
+
+
 @pytest.mark.parametrize(
     ("database_url", "said"),
     [
