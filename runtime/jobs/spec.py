@@ -51,6 +51,46 @@ class SftJobSpec:
         if not 0 < self.lr < 1:
             raise ValueError(f"lr: expected 0 < lr < 1, got {self.lr}")
         _require_range("seed", self.seed, 0, 2**31 - 1)
+        self._check_fits()
+
+    def params(self) -> int:
+        """The TinyDecoder's parameters (runtime/jobs/sft.py): embedding and head, and per layer
+        QKV, output, gate-up and down projections (10 h**2) and two norms."""
+        h = self.hidden
+        return 2 * self.vocab_size * h + self.num_layers * (10 * h * h + 2 * h) + h
+
+    def slot_bytes(self) -> tuple[int, int]:
+        """What training takes on each slot, in fp32 bytes: (weights, gradients and AdamW's two
+        moments: 16 per parameter; the activations a step keeps for its backward: about 22
+        values per token, layer and hidden unit, as a CPU forward's peak measured (hidden 256,
+        4 layers, 64 sequences of 256), and the logits with their gradient)."""
+        tokens = self.micro_batch * (self.seq_len - 1)
+        activations = tokens * (self.num_layers * 22 * self.hidden + 3 * self.vocab_size) * 4
+        return 16 * self.params(), activations
+
+    def _check_fits(self) -> None:
+        """A job whose model or micro-batch cannot fit a CPU slot's memory is refused here, as
+        a PPO job's is, not when its slots run out of memory (or are killed for it)."""
+        from runtime.planner.catalog import CPU_SLOT, default_catalog
+
+        capacity = default_catalog().accelerator(CPU_SLOT).memory_bytes
+        state, activations = self.slot_bytes()
+        if state + activations <= capacity:
+            return
+        gib = 2**30
+        said = (
+            f"about {(state + activations) / gib:.1f} GiB per slot to train "
+            f"(weights, gradients and AdamW's state {state / gib:.1f} GiB, activations "
+            f"{activations / gib:.1f} GiB), over a CPU slot's {capacity / gib:.0f} GiB"
+        )
+        if state > capacity / 2:
+            raise ValueError(
+                f"hidden: the model of hidden={self.hidden}, num_layers={self.num_layers} and "
+                f"vocab_size={self.vocab_size} needs {said}"
+            )
+        raise ValueError(
+            f"micro_batch: {self.micro_batch} sequences of seq_len={self.seq_len} need {said}"
+        )
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -124,3 +124,24 @@ def _no_ray(address, **kwargs):
     from runtime.engine.ray_cluster import RayConnection
 
     return contextlib.nullcontext(RayConnection(address="none", started_locally=False, num_cpus=0))
+
+
+def test_an_sft_job_that_cannot_fit_a_cpu_slot_is_refused_naming_what_to_change():
+    """Found by audit: {"hidden": 65536} (about 1.3 TB of training state per slot) and 4096
+    sequences of 8192 tokens were accepted, to fail or be killed once running."""
+    with pytest.raises(
+        ValueError, match=r"^hidden: .*about 128\d\.\d GiB per slot.*CPU slot's 4 GiB"
+    ):
+        SftJobSpec.from_json({"hidden": 65536})
+    with pytest.raises(ValueError, match=r"^micro_batch: 4096 sequences of seq_len=8192"):
+        SftJobSpec.from_json({"seq_len": 8192, "micro_batch": 4096})
+    assert SftJobSpec.from_json({"hidden": 512, "num_layers": 4, "micro_batch": 32})
+
+
+def test_the_sft_parameter_count_is_the_models():
+    """What the fit check counts is what the slots build."""
+    from runtime.jobs.sft import TinyDecoder
+
+    spec = SftJobSpec(hidden=96, num_layers=3, vocab_size=50, num_heads=4)
+    model = TinyDecoder(vocab_size=50, hidden=96, num_layers=3, num_heads=4)
+    assert spec.params() == sum(p.numel() for p in model.parameters())
