@@ -16,6 +16,7 @@ import logging
 import os
 import secrets
 import signal
+import socket
 import sys
 import time
 
@@ -87,7 +88,12 @@ def run_demo(*, host: str, port: int, num_steps: int, num_slots: int) -> int:
     from django.conf import settings
     from django.core.management import call_command
 
-    if processes.port_in_use(port, host):
+    try:
+        taken = processes.port_in_use(port, host)
+    except (socket.gaierror, UnicodeError) as exc:  # UnicodeError: a name IDNA cannot encode
+        print(f"nereus demo: --host: cannot serve on {host!r} ({exc})", file=sys.stderr)
+        return 2
+    if taken:
         print(
             f"nereus demo: port {port} on {host} is taken; set NEREUS_DEMO_PORT to another port",
             file=sys.stderr,
@@ -121,7 +127,7 @@ def run_demo(*, host: str, port: int, num_steps: int, num_slots: int) -> int:
         }
         processes.start_celery_workers(group, child_env, concurrency=2)
         group.start("web", processes.asgi_server_argv(host=host, port=port), env=child_env)
-        url = f"http://{host}:{port}/"
+        url = f"http://{'[' + host.strip('[]') + ']' if ':' in host else host}:{port}/"
         processes.wait_until(
             lambda: processes.http_ok(url + "healthz"),
             timeout_s=120,

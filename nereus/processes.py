@@ -140,8 +140,15 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        return sock.connect_ex((host, port)) == 0
+    """Whether something answers on ``host``:``port`` (an IPv4 or IPv6 address or a name; an
+    unknown name raises ``socket.gaierror``)."""
+    for family, kind, proto, _, address in socket.getaddrinfo(
+        host.strip("[]"), port, type=socket.SOCK_STREAM
+    ):
+        with socket.socket(family, kind, proto) as sock:
+            if sock.connect_ex(address) == 0:
+                return True
+    return False
 
 
 def wait_until(
@@ -296,5 +303,15 @@ def _celery_worker(*options: str) -> list[str]:
 
 
 def asgi_server_argv(*, host: str, port: int) -> list[str]:
-    daphne_bin = Path(sys.executable).with_name("daphne")
-    return [str(daphne_bin), "-b", host, "-p", str(port), "webapp.asgi:application"]
+    """The web server: Daphne with request bodies capped as they are read (nereus/asgi_server.py),
+    serving the ASGI application (HTTP and websockets) on ``host``:``port``."""
+    return [
+        sys.executable,
+        "-m",
+        "nereus.asgi_server",
+        "-b",
+        host,
+        "-p",
+        str(port),
+        "webapp.asgi:application",
+    ]

@@ -78,6 +78,23 @@ def load_trace(spec: str, *, steps: int | None, gpus: int | None, seed: int, acc
     return dataclasses.replace(trace, steps=steps) if steps else trace
 
 
+def _check_writable(option: str, path: Path) -> None:
+    """Before the run, not after it: a file ``option`` can write (made, then removed again, where
+    it is not there yet), so that a long simulation's output is not lost at its end."""
+    if not path.resolve().parent.is_dir():
+        raise SimulateError(f"{option}: no folder to write {str(path)!r} in")
+    if path.is_dir():
+        raise SimulateError(f"{option}: {str(path)!r} is a folder; give a file name")
+    existed = path.exists()
+    try:
+        with path.open("a", encoding="utf-8"):
+            pass
+    except OSError as exc:
+        raise SimulateError(f"{option}: cannot write {str(path)!r}: {exc.strerror}") from None
+    if not existed:
+        path.unlink(missing_ok=True)
+
+
 def simulate(
     *,
     trace_spec: str,
@@ -111,8 +128,8 @@ def simulate(
                 raise SimulateError(f"{option}: empty; give a file name")
         if steps is not None and not 1 <= steps <= MAX_STEPS:
             raise SimulateError(f"--steps: must be from 1 to {MAX_STEPS}, got {steps}")
-        if events_file and not Path(events_file).resolve().parent.is_dir():
-            raise SimulateError(f"--events: no folder to write {events_file!r} in")
+        if events_file:
+            _check_writable("--events", Path(events_file))
         settings = dict(POLICIES[policy])
         if policy_file:
             try:

@@ -17,10 +17,13 @@ websocket stack with it):
 
 Each cap is read at every connection, so a test's settings override applies.
 
-What this does not bound: under Daphne, Twisted receives a request's whole body (into a temporary
-file past 100 KB) before it calls the application at all, whatever its ``Content-Length``. This
-keeps Django and the parser from copying and parsing it; to stop the upload itself, set a body
-limit in the proxy in front (nginx's ``client_max_body_size``, an ingress's ``proxy-body-size``).
+What this cannot bound by itself: a server may receive a request's whole body before it calls the
+application at all. Daphne (Twisted) does, whatever the ``Content-Length``: into a temporary file
+past 100 KB, and with no answer until the last byte. The server the project ships,
+``nereus/asgi_server.py`` (Daphne with a request class of ours), therefore applies the same cap
+while it reads: it answers an over-long ``Content-Length`` with this 413 as soon as the headers
+are in, and a chunked body as soon as it passes the cap, and closes the connection instead of
+reading on. This middleware stays for any other server and for in-process tests.
 
 The largest legitimate HTTP body is a plan override (``POST /api/v1/jobs/<id>/override/``): the
 planner's plan for Llama-3.1-8B on 1,024 H100s is 20 KB of JSON (60 KB indented), and even one
@@ -176,15 +179,27 @@ def _message_size_over(message: dict, cap: int) -> bool:
     return len(text.encode("utf-8", errors="surrogatepass")) > cap
 
 
+def error_body(code: str, field: str, problem: str) -> bytes:
+    """The API's error shape (webapp/api/exceptions.py), naming ``field``, as JSON."""
+    return json.dumps(
+        {"code": code, "message": f"{field}: {problem}", "fields": {field: [problem]}}
+    ).encode()
+
+
+def too_large_body(cap: int) -> bytes:
+    """The 413's body for a request body over ``cap`` bytes (also sent by nereus/asgi_server.py)."""
+    return error_body(TOO_LARGE_CODE, "body", too_large_message(cap))
+
+
 async def _send_too_large(send, cap: int):
-    await _send_error(send, 413, TOO_LARGE_CODE, "body", too_large_message(cap))
+    await _send_json(send, 413, too_large_body(cap))
 
 
 async def _send_error(send, status: int, code: str, field: str, problem: str):
-    """The API's error shape (webapp/api/exceptions.py), naming ``field``."""
-    body = json.dumps(
-        {"code": code, "message": f"{field}: {problem}", "fields": {field: [problem]}}
-    ).encode()
+    await _send_json(send, status, error_body(code, field, problem))
+
+
+async def _send_json(send, status: int, body: bytes):
     await send(
         {
             "type": "http.response.start",

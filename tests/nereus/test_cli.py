@@ -4,6 +4,7 @@ code 1), and the demo supervisor (serves, and leaves no process behind on Ctrl-C
 import json
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 
 import nereus
+from nereus import processes
 from nereus.processes import free_port
 from tests.support import live
 
@@ -112,6 +114,24 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def test_demo_names_a_host_it_cannot_serve_on(tmp_path):
+    """Found by audit: a host that does not resolve was a socket.gaierror traceback. ("a..b" is
+    refused by the name's encoding, before any lookup leaves the machine.)"""
+    done = _run(["demo", "--host", "a..b", "--port", "45999"], live.service_env(tmp_path))
+    assert done.returncode == 2, done.stderr
+    assert "--host: cannot serve on 'a..b'" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_something_listening_on_ipv6_loopback_is_seen():
+    """Found by audit: the check for a taken port spoke IPv4 only, and `--host ::1` failed."""
+    with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as listener:
+        listener.bind(("::1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        assert processes.port_in_use(port, "::1") and processes.port_in_use(port, "[::1]")
+    assert not processes.port_in_use(port, "::1")
 
 
 @pytest.mark.ray
@@ -262,6 +282,10 @@ def test_simulate_prints_simulated_figures_and_names_bad_input(tmp_path):
     events = tmp_path / "missing" / "events.jsonl"
     done = _run(["simulate", "--trace", "gen:growth", "--events", str(events)], env)
     assert done.returncode == 2 and "--events: no folder to write" in done.stderr
+    # Found by audit: a folder given as the events file was found out only after the run.
+    done = _run(["simulate", "--trace", "gen:growth", "--events", str(tmp_path)], env)
+    assert done.returncode == 2 and "--events: " in done.stderr and "is a folder" in done.stderr
+    assert done.stdout == ""  # nothing was simulated
     policy.write_bytes(b'{"gamma": "\xff"}')
     done = _run(["simulate", "--trace", "gen:growth", "--policy-file", str(policy)], env)
     assert done.returncode == 2 and "--policy-file: cannot read a JSON policy" in done.stderr
