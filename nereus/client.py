@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import nereus
+from runtime.events import unique_keys
 
 EXIT_OK = 0
 EXIT_JOB_FAILED = 1
@@ -120,14 +121,15 @@ def _exit_code_for(status: int) -> int:
 
 
 def loads_strict(text: str) -> Any:
-    """JSON as the service reads it: NaN and Infinity are not numbers there, and nesting too
-    deep for the decoder is malformed; either raises ValueError."""
+    """JSON as the service reads it: NaN and Infinity are not numbers there, a key given twice
+    in one object is refused (``json`` would keep the last without a word), and nesting too
+    deep for the decoder is malformed; each raises ValueError."""
 
     def refuse(constant: str):
         raise ValueError(f"{constant} is not a JSON number")
 
     try:
-        return json.loads(text, parse_constant=refuse)
+        return json.loads(text, parse_constant=refuse, object_pairs_hook=unique_keys)
     except RecursionError:
         raise ValueError("nested too deeply") from None
 

@@ -26,6 +26,25 @@ def finite(value: Any) -> Any:
     return value
 
 
+class RepeatedKeyError(ValueError):
+    """A JSON object giving one key twice (``json`` keeps the last without a word)."""
+
+    def __init__(self, key: str):
+        super().__init__(f"{key!r} is given twice in one object")
+        self.key = key
+
+
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``object_pairs_hook`` for ``json.loads``: the object, raising ``RepeatedKeyError`` (a
+    ValueError) on a key given twice, whatever its values, as the catalog loader does."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise RepeatedKeyError(key)
+        out[key] = value
+    return out
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class RuntimeEvent:
     """Something that happened to a job, with JSON-serialisable data."""

@@ -236,6 +236,8 @@ REST_FRAMEWORK = {
     ],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
     "DEFAULT_PARSER_CLASSES": ["webapp.api.parsers.JSONParser"],
+    # An unknown ?format= is a 400 naming "format" (DRF's own raises a bare Http404).
+    "DEFAULT_CONTENT_NEGOTIATION_CLASS": "webapp.api.parsers.ContentNegotiation",
     "EXCEPTION_HANDLER": "webapp.api.exceptions.exception_handler",
 }
 SPECTACULAR_SETTINGS = {

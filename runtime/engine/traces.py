@@ -33,6 +33,8 @@ import random
 import reprlib
 from pathlib import Path
 
+from runtime.events import RepeatedKeyError, unique_keys
+
 FORMAT_VERSION = 1
 SPOT_NOTICE_S = 120.0
 """How long before reclaiming them a generated spot-like pool announces it: EC2 Spot's
@@ -206,7 +208,11 @@ def parse(lines: list[str], *, source: str = "trace", gpus: int | None = None) -
         if not line.strip():
             continue
         try:
-            record = json.loads(line, parse_int=_read_int)
+            record = json.loads(line, parse_int=_read_int, object_pairs_hook=unique_keys)
+        except RepeatedKeyError as exc:  # json would keep the last one without a word
+            raise TraceError(
+                f"{source}:{number}: field {_shown(exc.key)}: given twice in one object"
+            ) from None
         except json.JSONDecodeError as exc:
             raise TraceError(f"{source}:{number}: not JSON ({exc.msg})") from None
         except RecursionError:

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.core.exceptions import PermissionDenied as DjangoPermissionDenied
 from django.core.exceptions import ValidationError as DjangoValidationError
-from django.http import JsonResponse
+from django.http import Http404, JsonResponse
 from django.views import defaults
 from rest_framework import exceptions, status
 from rest_framework.views import exception_handler as drf_exception_handler
@@ -29,6 +30,12 @@ class Conflict(exceptions.APIException):
 
 
 def _translate(exc: Exception) -> Exception:
+    # DRF's handler converts these two itself, but only for its response: the exception stays
+    # Django's, with no ``detail`` for the body below (DRF's content negotiation raises Http404).
+    if isinstance(exc, Http404):
+        return exceptions.NotFound(*exc.args)
+    if isinstance(exc, DjangoPermissionDenied):
+        return exceptions.PermissionDenied(*exc.args)
     if isinstance(exc, DjangoValidationError):
         detail = (
             exc.message_dict if hasattr(exc, "error_dict") else {"non_field_errors": exc.messages}
@@ -75,6 +82,18 @@ def exception_handler(exc: Exception, context: dict):
         body = {"code": "invalid", "message": INVALID_INPUT, "fields": flatten(exc.detail)}
     else:
         detail = exc.detail if isinstance(exc, exceptions.APIException) else response.data
+        if isinstance(detail, dict) and "detail" in detail:  # DRF's own body: {"detail": ...}
+            detail = detail["detail"]
+        if isinstance(detail, dict | list):  # not a validation's, but read the same way
+            fields = flatten(detail)
+            messages = [
+                m if k == "non_field_errors" else f"{k}: {m}"
+                for k, ms in fields.items()
+                for m in ms
+            ]
+            code = getattr(exc, "default_code", "error")
+            response.data = {"code": str(code), "message": "; ".join(messages), "fields": fields}
+            return response
         code = getattr(detail, "code", None) or getattr(exc, "default_code", "error")
         field = getattr(exc, "field", None)  # an error about one field that is not a validation's
         fields = {field: [str(detail).removeprefix(f"{field}: ")]} if field else {}
