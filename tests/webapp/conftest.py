@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from django.contrib.auth import get_user_model
 from rest_framework.test import APIClient
@@ -61,10 +63,12 @@ def api():
 def token_for(member):
     """``token_for(project, role)``: the secret of a new token of an admin of ``project``."""
 
+    made = itertools.count()
+
     def make(project: Project, role: str = Role.OPERATOR, admin=None) -> str:
         admin = admin or member(project, Role.ADMIN, f"token-admin-{project.slug}-{role}")
-        _, secret = project_services.token_create(
-            user=admin, project=project, name=f"ci-{role}", role=role
+        _, secret = project_services.token_create(  # one active token per name in a project
+            user=admin, project=project, name=f"ci-{role}-{next(made)}", role=role
         )
         return secret
 

@@ -75,7 +75,7 @@ def test_a_removed_member_s_tokens_stay_ended_when_they_are_added_back(api, proj
     job = make_job(owner=ada, project=project)
     kept = member(project, Role.ADMIN, "kim")
     _, secret = project_services.token_create(user=ada, project=project, name="ci", role="admin")
-    _, other = project_services.token_create(user=kept, project=project, name="ci", role="admin")
+    _, other = project_services.token_create(user=kept, project=project, name="ci2", role="admin")
     assert api(secret=secret).get(f"{JOBS}{job.pk}/").status_code == 200
     Membership.objects.filter(user=ada, project=project).delete()  # as the admin site does
     project_services.membership_set(project=project, user=ada, role=Role.VIEWER)
@@ -158,7 +158,13 @@ def test_admins_issue_tokens_whose_secret_is_shown_once(api, project, member):
     ):
         refused = api(user=admin).post(_tokens("ml"), body, format="json")
         assert refused.status_code == 400 and list(refused.json()["fields"]) == [field], body
+    # One active token per name, as on the project page (found by audit: the API made two).
+    again = api(user=admin).post(_tokens("ml"), {"name": "ci", "role": "viewer"}, format="json")
+    assert again.status_code == 409 and again.json()["code"] == "name_taken"
+    assert list(again.json()["fields"]) == ["name"] and "active already" in again.json()["message"]
     assert len(api(user=admin).get(_tokens("ml")).json()) == 1
+    api(user=admin).post(f"{_tokens('ml')}{created['id']}/revoke/")
+    assert api(user=admin).post(_tokens("ml"), {"name": "ci"}, format="json").status_code == 201
 
 
 def test_token_endpoints_need_an_admin_session(api, project, other_project, member, token_for):

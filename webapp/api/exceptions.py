@@ -45,6 +45,10 @@ def _translate(exc: Exception) -> Exception:
         return exceptions.NotFound(str(exc))
     if isinstance(exc, project_errors.RoleError):
         return exceptions.PermissionDenied(str(exc))
+    if isinstance(exc, project_errors.TokenNameTakenError):
+        conflict = Conflict(str(exc), code="name_taken")
+        conflict.field = "name"
+        return conflict
     if isinstance(exc, plan_errors.SelfApprovalError):
         return Conflict(str(exc), code="self_approval")
     if isinstance(exc, plan_errors.ProposalError):

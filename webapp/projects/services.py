@@ -93,6 +93,12 @@ def token_create(
         # one that came first has already taken the role this checks.
         Membership.objects.select_for_update().filter(user=user, project=project).first()
         selectors.require_role(user, project, Role.ADMIN)
+        # One active token per name, for the page and the API alike. The project's row is locked
+        # for the check, so that two requests at once (a double click, a resend) make one.
+        Project.objects.select_for_update().filter(pk=project.pk).first()
+        active = selectors.tokens_of(project).filter(name=name, revoked_at__isnull=True)
+        if active.exclude(expires_at__lte=timezone.now()).exists():
+            raise errors.TokenNameTakenError(name)
         return _token_insert(
             user=user, project=project, name=name, role=role, expires_in_days=expires_in_days
         )

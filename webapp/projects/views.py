@@ -11,15 +11,13 @@ from __future__ import annotations
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.core.exceptions import PermissionDenied
-from django.db import transaction
 from django.http import Http404
 from django.shortcuts import redirect, render
-from django.utils import timezone
 from django.views.decorators.http import require_POST
 
 from webapp.projects import errors, selectors, services
 from webapp.projects.forms import TokenForm
-from webapp.projects.models import Membership, Project, Role
+from webapp.projects.models import Membership, Role
 
 
 @login_required
@@ -77,27 +75,20 @@ def token_create_view(request, slug: str):
     if not form.is_valid():
         return _page(request, project, form=form, status=400)
     name = form.cleaned_data["name"]
+    # The page that shows a new secret answers this POST (the secret is kept nowhere for a
+    # redirect to show), so a reload sends the form again: the service's one active token per
+    # name keeps that from making a second token.
     try:
-        with transaction.atomic():
-            # The page that shows a new secret answers this POST (the secret is kept nowhere
-            # for a redirect to show), so a reload sends the form again: one active token per
-            # name here keeps that from making a second token. The project's row is locked
-            # for the check, so that two submits at once (a double click) make one.
-            Project.objects.select_for_update().filter(pk=project.pk).first()
-            active = selectors.tokens_of(project).filter(name=name, revoked_at__isnull=True)
-            if active.exclude(expires_at__lte=timezone.now()).exists():
-                form.add_error(
-                    "name",
-                    f"a token named {name!r} is active already: revoke it or choose another name",
-                )
-                return _page(request, project, form=form, status=409)
-            token, secret = services.token_create(
-                user=request.user,
-                project=project,
-                name=name,
-                role=form.cleaned_data["role"],
-                expires_in_days=form.cleaned_data["expires_in_days"],
-            )
+        token, secret = services.token_create(
+            user=request.user,
+            project=project,
+            name=name,
+            role=form.cleaned_data["role"],
+            expires_in_days=form.cleaned_data["expires_in_days"],
+        )
+    except errors.TokenNameTakenError as exc:
+        form.add_error("name", str(exc))
+        return _page(request, project, form=form, status=409)
     except errors.RoleError as exc:
         raise PermissionDenied(str(exc)) from exc
     return _page(request, project, created={"token": token, "secret": secret})
