@@ -487,9 +487,14 @@ def export_command(
 ) -> None:
     """Export a trained model from a job's committed checkpoint as a Hugging Face folder (on
     this machine, no service needed): for a job that stopped before its end."""
-    from runtime.ppo.export import ExportError, export_job_checkpoint
+    from runtime.ppo.export import DTYPES, ROLES, ExportError, export_job_checkpoint
 
     try:
+        # Before any checkpoint is looked for (found by audit: --dtype zzz was named only after).
+        if role not in ROLES:
+            raise ExportError(f"--role: expected one of {', '.join(ROLES)}, got {role!r}")
+        if dtype not in DTYPES:
+            raise ExportError(f"--dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}")
         folder = export_job_checkpoint(job_dir, out, role=role, step=step, dtype=dtype)
     except ExportError as exc:
         typer.echo(f"nereus export: {exc}", err=True)

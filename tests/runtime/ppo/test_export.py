@@ -233,8 +233,13 @@ def test_nereus_export_writes_a_folder_or_names_the_field(tmp_path):
     assert "actor exported to" in done.output
     assert read_state_dict(tmp_path / "m").keys() == saved[8].keys()
     bad = runner.invoke(app, ["export", str(job_dir), "--out", str(tmp_path / "n"), "--role", "x"])
-    assert bad.exit_code == 2 and "role: expected one of actor, critic" in bad.output
+    assert bad.exit_code == 2 and "--role: expected one of actor, critic" in bad.output
     assert not (tmp_path / "n").exists()
+    # A bad --dtype is named before a checkpoint is looked for: here there is none to find.
+    empty = tmp_path / "no-checkpoints"
+    empty.mkdir()
+    bad = runner.invoke(app, ["export", str(empty), "--out", str(tmp_path / "n"), "--dtype", "zz"])
+    assert bad.exit_code == 2 and "--dtype: expected one of bfloat16, float32" in bad.output
 
 
 def test_a_failed_export_at_the_end_of_a_job_is_said_and_changes_nothing_else(tmp_path):
