@@ -43,8 +43,9 @@ EXIT_INTERRUPTED = 130
 BAR_WIDTH = 30
 
 
-# Control characters, tab aside: C0, DEL and C1.
-_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f-\x9f]")
+# Control characters, tab aside (C0, DEL and C1), and what makes a terminal show text in another
+# order or on another line: bidirectional overrides and isolates, line and paragraph separators.
+_CONTROL = re.compile("[\x00-\x08\x0a-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
 
 
 def shown(value: Any) -> Any:
@@ -53,12 +54,17 @@ def shown(value: Any) -> Any:
     log, is printed as a ``\\xNN`` escape. Job names, reasons, comments and events' data are
     anyone's words; ``--json`` output escapes them itself."""
     if isinstance(value, str):
-        return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", value)
+        return _CONTROL.sub(_escape, value)
     if isinstance(value, Mapping):
         return {shown(k): shown(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
         return [shown(v) for v in value]
     return value
+
+
+def _escape(match: re.Match) -> str:
+    code = ord(match.group())
+    return f"\\x{code:02x}" if code <= 0xFF else f"\\u{code:04x}"
 
 
 def _fail(command: str, exc: ApiError, *, as_json: bool) -> int:
@@ -280,6 +286,7 @@ def download(
     if as_json:
         typer.echo(json.dumps({"folder": str(folder), **chosen}))
     else:
+        chosen = shown(chosen)
         source = chosen.get("source") or {}
         typer.echo(
             f"{artifact} of job {job_id} ({chosen.get('architecture', '')}, "
@@ -333,7 +340,7 @@ def _follow(
                 failing_since = failing_since if failing_since is not None else now
                 if now - failing_since >= RETRY_FOR_S:
                     raise
-                printer.note(f"nereus {command}: {exc.message}; retrying")
+                printer.note(f"nereus {command}: {shown(exc.message)}; retrying")
             else:
                 if job.get("state") in TERMINAL_STATES:
                     break
@@ -374,7 +381,6 @@ class EventPrinter:
         if self.as_json:
             self._write(json.dumps({"event": event}) + "\n")
             return
-        event = shown(event)
         data = event.get("data") or {}
         if event.get("kind") == "step.finished" and isinstance(data.get("step"), int):
             done = data["step"] + 1
@@ -414,13 +420,13 @@ class EventPrinter:
             f"{event.get('id', ''):>6} {_clock(event.get('at'))} {event.get('kind', ''):<18} "
             f"{prefix}{_summary(event.get('data') or {})}"
         )
-        self._write(line.rstrip() + "\n")
+        self._write(shown(line.rstrip()) + "\n")
         self._redraw_bar()
 
     def _draw_bar(self, done: int, data: Mapping[str, Any]) -> None:
         total = self.total_steps or done
         filled = min(BAR_WIDTH, BAR_WIDTH * done // max(total, 1))
-        loss = f" loss {data['loss']}" if "loss" in data else ""
+        loss = f" loss {shown(str(data['loss']))}" if "loss" in data else ""
         self._clear_bar()
         self._bar = f"[{'#' * filled}{'.' * (BAR_WIDTH - filled)}] step {done}/{total}{loss}"
         self._write(self._bar)

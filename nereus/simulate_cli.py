@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import typer
@@ -79,20 +80,17 @@ def load_trace(spec: str, *, steps: int | None, gpus: int | None, seed: int, acc
 
 
 def _check_writable(option: str, path: Path) -> None:
-    """Before the run, not after it: a file ``option`` can write (made, then removed again, where
-    it is not there yet), so that a long simulation's output is not lost at its end."""
-    if not path.resolve().parent.is_dir():
-        raise SimulateError(f"{option}: no folder to write {str(path)!r} in")
+    """Before the run, not after it: a file ``option`` can write, so that a long simulation's
+    output is not lost at its end. Nothing is created or opened here: opening a named pipe, say,
+    would end its reader's input before the run wrote anything."""
     if path.is_dir():
         raise SimulateError(f"{option}: {str(path)!r} is a folder; give a file name")
-    existed = path.exists()
-    try:
-        with path.open("a", encoding="utf-8"):
-            pass
-    except OSError as exc:
-        raise SimulateError(f"{option}: cannot write {str(path)!r}: {exc.strerror}") from None
-    if not existed:
-        path.unlink(missing_ok=True)
+    folder = path.resolve().parent
+    if not folder.is_dir():
+        raise SimulateError(f"{option}: no folder to write {str(path)!r} in")
+    # A file not there yet (a dangling link's target too) is made at the end of the run.
+    if not (os.access(path, os.W_OK) if path.exists() else os.access(folder, os.W_OK | os.X_OK)):
+        raise SimulateError(f"{option}: cannot write {str(path)!r}: permission denied")
 
 
 def simulate(

@@ -402,8 +402,12 @@ def _check_directory(name: str, path: Path) -> None:
     """``path`` is a directory, or can become one: its nearest existing ancestor is a directory
     (it is made when first needed, where it is needed)."""
     existing = path
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
+    try:
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        is_dir = existing.is_dir()
+    except OSError as exc:  # a folder on the way this process may not enter
+        raise ConfigError(name, f"cannot use {str(path)!r}: {exc.strerror}") from None
+    if not is_dir:
         where = "is" if existing == path else f"lies under {str(existing)!r}, which is"
         raise ConfigError(name, f"{str(path)!r} {where} not a directory")

@@ -4,6 +4,7 @@ Such a character has no place in a name or a comment, and printed on a terminal 
 it can move the cursor, retitle the window or start a line that looks like the service's own
 (``nereus`` escapes what it prints anyway: old rows, and data from other paths, may hold them).
 Multi-line text (a comment, a reason) may hold line breaks and tabs; a name holds neither.
+Bidirectional overrides are refused too: they make a terminal show text in another order.
 """
 
 from __future__ import annotations
@@ -13,8 +14,11 @@ import re
 from django.core.exceptions import ValidationError
 from django.utils.deconstruct import deconstructible
 
-_ONE_LINE = re.compile(r"[\x00-\x1f\x7f-\x9f]")
-_MULTILINE = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")  # \t, \n and \r allowed
+# Also the characters that reorder or break what a terminal shows: bidirectional overrides and
+# isolates (U+202A-U+202E, U+2066-U+2069), and the line and paragraph separators (U+2028-U+2029).
+_SHOWN_WRONG = "\u2028\u2029\u202a-\u202e\u2066-\u2069"
+_ONE_LINE = re.compile(f"[\\x00-\\x1f\\x7f-\\x9f{_SHOWN_WRONG}]")
+_MULTILINE = re.compile(f"[\\x00-\\x08\\x0b\\x0c\\x0e-\\x1f\\x7f-\\x9f{_SHOWN_WRONG}]")  # \t \n \r
 
 
 def control_character(value: str, *, multiline: bool = False) -> str | None:

@@ -583,6 +583,10 @@ def test_what_anyone_typed_is_printed_without_its_control_characters():
     assert not re.search(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]", text)
     assert r"ok\x1b]0;pwned\x07\x0d\x0afake line\x9b2J" in text  # what was sent, readable
     assert shown({"a\nb": ["\t", 3]}) == {r"a\x0ab": ["\t", 3]}  # tabs kept, numbers untouched
+    assert shown("abc\u202edef\u2028") == r"abc\u202edef\u2028"  # reordering, line breaking
+    printer = EventPrinter(total_steps=None, as_json=False, tty=False, out=(out := io.StringIO()))
+    printer.event({**event, "data": {"nested": {"k": "\x1b"}}})  # JSON escapes it, once
+    assert r'nested={"k": "\u001b"}' in out.getvalue()
     printer = EventPrinter(total_steps=None, as_json=True, tty=False, out=(whole := io.StringIO()))
     printer.event(event)  # --json: the words as they were, escaped by JSON
     assert json.loads(whole.getvalue())["event"]["data"]["reason"] == hostile

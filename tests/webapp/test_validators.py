@@ -15,6 +15,9 @@ def test_names_hold_no_control_character_comments_keep_their_lines():
     assert control_character("escape \x1b[2J", multiline=True) == "U+001B"
     assert control_character("del\x7f", multiline=True) == "U+007F"
     assert control_character("c1 \x9b2J", multiline=True) == "U+009B"  # the 8-bit CSI
+    assert control_character("txt.exe\u202egnp", multiline=True) == "U+202E"  # shown reversed
+    assert control_character("line\u2028break", multiline=True) == "U+2028"
+    assert control_character("family 👨\u200d👩\u200d👧") is None  # joiners in emoji stay
 
 
 def test_the_validator_names_the_character():
