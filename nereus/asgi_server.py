@@ -18,8 +18,9 @@ it reads:
 
 The answer is the middleware's 413 (``webapp.limits.too_large_body``: ``too_large`` naming
 ``body``) with ``Connection: close``; the request never reaches the application. The server then
-half-closes the connection (FIN after the 413) and closes it fully ``LINGER_S`` later, or when the
-client does; what the client still sends meanwhile is dropped as it arrives, never stored.
+half-closes the connection (FIN after the 413) and closes it fully once the client has sent
+nothing for ``LINGER_S`` (``LINGER_MAX_S`` at most), or when the client does; what the client
+still sends meanwhile is dropped as it arrives, never stored.
 Closing at once would leave unread data in the socket, and the kernel answers that with a RST,
 which can destroy the 413 before a client still uploading reads it (Go's net/http waits the same
 way).
@@ -53,8 +54,11 @@ from webapp.limits import http_max_body_bytes, too_large_body
 
 logger = logging.getLogger("nereus.asgi_server")  # not "__main__" under -m
 
-# Seconds a refused connection stays open, half-closed, so the 413 reaches a client still sending.
+# A refused connection stays open, half-closed, while the client still sends (what it sends is
+# dropped), so that the 413 reaches a client that reads only once its upload is done: until
+# LINGER_S pass with nothing received, and LINGER_MAX_S at most (as nginx's lingering close).
 LINGER_S = 0.5
+LINGER_MAX_S = 10.0
 
 
 def too_large_response(cap: int, server_name: str = "") -> bytes:
@@ -71,10 +75,6 @@ def too_large_response(cap: int, server_name: str = "") -> bytes:
     return b"\r\n".join(head) + b"\r\n\r\n" + body
 
 
-def _discard(data: bytes) -> None:
-    """What a refused connection does with what it still receives."""
-
-
 class BodyLimitRequest(WebRequest):
     """Daphne's request, answering 413 as soon as its body is known to be over the cap."""
 
@@ -82,6 +82,7 @@ class BodyLimitRequest(WebRequest):
     _received = 0  # bytes of body read so far
     _refused = False
     _closing = None  # the delayed full close of a refused connection
+    _linger_until = 0.0  # the latest that close may come (reactor seconds)
 
     def gotLength(self, length):  # noqa: N802 (Twisted)
         # HTTP/1.x only: the answer is written to the connection as is (HTTP/2 is TLS only here).
@@ -124,13 +125,21 @@ class BodyLimitRequest(WebRequest):
         )
         # Whatever arrives from now on is dropped: the channel's parser is bypassed (Twisted's
         # HTTPChannel swaps its own dataReceived the same way to drop data after a last request).
-        channel.dataReceived = _discard
+        channel.dataReceived = self._discard
         lose_write = getattr(transport, "loseWriteConnection", None)
         if lose_write is None:
             channel.loseConnection()
             return
         lose_write()
+        self._linger_until = reactor.seconds() + LINGER_MAX_S
         self._closing = reactor.callLater(LINGER_S, channel.loseConnection)
+
+    def _discard(self, data: bytes) -> None:
+        """What a refused connection still receives: dropped, and the close waits LINGER_S more
+        (until LINGER_MAX_S after the refusal)."""
+        closing = self._closing
+        if closing is not None and closing.active():
+            closing.reset(max(0.0, min(LINGER_S, self._linger_until - reactor.seconds())))
 
 
 class BodyLimitHTTPFactory(HTTPFactory):

@@ -14,6 +14,7 @@ import base64
 import hashlib
 import json
 import socket
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -113,6 +114,24 @@ def test_a_content_length_over_the_cap_is_answered_from_the_headers(server, expe
         raw = _read_until_closed(sock)
     # A client that asked to be told before sending gets the refusal, not "100 Continue".
     _assert_too_large(raw)
+
+
+def test_a_client_that_reads_only_after_uploading_still_gets_the_413(server):
+    """Found by review: the server closed a refused connection a fixed half second after its 413,
+    and a client still uploading then had unread data reset away. It now waits while the client
+    sends (dropping what comes), so the 413 is there to read once the upload is done."""
+    from nereus.asgi_server import LINGER_S
+
+    piece = b"x" * 16384
+    with _connect(server) as sock:
+        sock.sendall(
+            _head("POST", JOBS, "Content-Type: application/json", "Content-Length: 10000000")
+        )
+        deadline = time.monotonic() + 3 * LINGER_S  # sending for longer than one linger
+        while time.monotonic() < deadline:
+            sock.sendall(piece)
+            time.sleep(LINGER_S / 10)
+        _assert_too_large(_read_until_closed(sock))
 
 
 def test_an_absurd_content_length_is_answered_not_awaited(server):
