@@ -292,6 +292,18 @@ def test_a_simulated_or_supervised_job_is_a_400_on_slots(api, project, operator,
     assert _resizes(job) == 0
 
 
+def test_a_job_whose_stored_spec_no_longer_validates_is_a_400_not_a_500(api, project, operator):
+    """Found by review: a spec stored before a check it now fails (an SFT spec over a CPU slot's
+    memory, checked since) made the pool endpoint a 500."""
+    job = make_job(owner=operator, project=project, spec=SFT_SPEC, state=JobState.RUNNING)
+    Job.objects.filter(pk=job.pk).update(spec={**SFT_SPEC, "hidden": 65536})
+    response = _pool(api(user=operator), job.pk, {"slots": 2})
+    assert response.status_code == 400, response.content
+    (message,) = _fields(response)["slots"]
+    assert "stored spec no longer passes the checks (hidden: " in message
+    assert _resizes(job) == 0
+
+
 # --- the job's state: 409, nothing recorded ---------------------------------------------------
 
 

@@ -6,6 +6,9 @@ JOB_FINISHED = "job {job_id} has already finished ({state})"
 JOB_STOPPING = "job {job_id} is {state}; its driver takes no more commands"
 RESIZE_SIMULATED = "a simulated job's pool follows its trace; it cannot be resized"
 RESIZE_FIXED = "a job of kind {kind} runs on the slots it started with; it cannot be resized"
+RESIZE_STALE_SPEC = (
+    "this job's stored spec no longer passes the checks ({why}); it cannot be resized"
+)
 NOTICE_RANGE = "expected a number of seconds from 0 to {most}"
 TOO_MANY_DELIVERIES = (
     "the driver task was delivered {count} times in a row without the job making progress"

@@ -317,7 +317,10 @@ def job_resize(*, job_id: int, slots: Any, notice_s: Any = 0.0, by: str = "") ->
     from runtime.jobs.spec import PpoJobSpec, PpoSimJobSpec, spec_from_json
 
     job = Job.objects.select_for_update().get(pk=job_id)
-    spec = spec_from_json(job.spec)
+    try:
+        spec = spec_from_json(job.spec)
+    except ValueError as exc:  # stored before a check it now fails (an SFT spec over memory)
+        raise ValidationError({"slots": [errors.RESIZE_STALE_SPEC.format(why=exc)]}) from None
     if isinstance(spec, PpoSimJobSpec):
         raise ValidationError({"slots": [errors.RESIZE_SIMULATED]})
     if not isinstance(spec, PpoJobSpec):
