@@ -42,6 +42,16 @@ registered = kernels.has_kernels_for('cuda')
 print('CUDA kernels registered:', registered)
 sys.exit(bool(torch.version.cuda) and not registered)" 2>&1 | tee -a "$OUT/summary.txt" || status=1
 
+# What the build's device code is (the tests' test_nvcc.py reads PTX; this reads the SASS the GPU
+# runs): registers and spills per kernel, and the 16-byte loads and stores of the copy.
+if command -v cuobjdump >/dev/null; then
+  LIB="$NEREUS_KERNELS_DIR/nereus_kernels.so"
+  cuobjdump --dump-resource-usage "$LIB" >"$OUT/resource_usage.txt" 2>&1 || true
+  cuobjdump --dump-sass "$LIB" >"$OUT/sass.txt" 2>&1 || true
+  echo "SASS: $(grep -c 'LDG.E.128' "$OUT/sass.txt") LDG.E.128, $(grep -c 'STG.E.128' "$OUT/sass.txt") STG.E.128," \
+    "$(grep -c 'STL' "$OUT/sass.txt") local stores (spills)" | tee -a "$OUT/summary.txt"
+fi
+
 # The project's pytest configuration names plugins (Django, asyncio) this machine may lack, and
 # the kernel tests need none of them or of the shared conftest.
 PYTEST=("$PYTHON" -m pytest -q -c /dev/null --rootdir . --noconftest -p no:cacheprovider)
