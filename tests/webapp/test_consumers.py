@@ -93,6 +93,9 @@ async def test_malformed_messages_get_an_error_frame_and_the_socket_stays_open()
     assert (await ws.receive_json_from(timeout=5))["code"] == "bad_json"
     await ws.send_json_to({"type": "dance"})
     assert (await ws.receive_json_from(timeout=5))["message"] == "type: expected 'resume'"
+    await ws.send_to(text_data='{"type": "resume", "after": 0, "after": 99}')  # which one?
+    repeated = await ws.receive_json_from(timeout=5)
+    assert repeated["code"] == "bad_message" and "'after' is given twice" in repeated["message"]
     await ws.send_json_to({"type": "resume", "after": "yesterday"})
     error = await ws.receive_json_from(timeout=5)
     assert error["code"] == "bad_after" and error["message"].startswith("after:")

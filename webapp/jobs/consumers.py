@@ -23,6 +23,7 @@ from django.conf import settings
 from django.contrib.auth import HASH_SESSION_KEY, SESSION_KEY, get_user_model
 from django.utils.crypto import constant_time_compare
 
+from runtime.events import RepeatedKeyError, unique_keys
 from webapp.jobs import selectors
 from webapp.projects.models import ApiToken
 
@@ -102,14 +103,16 @@ class JobEventsConsumer(AsyncJsonWebsocketConsumer):
 
     @classmethod
     async def decode_json(cls, text_data):
-        try:
-            return json.loads(text_data)
+        try:  # a key given twice is refused, as everywhere input is read
+            return json.loads(text_data, object_pairs_hook=unique_keys)
         except RecursionError:  # nested too deeply for the decoder: as malformed as any other
             raise ValueError("nested too deeply") from None
 
     async def receive(self, text_data=None, bytes_data=None, **kwargs) -> None:
         try:
             await super().receive(text_data=text_data, bytes_data=bytes_data, **kwargs)
+        except RepeatedKeyError as exc:
+            await self._send_error(ClientError("bad_message", f"message: {exc}"))
         except ValueError:
             await self._send_error(ClientError("bad_json", "message: not valid JSON"))
 
