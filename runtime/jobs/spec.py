@@ -71,9 +71,9 @@ class SftJobSpec:
     def _check_fits(self) -> None:
         """A job whose model or micro-batch cannot fit a CPU slot's memory is refused here, as
         a PPO job's is, not when its slots run out of memory (or are killed for it)."""
-        from runtime.planner.catalog import CPU_SLOT, default_catalog
+        from runtime.planner.catalog import ACCELERATORS, CPU_SLOT
 
-        capacity = default_catalog().accelerator(CPU_SLOT).memory_bytes
+        capacity = ACCELERATORS[CPU_SLOT].memory_bytes
         state, activations = self.slot_bytes()
         if state + activations <= capacity:
             return

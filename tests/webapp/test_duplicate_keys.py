@@ -33,26 +33,18 @@ def _error(response) -> dict:
 
 
 @pytest.fixture
-def operator(project, member):
-    return member(project, Role.OPERATOR, "olga")
-
-
-@pytest.fixture
-def running(project, operator):
-    """A running real PPO job (2 of at most 4 slots)."""
-    return make_job(
-        owner=operator, project=project, name="ppo", spec=PPO_SPEC, state=JobState.RUNNING
-    )
+def running(project, member):
+    """A running real PPO job (2 of at most 4 slots), owned by an operator of its project."""
+    owner = member(project, Role.OPERATOR, "olga")
+    return make_job(owner=owner, project=project, name="ppo", spec=PPO_SPEC, state=JobState.RUNNING)
 
 
 # --- a key given twice ---------------------------------------------------------------------
 
 
-def test_a_pool_body_giving_slots_twice_is_a_400_naming_it_and_changes_nothing(
-    api, operator, running
-):
+def test_a_pool_body_giving_slots_twice_is_a_400_naming_it_and_changes_nothing(api, running):
     before = model_to_dict(Job.objects.get(pk=running.pk))
-    response = api(user=operator).post(
+    response = api(user=running.owner).post(
         f"{JOBS}{running.pk}/pool/", '{"slots": 2, "slots": 3}', content_type="application/json"
     )
     assert response.status_code == 400, response.content
@@ -110,10 +102,8 @@ def test_the_first_repeat_in_the_body_is_the_one_named(api, project, member):
 
 
 @pytest.mark.parametrize("fmt", ["xml", "yaml", "'><script>", "x" * 1000])
-def test_an_unknown_format_is_a_400_naming_format_and_a_known_one_still_answers(
-    api, operator, running, fmt
-):
-    response = api(user=operator).get(f"{JOBS}{running.pk}/", {"format": fmt})
+def test_an_unknown_format_is_a_400_naming_format_and_a_known_one_still_answers(api, running, fmt):
+    response = api(user=running.owner).get(f"{JOBS}{running.pk}/", {"format": fmt})
     assert response.status_code == 400, response.content
     body = _error(response)
     assert body["code"] == "invalid"
@@ -121,7 +111,7 @@ def test_an_unknown_format_is_a_400_naming_format_and_a_known_one_still_answers(
     (message,) = body["fields"]["format"]
     assert f"{fmt[:40]!r}" in message and "is not a format here; one of: json" in message
     assert len(message) < 200
-    known = api(user=operator).get(f"{JOBS}{running.pk}/", {"format": "json"})
+    known = api(user=running.owner).get(f"{JOBS}{running.pk}/", {"format": "json"})
     assert known.status_code == 200 and known.json()["id"] == running.pk
 
 
