@@ -59,11 +59,22 @@ class _Recording(SimulatedEngine):
         return super().step(plan_, workload, step)
 
 
-def _run(trace, accelerator, workload, policy: JobPolicy, *, truth=None, engine_seed=3, fixed=None):
+def _starter(
+    trace, accelerator, workload, policy: JobPolicy, *, truth=None, engine_seed=3, fixed=None
+):
+    """Makes the simulated job afresh, from the same seeds each time (``hindsight.Start``)."""
     acc = CATALOG.accelerator(accelerator)
     truth = truth or TrueModel.draw(7)
-    engine = _Recording(trace, acc, truth=truth, seed=engine_seed)
-    controller = Controller(workload, acc, policy, fixed=fixed)
+
+    def start():
+        engine = _Recording(trace, acc, truth=truth, seed=engine_seed)
+        return engine, Controller(workload, acc, policy, fixed=fixed)
+
+    return start
+
+
+def _run(trace, accelerator, workload, policy: JobPolicy, **world):
+    engine, controller = _starter(trace, accelerator, workload, policy, **world)()
     summary = run_job(engine, controller, trace.steps)
     return summary, controller, engine
 
@@ -368,8 +379,10 @@ def experiment_scale(quick: bool) -> dict:
     _figure_scale(steps_ev, transitions, controller, trace)
     joining = sum(_joining_excess(controller.events, t) for t in transitions)
     audit = hindsight.moves(controller.events, engine, workload)
+    start = _starter(trace, "h100-sxm", workload, JobPolicy())
     return {
         "trace": trace.name,
+        "counterfactual": hindsight.replayed(start, trace.steps, audit, engine.now()),
         "summary": summary.to_json(),
         "gpus_reached": engine.pool_size(),
         "transition_share": summary.transition_seconds / summary.seconds,
@@ -413,6 +426,22 @@ def experiment_scale(quick: bool) -> dict:
         ],
         "seed": {"transitions": 6, "share": 0.00079},
     }
+
+
+def _counterfactual_lines(replayed: dict | None, steps: int) -> list[str]:
+    """Exp2's moves made for their saving, replayed without them (``hindsight.replayed``)."""
+    if not replayed:
+        return []
+    whole = replayed["without_saving_moves"]
+    alone = ", ".join(f"step {m['step']} {m['net_s']:+.1f} s" for m in replayed["moves"])
+    return [
+        "Replayed from the run's seeds without them (`hindsight.replayed`: what they bought, "
+        "their cost and all that followed included): without every move made for its saving "
+        f"the run takes {whole['without_s'] / 3600:.3f} h ({whole['without_s'] / max(1, steps):.2f} "
+        f"s/step) against {whole['run_s'] / 3600:.3f} h, so they bought {whole['net_s']:+.1f} s"
+        + (f"; each refused alone: {alone}." if alone else "."),
+        "",
+    ]
 
 
 def _joining_excess(events: list[dict], transition: dict) -> float:
@@ -542,6 +571,10 @@ def experiment_admission(quick: bool) -> dict:
             if name in LOOKED_BACK:
                 seen = hindsight.moves(controller.events, engine, workload)
                 out[trace.name][name]["hindsight"] = hindsight.summary(seen)
+                start = _starter(trace, "h100-sxm", workload, policy)
+                out[trace.name][name]["counterfactual"] = hindsight.replayed(
+                    start, trace.steps, seen, engine.now()
+                )
     means = {name: statistics.fmean(out[t][name]["mean_step_s"] for t in out) for name in POLICIES}
     return {
         "traces": out,
@@ -887,6 +920,7 @@ def markdown(results: dict) -> str:
             if t.get("true_saving_s") is not None
         ),
         "",
+        *_counterfactual_lines(e2.get("counterfactual"), e2["summary"]["steps"]),
     ]
     e3 = results["plan_quality"]
     lines += [
@@ -954,6 +988,34 @@ def markdown(results: dict) -> str:
             + ".",
             "",
         ]
+    replays = [
+        (trace, name, runs[name]["counterfactual"], runs[name]["steps"])
+        for trace, runs in e4["traces"].items()
+        for name in LOOKED_BACK
+        if runs[name].get("counterfactual")
+    ]
+    if replays:
+        lines += [
+            "What those moves bought, by replaying each run from its seeds without them "
+            "(`hindsight.replayed`; the replays share the run's per-step noise, so what differs "
+            "is what the moves did, their cost and everything that followed from them "
+            "included). Each alone: the run copied before the move's step goes on with that "
+            "move refused, and any other move for a saving into the layouts it moved to, until "
+            "the pool changes. All: the run again with every move for a saving refused (moves "
+            "for slots, memory and failures made as before).",
+            "",
+            "| trace | policy | moves for a saving, replayed | each alone: paid | each alone: "
+            "net s, in all | all refused: s/step | all: bought s |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
+            *(
+                f"| {trace} | {name} | {len(c['moves'])} | {c['paid']} | "
+                f"{sum(m['net_s'] for m in c['moves']):+.0f} | "
+                f"{c['without_saving_moves']['without_s'] / max(1, steps):.2f} | "
+                f"{c['without_saving_moves']['net_s']:+.0f} |"
+                for trace, name, c, steps in replays
+            ),
+            "",
+        ]
     sweep = e4["sweep"]
     lines += [
         f"Over {len(sweep['rows'])} more traces (seeds {SWEEP_SEEDS[0]}-{SWEEP_SEEDS[-1]} of each "
@@ -1015,14 +1077,15 @@ def main() -> None:
         t = time.perf_counter()
         results[name] = fn(args.quick)
         print(f"[{name}: {time.perf_counter() - t:.0f} s]", flush=True)
-    figures(results)
-    text = markdown(results)
-    print(text)
-    (_report.RESULTS / "sim_experiments.md").write_text(text)
+    # The results first: the figures and tables are made from them, and can be made again.
     path = _report.write(
         "sim_experiments",
         {"simulated": True, "results": results, "elapsed_s": time.perf_counter() - started},
     )
+    figures(results)
+    text = markdown(results)
+    print(text)
+    (_report.RESULTS / "sim_experiments.md").write_text(text)
     print(f"wrote {path}")
 
 

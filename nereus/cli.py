@@ -160,6 +160,13 @@ def simulate_command(
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
     events: Annotated[str | None, typer.Option(help="Write every event to this file.")] = None,
+    counterfactual: Annotated[
+        bool,
+        typer.Option(
+            help="Run it again without the moves made for their saving, all and each alone, "
+            "to say what they bought (one more run, and one replay per move)."
+        ),
+    ] = False,
 ) -> None:
     """Run the controller on the simulated cluster (every figure it prints is simulated)."""
     from nereus.simulate_cli import simulate
@@ -176,6 +183,7 @@ def simulate_command(
             policy_file=policy_file,
             as_json=as_json,
             events_file=events,
+            counterfactual=counterfactual,
         )
     )
 

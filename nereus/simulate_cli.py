@@ -105,6 +105,7 @@ def simulate(
     policy_file: str | None,
     as_json: bool,
     events_file: str | None,
+    counterfactual: bool = False,
 ) -> int:
     try:
         if policy not in POLICIES:
@@ -157,8 +158,14 @@ def simulate(
                 f"--gpu: the trace is for {trace.accelerator}, not {accelerator.name}"
             )
         workload = PpoWorkload.for_model(catalog.model(model), gen_len=trace.gen_len_at(0))
-        engine = SimulatedEngine(trace, accelerator, truth=TrueModel.draw(seed), seed=seed)
-        controller = Controller(workload, accelerator, job_policy)
+
+        def start() -> tuple[SimulatedEngine, Controller]:
+            return (
+                SimulatedEngine(trace, accelerator, truth=TrueModel.draw(seed), seed=seed),
+                Controller(workload, accelerator, job_policy),
+            )
+
+        engine, controller = start()
         summary = run_job(engine, controller, trace.steps)
     except (SimulateError, TraceError, PolicyError, CatalogError, PlanningError) as exc:
         typer.echo(f"nereus simulate: {exc}", err=True)
@@ -178,6 +185,9 @@ def simulate(
     joined = sum(bool(e["dag"]["joining"]) for e in transitions)
     seen = hindsight.moves(controller.events, engine, workload)
     looked_back = hindsight.summary(seen)
+    replayed = (
+        hindsight.replayed(start, trace.steps, seen, engine.now()) if counterfactual else None
+    )
     result = {
         "simulated": True,
         "trace": trace.name,
@@ -186,6 +196,7 @@ def simulate(
         "built_ahead": built_ahead,
         "joined": joined,
         "hindsight": {**looked_back, "moves": [m.to_json() for m in seen]},
+        **({"counterfactual": replayed} if replayed is not None else {}),
     }
     if as_json:
         typer.echo(json.dumps(result, indent=2))
@@ -212,5 +223,18 @@ def simulate(
             f"their cost, in all: {looked_back['net_s']:+.1f} s (the true model, over each "
             "move's life)"
         )
+    if replayed is not None:
+        whole, alone = replayed["without_saving_moves"], replayed["moves"]
+        typer.echo(
+            f"  counterfactual     without its moves made for their saving the run takes "
+            f"{whole['without_s'] / 3600:.2f} h: they bought {whole['net_s']:+.1f} s, their "
+            "cost and all that followed from them included"
+        )
+        if alone:
+            typer.echo(
+                f"                     each refused alone: {replayed['paid']} of "
+                f"{len(alone)} paid: "
+                + ", ".join(f"step {m['step']} {m['net_s']:+.1f} s" for m in alone)
+            )
     typer.echo(f"  restarts           {summary.restarts}, {summary.restart_seconds:.1f} s")
     return 0

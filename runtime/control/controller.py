@@ -268,6 +268,11 @@ class Controller:
         self.fixed: dict[str, tuple[int, int]] = dict(fixed or {})
         """With ``policy.fixed_layouts``: each model-stage's (tp, pp); default: the first plan's."""
         self.pending: Proposal | None = None
+        self.veto: Callable[[Plan, Plan, int], str] | None = None
+        """Refuses a move admission found worth its cost (one hindsight would call ``saving``:
+        not urgent, not away from a plan forecast to outgrow memory, not onto a changed pool):
+        called with the running plan, the candidate and the step, it returns why (empty: no
+        veto). None in a job; hindsight's counterfactual replays set it (``counterfactuals``)."""
         self.events: list[Event] = []
         self._emit_to = emit
         self._ids = itertools.count(1)
@@ -1150,6 +1155,8 @@ class Controller:
             min_saving=self.policy.min_saving,
             contested=outlook.contested,
         )
+        if not (urgent or overflows or trigger.kind == "pool"):
+            verdict = self._vetoed(verdict, candidate, trigger.step)
         if no_live_route:
             verdict = dataclasses.replace(
                 verdict,
@@ -1471,6 +1478,16 @@ class Controller:
         self._apply(salvage, workload, dag, engine)
         return True
 
+    def _vetoed(self, verdict: Verdict, candidate: Plan, step: int) -> Verdict:
+        """``verdict``, refused where ``veto`` refuses the move (not kept for later: a veto is
+        not a price that may change)."""
+        if self.veto is None or not verdict.admit or self.plan is None:
+            return verdict
+        why = self.veto(self.plan, candidate, step)
+        return (
+            dataclasses.replace(verdict, admit=False, reason=f"vetoed: {why}") if why else verdict
+        )
+
     def _steps_left(self, step: int) -> float:
         """Steps the run has after ``step`` (no known end: infinitely many)."""
         return math.inf if self.last_step is None else max(0, self.last_step - step)
@@ -1495,6 +1512,8 @@ class Controller:
             min_saving=self.policy.min_saving,
             contested=_contested(self._calibration_check(candidate)[1]),
         )
+        if trigger.kind != "pool":
+            verdict = self._vetoed(verdict, candidate, step)
         if not verdict.admit:
             return  # kept: priced again next step (even one that the run's end outruns now)
         self.deferred = None
@@ -1941,19 +1960,27 @@ def run_job(
     *,
     between_steps: Callable[[int], bool] | None = None,
     on_step: Callable[[StepReport], None] | None = None,
+    resume_at: int | None = None,
 ) -> RunSummary:
     """The step loop: run a step on the current plan, let the controller act between steps.
 
     ``between_steps(step)`` runs before each step (a driver applies commands there) and returns
     False to stop the job; ``on_step(report)`` receives each step's report (by default it becomes
-    a ``step`` event of the controller)."""
-    controller.initial_plan(engine)
-    controller.last_step = steps - 1
+    a ``step`` event of the controller). ``resume_at``: go on with a job copied
+    (``copy.deepcopy`` of its engine and controller) in its ``between_steps`` of that step, from
+    that step's own hooks on, with no initial plan; the summary counts the steps run here."""
+    if resume_at is None:
+        controller.initial_plan(engine)
+        controller.last_step = steps - 1
     failed = 0
     step_seconds = 0.0
     done = 0
-    for step in range(steps):
-        if between_steps is not None and not between_steps(step):
+    for step in range(resume_at or 0, steps):
+        if resume_at is not None and step == resume_at:
+            between = True  # the copy was made in this step's between_steps
+        else:
+            between = between_steps is None or between_steps(step)
+        if not between:
             break
         controller.before_step(engine, step)
         assert controller.plan is not None

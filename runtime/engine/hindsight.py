@@ -21,9 +21,11 @@ the next stretch can win over its life.
 from __future__ import annotations
 
 import bisect
+import copy
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
+from runtime.control.controller import Controller, run_job
 from runtime.engine.sim import SimulatedEngine
 from runtime.planner.plan import ModelStagePlan, Plan, PlanError
 from runtime.planner.workload import PpoWorkload
@@ -212,3 +214,163 @@ def summary(hindsight: Sequence[MoveHindsight]) -> dict:
         "repaid": sum(m.net_s > 0 for m in made),
         "net_s": sum(m.net_s for m in made),
     }
+
+
+# --- counterfactual replays -------------------------------------------------------------------
+
+VETO_ALL = "hindsight: the same run without moves made for their saving"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Counterfactual:
+    """The run as it ran against the same run, from the same seeds, with moves made for their
+    saving refused (``veto``): the seconds the run took each way. Every figure is simulated."""
+
+    step: int
+    """The move's step (``MoveHindsight.step``); -1 for the whole run's saving moves."""
+    moved: tuple[tuple[str, tuple[int, int], tuple[int, int]], ...] = ()
+    run_s: float
+    """The run's seconds, all steps, as it ran."""
+    without_s: float
+    """The same run's seconds with the veto."""
+    refused: int
+    """Admissions the veto refused in the replay (0: the replay never met the move)."""
+
+    @property
+    def net_s(self) -> float:
+        """What the moves bought, their own cost and everything that followed from them
+        included: positive when the run was faster for them."""
+        return self.without_s - self.run_s
+
+    def to_json(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["moved"] = [
+            {"model_stage": n, "before": list(a), "after": list(b)} for n, a, b in self.moved
+        ]
+        out["net_s"] = self.net_s
+        out["simulated"] = True
+        return out
+
+
+Start = Callable[[], tuple[SimulatedEngine, Controller]]
+"""Makes a simulated job afresh: its engine and controller, from the same seeds each time."""
+
+
+def without_saving_moves(start: Start, steps: int, run_s: float) -> Counterfactual:
+    """The run again with every move made for its saving refused (moves for slots, memory,
+    failures and overrides are made as before): what the policy's moves for a saving bought,
+    taken together. ``run_s``: the seconds of the run as it ran (``start``'s, all ``steps``)."""
+    engine, controller = start()
+    controller.veto = lambda running, candidate, step: VETO_ALL
+    run_job(engine, controller, steps)
+    return Counterfactual(
+        step=-1, run_s=run_s, without_s=engine.now(), refused=_refusals(controller)
+    )
+
+
+def counterfactuals(
+    start: Start, steps: int, seen: Sequence[MoveHindsight]
+) -> list[Counterfactual]:
+    """For each move of ``seen`` made for its saving that changed a TP/PP layout (``moves`` of
+    the run ``start`` makes), the same run with that move refused, and any other move for a
+    saving that puts one of its model-stages in the layout it moved it to, until the pool
+    changes (after which the two runs replan on the new pool freely; what the move left behind
+    still counts). The run is made again, copied (``copy.deepcopy``) before each such move's
+    step, and each copy goes on with the veto to the run's end: both share the steps' noise
+    (the engine draws it per step), so what differs is what the move did. One replay of the
+    run's remainder per move."""
+    wanted = {m.step for m in seen if m.why == "saving" and _relaid(m)}
+    if not wanted:
+        return []
+    snapshots: dict[int, tuple[SimulatedEngine, Controller]] = {}
+    engine, controller = start()
+
+    def snapshot(step: int) -> bool:
+        if step in wanted or (step == 0 and -1 in wanted):
+            snapshots[step] = _copy(engine, controller)
+        return True
+
+    run_job(engine, controller, steps, between_steps=snapshot)
+    run_s = engine.now()
+    out = []
+    for move in seen:
+        if move.why != "saving" or not _relaid(move):
+            continue
+        at = max(0, move.step)
+        copied_engine, copied = _copy(*snapshots[at])
+        copied.veto = _veto_of(move, copied_engine)
+        run_job(copied_engine, copied, steps, resume_at=at)
+        out.append(
+            Counterfactual(
+                step=move.step,
+                moved=move.moved,
+                run_s=run_s,
+                without_s=copied_engine.now(),
+                refused=_refusals(copied),
+            )
+        )
+    return out
+
+
+def replayed(start: Start, steps: int, seen: Sequence[MoveHindsight], run_s: float) -> dict:
+    """What the run's moves made for their saving bought, by replaying it without them: all of
+    them (``without_saving_moves``) and each alone (``counterfactuals``), as JSON. ``run_s``:
+    the seconds of the run ``start`` makes, as it ran; a replay that does not reproduce them is
+    an error (something in the run was not drawn from its seeds)."""
+    alone = counterfactuals(start, steps, seen)
+    if any(c.run_s != run_s for c in alone):
+        raise RuntimeError(
+            f"the replay took {alone[0].run_s} s where the run took {run_s} s: "
+            "the simulated run is not reproducible from its seeds"
+        )
+    if any(m.why == "saving" for m in seen):
+        whole = without_saving_moves(start, steps, run_s)
+    else:  # nothing to refuse: the run is its own counterfactual
+        whole = Counterfactual(step=-1, run_s=run_s, without_s=run_s, refused=0)
+    return {
+        "simulated": True,
+        "without_saving_moves": whole.to_json(),
+        "moves": [c.to_json() for c in alone],
+        "paid": sum(c.net_s > 0 for c in alone),
+    }
+
+
+def _relaid(move: MoveHindsight) -> bool:
+    return any(before != after for _, before, after in move.moved)
+
+
+def _veto_of(move: MoveHindsight, engine: SimulatedEngine) -> Callable[[Plan, Plan, int], str]:
+    """Refuses a move for a saving that puts a model-stage ``move`` relaid into the layout it
+    moved it to, while the pool is the one the move was made on."""
+    targets = {name: after for name, before, after in move.moved if before != after}
+    pool = engine.pool_size()
+    lapsed = False
+
+    def veto(running: Plan, candidate: Plan, step: int) -> str:
+        nonlocal lapsed
+        lapsed = lapsed or engine.pool_size() != pool
+        if lapsed:
+            return ""
+        for name, layout in targets.items():
+            if _tp_pp(candidate.model_stage(name)) == layout != _tp_pp(running.model_stage(name)):
+                tp, pp = layout
+                return f"hindsight: the run without the move of step {move.step} ({name} to TP{tp}/PP{pp})"
+        return ""
+
+    return veto
+
+
+def _copy(engine: SimulatedEngine, controller: Controller) -> tuple[SimulatedEngine, Controller]:
+    """A copy of a running simulated job that reports nowhere: its events and step history
+    start empty (they only grow, and what the copy does next is all a replay reads)."""
+    memo = {id(controller.events): [], id(engine.history): {}}
+    copied_engine, copied = copy.deepcopy((engine, controller), memo)
+    copied._emit_to = None
+    return copied_engine, copied
+
+
+def _refusals(controller: Controller) -> int:
+    return sum(
+        e["event"] == "control.decision" and str(e["reason"]).startswith("vetoed:")
+        for e in controller.events
+    )

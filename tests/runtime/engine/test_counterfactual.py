@@ -1,0 +1,133 @@
+"""Counterfactual replays of a simulated run (runtime/engine/hindsight.py): the same run, from
+the same seeds, with moves made for their saving refused by the controller's ``veto``. Every
+second here is simulated; the runs are small (16 slots, a few dozen steps) and real: the
+controller, planner, admission and transition compiler are the job's own."""
+
+import pytest
+
+from runtime.control.controller import Controller, run_job
+from runtime.control.policy import JobPolicy
+from runtime.engine import hindsight
+from runtime.engine.sim import SimulatedEngine, TrueModel
+from runtime.engine.traces import Trace, generate
+from runtime.planner import PpoWorkload, default_catalog
+from runtime.planner.plan import Layout, Plan
+
+CATALOG = default_catalog()
+ACC = CATALOG.accelerator("h100-sxm")
+WORKLOAD = PpoWorkload.for_model(CATALOG.model("llama-3.1-8b"), gen_len=500)
+STEPS = 40
+# An oscillating length on a spot-like 16-slot pool: DynaRL-style admission (whatever is
+# predicted faster) makes about ten moves for their saving in 40 steps here.
+TRACE = generate("oscillate", seed=9, steps=STEPS, gpus=16, accelerator=ACC.name, spot=True)
+
+
+def _start(made: list | None = None):
+    def start():
+        engine = SimulatedEngine(TRACE, ACC, truth=TrueModel.draw(7), seed=3)
+        controller = Controller(WORKLOAD, ACC, JobPolicy(admission="always_faster"))
+        if made is not None:
+            made.append(controller)
+        return engine, controller
+
+    return start
+
+
+@pytest.fixture(scope="module")
+def ran():
+    engine, controller = _start()()
+    run_job(engine, controller, STEPS)
+    return engine, controller, hindsight.moves(controller.events, engine, WORKLOAD)
+
+
+def test_a_copy_resumed_with_no_veto_runs_the_same_steps_as_the_run(ran):
+    engine, controller, seen = ran
+    assert sum(m.why == "saving" for m in seen) >= 3  # the run moves, so a copy could diverge
+    again, control = _start()()
+    copies = {}
+
+    def at_20(step):
+        if step == 20:
+            copies["run"] = hindsight._copy(again, control)
+        return True
+
+    run_job(again, control, STEPS, between_steps=at_20)
+    copied_engine, copied = copies["run"]
+    assert copied.events == [] and copied_engine.history == {}  # a copy starts its own record
+    run_job(copied_engine, copied, STEPS, resume_at=20)
+    assert copied_engine.now() == again.now() == engine.now()
+    assert sorted(copied_engine.history) == list(range(20, STEPS))
+    for step, ran_then in copied_engine.history.items():
+        assert ran_then == engine.history[step]
+    moved_after = [e for e in controller.events if e["event"] == "control.transition"]
+    moved_after = [e for e in moved_after if e["step"] >= 20]
+    assert [e["target"] for e in copied.events if e["event"] == "control.transition"] == [
+        e["target"] for e in moved_after
+    ]
+
+
+def test_each_move_for_a_saving_is_refused_in_its_own_replay(ran):
+    engine, _, seen = ran
+    saving = [m for m in seen if m.why == "saving" and hindsight._relaid(m)][:2]
+    replays = hindsight.counterfactuals(_start(), STEPS, saving)
+    assert [r.step for r in replays] == [m.step for m in saving]
+    for replay, move in zip(replays, saving, strict=True):
+        assert replay.run_s == engine.now()
+        assert replay.refused >= 1  # the replay met the move and refused it
+        assert replay.without_s != replay.run_s  # refusing a transition changes the run
+        assert replay.net_s == replay.without_s - replay.run_s
+        assert replay.moved == move.moved
+        assert replay.to_json()["simulated"] is True
+
+
+def test_without_saving_moves_the_run_still_moves_for_memory_and_makes_no_saving_move(ran):
+    engine, _, seen = ran
+    made: list[Controller] = []
+    replay = hindsight.without_saving_moves(_start(made), STEPS, engine.now())
+    [vetoed] = made
+    why = [
+        hindsight.reason(e["because"]) for e in vetoed.events if e["event"] == "control.transition"
+    ]
+    assert "saving" not in why
+    # A move forced by memory is not the veto's to refuse: the run makes it as before.
+    assert why.count("memory") == sum(m.why == "memory" for m in seen) >= 1
+    assert replay.refused >= sum(m.why == "saving" for m in seen)
+    assert replay.net_s == replay.without_s - engine.now() != 0
+
+
+def _plan(generation_tp: int) -> Plan:
+    layouts = {}
+    for ms in WORKLOAD.model_stages():
+        tp = generation_tp if ms.stage == "generation" else 8
+        units = tuple(tuple(range(i * tp, (i + 1) * tp)) for i in range(16 // tp))
+        layouts[ms.name] = (Layout(dp=16 // tp, tp=tp, pp=1), units)
+    return Plan.of_units(accelerator=ACC.name, num_slots=16, layouts=layouts)
+
+
+def test_a_moves_veto_refuses_its_layout_only_while_the_pool_is_the_one_it_was_made_on():
+    tp2, tp4 = _plan(2), _plan(4)
+    trace = Trace(
+        name="v", steps=10, accelerator=ACC.name, gpus=16, gen_len=((0, 500.0),), pool=((50.0, 8),)
+    )
+    engine = SimulatedEngine(trace, ACC, truth=TrueModel.draw(7), seed=3)
+    move = hindsight.MoveHindsight(
+        step=3, why="saving", cost_s=1.0, moved=(("actor@generation", (2, 1), (4, 1)),)
+    )
+    veto = hindsight._veto_of(move, engine)
+    assert "actor@generation to TP4/PP1" in veto(tp2, tp4, 4)
+    assert veto(tp4, tp4, 4) == ""  # staying in the layout is no move into it
+    assert veto(tp4, tp2, 4) == ""  # nor is moving out of it
+    engine.clock = 60.0  # the pool has changed: the runs replan on it freely from here
+    assert veto(tp2, tp4, 5) == ""
+    engine.clock = 0.0
+    assert veto(tp2, tp4, 6) == ""  # and a lapsed veto stays lapsed
+
+
+def test_a_deep_copy_of_a_run_shares_nothing_it_writes():
+    """The copies replays go on from must not write into the run they were made from."""
+    engine, controller = _start()()
+    run_job(engine, controller, 5)
+    before_clock, before_events = engine.now(), len(controller.events)
+    copied_engine, copied = hindsight._copy(engine, controller)
+    run_job(copied_engine, copied, 10, resume_at=5)
+    assert engine.now() == before_clock and len(controller.events) == before_events
