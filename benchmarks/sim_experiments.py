@@ -999,21 +999,31 @@ def markdown(results: dict) -> str:
             "What those moves bought, by replaying each run from its seeds without them "
             "(`hindsight.replayed`; the replays share the run's per-step noise, so what differs "
             "is what the moves did, their cost and everything that followed from them "
-            "included). Each alone: the run copied before the move's step goes on with that "
-            "move refused, and any other move for a saving into the layouts it moved to, until "
-            "the pool changes. All: the run again with every move for a saving refused (moves "
-            "for slots, memory and failures made as before).",
+            "included). Each alone: the run copied before the decision the move carried out "
+            "goes on with that move refused, and any other move for a saving into what it "
+            "made of its model-stages. All: the run again with every move for a saving refused "
+            "(moves for slots, memory and failures made as before).",
             "",
             "| trace | policy | moves for a saving, replayed | each alone: paid | each alone: "
-            "net s, in all | all refused: s/step | all: bought s |",
+            "best, worst net s | all refused: s/step | all: bought s |",
             "| --- | --- | --- | --- | --- | --- | --- |",
             *(
                 f"| {trace} | {name} | {len(c['moves'])} | {c['paid']} | "
-                f"{sum(m['net_s'] for m in c['moves']):+.0f} | "
-                f"{c['without_saving_moves']['without_s'] / max(1, steps):.2f} | "
+                + (
+                    f"{max(m['net_s'] for m in c['moves']):+.0f}, "
+                    f"{min(m['net_s'] for m in c['moves']):+.0f}"
+                    if c["moves"]
+                    else "–"
+                )
+                + f" | {c['without_saving_moves']['without_s'] / max(1, steps):.2f} | "
                 f"{c['without_saving_moves']['net_s']:+.0f} |"
                 for trace, name, c, steps in replays
             ),
+            "",
+            "Each alone is that move's worth with all that followed from it; the replays "
+            "overlap (a move refused changes what comes after it), so they do not add up to "
+            "the run's. A veto lasts while the run as it ran kept what the move made, and "
+            "until the pool changes.",
             "",
         ]
     sweep = e4["sweep"]

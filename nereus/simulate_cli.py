@@ -185,9 +185,13 @@ def simulate(
     joined = sum(bool(e["dag"]["joining"]) for e in transitions)
     seen = hindsight.moves(controller.events, engine, workload)
     looked_back = hindsight.summary(seen)
-    replayed = (
-        hindsight.replayed(start, trace.steps, seen, engine.now()) if counterfactual else None
-    )
+    replayed = None
+    if counterfactual:
+        try:
+            replayed = hindsight.replayed(start, trace.steps, seen, engine.now())
+        except (RuntimeError, PlanningError) as exc:  # a replay that could not be made
+            typer.echo(f"nereus simulate: --counterfactual: {exc}", err=True)
+            return 1
     result = {
         "simulated": True,
         "trace": trace.name,

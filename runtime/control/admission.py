@@ -119,6 +119,26 @@ def decide(
     )
 
 
+MOVE_REASONS = ("slots", "memory", "urgent", "override", "saving", "other")
+"""Why a plan change was made: the slots changed; the running plan would not fit the length
+the trend reaches; a failure forced it; a person chose the plan; admission found that it saves
+enough to repay itself (payback) or that it is faster (DynaRL-style ``always_faster``); or no
+decision it carried out (``other``)."""
+
+
+def why_moved(trigger: str, reason: str) -> str:
+    """``MOVE_REASONS``' name for a move admitted on a trigger of kind ``trigger`` with the
+    verdict's (or the decision's) ``reason``: the one rule the controller's veto and hindsight
+    share."""
+    if trigger in ("pool", "override"):
+        return "slots" if trigger == "pool" else "override"
+    if reason.startswith("the running plan will not fit"):
+        return "memory"
+    if reason.startswith(("urgent", "salvage")):
+        return "urgent"
+    return "saving"
+
+
 def amortized_step_s(step_s: float, move_s: float, lasts_steps: float) -> float:
     """Seconds per step of moving to a plan that runs a step in ``step_s``, costs ``move_s`` to
     move to and lasts ``lasts_steps`` steps before memory forces the next move: its step time

@@ -15,7 +15,14 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from runtime.control.admission import CONTESTED, Option, Verdict, decide, windowed_step_s
+from runtime.control.admission import (
+    CONTESTED,
+    Option,
+    Verdict,
+    decide,
+    why_moved,
+    windowed_step_s,
+)
 from runtime.control.monitor import POOL, Monitor, Trigger
 from runtime.control.policy import JobPolicy
 from runtime.engine.interface import Engine, ProbeReport, StepReport
@@ -1155,8 +1162,8 @@ class Controller:
             min_saving=self.policy.min_saving,
             contested=outlook.contested,
         )
-        if not (urgent or overflows or trigger.kind == "pool"):
-            verdict = self._vetoed(verdict, candidate, trigger.step)
+        if not broken:  # a move off a broken plan is forced, whatever its trigger
+            verdict = self._vetoed(verdict, candidate, trigger)
         if no_live_route:
             verdict = dataclasses.replace(
                 verdict,
@@ -1478,12 +1485,15 @@ class Controller:
         self._apply(salvage, workload, dag, engine)
         return True
 
-    def _vetoed(self, verdict: Verdict, candidate: Plan, step: int) -> Verdict:
-        """``verdict``, refused where ``veto`` refuses the move (not kept for later: a veto is
-        not a price that may change)."""
+    def _vetoed(self, verdict: Verdict, candidate: Plan, trigger: Trigger) -> Verdict:
+        """``verdict``, refused where ``veto`` refuses the move: one admitted for its saving
+        (``why_moved``), asked at the step of the decision. A refusal is not kept for later: a
+        veto is not a price that may change."""
         if self.veto is None or not verdict.admit or self.plan is None:
             return verdict
-        why = self.veto(self.plan, candidate, step)
+        if why_moved(trigger.kind, verdict.reason) != "saving":
+            return verdict
+        why = self.veto(self.plan, candidate, trigger.step)
         return (
             dataclasses.replace(verdict, admit=False, reason=f"vetoed: {why}") if why else verdict
         )
@@ -1512,8 +1522,11 @@ class Controller:
             min_saving=self.policy.min_saving,
             contested=_contested(self._calibration_check(candidate)[1]),
         )
-        if trigger.kind != "pool":
-            verdict = self._vetoed(verdict, candidate, step)
+        verdict = self._vetoed(verdict, candidate, dataclasses.replace(trigger, step=step))
+        if verdict.reason.startswith("vetoed:"):  # refused for good: not priced again
+            self.deferred = None
+            self.emit(self._decision(trigger, candidate, verdict, verdict.reason, step=step))
+            return
         if not verdict.admit:
             return  # kept: priced again next step (even one that the run's end outruns now)
         self.deferred = None
@@ -1897,6 +1910,7 @@ class Controller:
             "route": route,
             "built_ahead": ahead,
             "steps_left": None if self.last_step is None else self._steps_left(step),
+            "step": step,
         }
 
 
@@ -1915,6 +1929,7 @@ def _because(decision: Event | None) -> dict | None:
         "trigger": decision["trigger"]["kind"],
         "reason": (verdict.get("reason") or decision["reason"]),
         "saving_s": verdict.get("saving_s"),
+        "step": decision.get("step"),  # when it was decided (a staged move runs a step later)
     }
 
 
@@ -1968,7 +1983,9 @@ def run_job(
     False to stop the job; ``on_step(report)`` receives each step's report (by default it becomes
     a ``step`` event of the controller). ``resume_at``: go on with a job copied
     (``copy.deepcopy`` of its engine and controller) in its ``between_steps`` of that step, from
-    that step's own hooks on, with no initial plan; the summary counts the steps run here."""
+    that step's own hooks on, with no initial plan. Its summary's ``steps``, ``step_seconds`` and
+    ``failed_steps`` count the steps run here; the clock and the controller's counts are the
+    job's, from its start."""
     if resume_at is None:
         controller.initial_plan(engine)
         controller.last_step = steps - 1
@@ -2003,5 +2020,5 @@ def run_job(
         failed_steps=failed,
         probe_seconds=controller.probe_s,
         simulated=engine.simulated,
-        stopped=done < steps,
+        stopped=done < steps - (resume_at or 0),
     )

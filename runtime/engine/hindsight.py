@@ -25,16 +25,13 @@ import copy
 import dataclasses
 from collections.abc import Callable, Sequence
 
+from runtime.control.admission import MOVE_REASONS, why_moved
 from runtime.control.controller import Controller, run_job
 from runtime.engine.sim import SimulatedEngine
 from runtime.planner.plan import ModelStagePlan, Plan, PlanError
 from runtime.planner.workload import PpoWorkload
 
-REASONS = ("slots", "memory", "urgent", "override", "saving", "other")
-"""Why a transition was made: the slots changed; the running plan would not fit the length
-the trend reaches; a failure forced it; a person chose the plan; admission found that it saves
-enough to repay itself (payback) or that it is faster (DynaRL-style ``always_faster``); or no
-decision it carried out (``other``)."""
+REASONS = MOVE_REASONS
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -44,6 +41,9 @@ class MoveHindsight:
 
     step: int
     """The last step run before the transition (-1: none)."""
+    decided: int | None = None
+    """The step of the decision it carried out (``step`` or earlier: a move whose new units
+    were built during one more step runs a step after it was admitted); None if unknown."""
     why: str
     cost_s: float
     """The transition's seconds, and what admission charged its first step for the new units
@@ -80,14 +80,7 @@ def reason(because: dict | None) -> str:
     carried out (``because``: its trigger's kind, its reason)."""
     if because is None:
         return "other"
-    said = str(because.get("reason") or "")
-    if because["trigger"] in ("pool", "override"):
-        return "slots" if because["trigger"] == "pool" else "override"
-    if said.startswith("the running plan will not fit"):
-        return "memory"
-    if said.startswith(("urgent", "salvage")):
-        return "urgent"
-    return "saving"
+    return why_moved(because["trigger"], str(because.get("reason") or ""))
 
 
 def _entry(ms: ModelStagePlan) -> tuple:
@@ -116,7 +109,12 @@ def moves(
         because, step = event["because"], event["step"]
         why = reason(because)
         joining_s = float((event.get("dag") or {}).get("joining_s") or 0.0)
-        move = MoveHindsight(step=step, why=why, cost_s=event["actual_s"] + joining_s)
+        move = MoveHindsight(
+            step=step,
+            decided=(because or {}).get("step"),
+            why=why,
+            cost_s=event["actual_s"] + joining_s,
+        )
         if why == "saving" and event.get("ok", True) and step in engine.history:
             before = moved_at.get(step)  # another transition at the same boundary first
             old = Plan.from_json(before) if before else engine.history[step].plan
@@ -235,6 +233,8 @@ class Counterfactual:
     """The same run's seconds with the veto."""
     refused: int
     """Admissions the veto refused in the replay (0: the replay never met the move)."""
+    refused_at: int | None = None
+    """The step of the first decision the veto refused (the move's own, ``decided``)."""
 
     @property
     def net_s(self) -> float:
@@ -272,41 +272,41 @@ def counterfactuals(
     start: Start, steps: int, seen: Sequence[MoveHindsight]
 ) -> list[Counterfactual]:
     """For each move of ``seen`` made for its saving that changed a TP/PP layout (``moves`` of
-    the run ``start`` makes), the same run with that move refused, and any other move for a
-    saving that puts one of its model-stages in the layout it moved it to, until the pool
-    changes (after which the two runs replan on the new pool freely; what the move left behind
-    still counts). The run is made again, copied (``copy.deepcopy``) before each such move's
-    step, and each copy goes on with the veto to the run's end: both share the steps' noise
-    (the engine draws it per step), so what differs is what the move did. One replay of the
-    run's remainder per move."""
-    wanted = {m.step for m in seen if m.why == "saving" and _relaid(m)}
+    the run ``start`` makes), the same run with that move refused (``_veto_of``: and any other
+    move for a saving into the layouts it moved to, for as long as the run as it ran kept
+    them). The run is made again and copied (``copy.deepcopy``) before the step of the
+    decision each such move carried out; each copy goes on with the veto to the run's end. The
+    replays share the steps' noise (the engine draws it per step), so what differs is what the
+    move did. One replay of the run's remainder per move, after one run to take the copies."""
+    wanted = [m for m in seen if m.why == "saving" and m.moved]
     if not wanted:
         return []
+    at = {id(m): max(0, m.step if m.decided is None else min(m.decided, m.step)) for m in wanted}
     snapshots: dict[int, tuple[SimulatedEngine, Controller]] = {}
     engine, controller = start()
 
     def snapshot(step: int) -> bool:
-        if step in wanted or (step == 0 and -1 in wanted):
+        if step in at.values():
             snapshots[step] = _copy(engine, controller)
         return True
 
     run_job(engine, controller, steps, between_steps=snapshot)
-    run_s = engine.now()
     out = []
-    for move in seen:
-        if move.why != "saving" or not _relaid(move):
-            continue
-        at = max(0, move.step)
-        copied_engine, copied = _copy(*snapshots[at])
-        copied.veto = _veto_of(move, copied_engine)
-        run_job(copied_engine, copied, steps, resume_at=at)
+    for move in wanted:
+        copied_engine, copied = _copy(*snapshots[at[id(move)]])
+        targets = _targets(move, engine)
+        copied.veto = _veto_of(
+            move, targets, copied_engine, _kept_until(move, targets, engine, steps)
+        )
+        run_job(copied_engine, copied, steps, resume_at=at[id(move)])
         out.append(
             Counterfactual(
                 step=move.step,
                 moved=move.moved,
-                run_s=run_s,
+                run_s=engine.now(),
                 without_s=copied_engine.now(),
                 refused=_refusals(copied),
+                refused_at=next(iter(_refused_steps(copied)), None),
             )
         )
     return out
@@ -323,10 +323,12 @@ def replayed(start: Start, steps: int, seen: Sequence[MoveHindsight], run_s: flo
             f"the replay took {alone[0].run_s} s where the run took {run_s} s: "
             "the simulated run is not reproducible from its seeds"
         )
-    if any(m.why == "saving" for m in seen):
-        whole = without_saving_moves(start, steps, run_s)
-    else:  # nothing to refuse: the run is its own counterfactual
-        whole = Counterfactual(step=-1, run_s=run_s, without_s=run_s, refused=0)
+    whole = without_saving_moves(start, steps, run_s)
+    if whole.refused == 0 and whole.without_s != run_s:
+        raise RuntimeError(
+            f"the replay refused nothing and took {whole.without_s} s where the run took "
+            f"{run_s} s: the simulated run is not reproducible from its seeds"
+        )
     return {
         "simulated": True,
         "without_saving_moves": whole.to_json(),
@@ -339,22 +341,63 @@ def _relaid(move: MoveHindsight) -> bool:
     return any(before != after for _, before, after in move.moved)
 
 
-def _veto_of(move: MoveHindsight, engine: SimulatedEngine) -> Callable[[Plan, Plan, int], str]:
-    """Refuses a move for a saving that puts a model-stage ``move`` relaid into the layout it
-    moved it to, while the pool is the one the move was made on."""
-    targets = {name: after for name, before, after in move.moved if before != after}
-    pool = engine.pool_size()
-    lapsed = False
+def _key(move: MoveHindsight) -> Callable[[ModelStagePlan], tuple]:
+    """What a move changed about its model-stages, as a veto compares it: their TP/PP where it
+    relaid them, else their layout and micro-batch (a move onto other slots or batches)."""
+    return _tp_pp if _relaid(move) else (lambda ms: (ms.layout, ms.micro_batch))
+
+
+def _targets(move: MoveHindsight, engine: SimulatedEngine) -> dict[str, tuple]:
+    """What ``move`` made of the model-stages it moved (``_key``), as the first step after it
+    ran them (``engine.history`` of the run as it ran; ``moves`` replays only moves whose next
+    step ran their target)."""
+    after = min(s for s in engine.history if s > move.step)
+    plan, key = engine.history[after].plan, _key(move)
+    changed = [name for name, before, new in move.moved if before != new] or [
+        name for name, _, _ in move.moved
+    ]
+    return {name: key(plan.model_stage(name)) for name in changed}
+
+
+def _kept_until(
+    move: MoveHindsight, targets: dict[str, tuple], engine: SimulatedEngine, steps: int
+) -> int:
+    """The first step after ``move`` that the run as it ran (``engine.history``) took with one
+    of its model-stages other than it made them (``targets``), or on another pool (``steps``:
+    none did)."""
+    ran = sorted(s for s in engine.history if s > move.step)
+    key = _key(move)
+    pool = engine.history[ran[0]].plan.num_slots
+    for step in ran:
+        plan = engine.history[step].plan
+        if plan.num_slots != pool or any(
+            key(plan.model_stage(name)) != target for name, target in targets.items()
+        ):
+            return step
+    return steps
+
+
+def _veto_of(
+    move: MoveHindsight, targets: dict[str, tuple], engine: SimulatedEngine, until_step: int
+) -> Callable[[Plan, Plan, int], str]:
+    """Refuses a move for a saving that makes a model-stage ``move`` moved what the move made
+    of it (``targets``): decided before ``until_step`` (the run as it ran kept them so until
+    then), and while the pool has not changed since the veto first refused (the move itself:
+    after a change the two runs replan on the new pool freely; what the move left behind still
+    counts). A slot that fails does not end it, as it does not end a move's life."""
+    key = _key(move)
+    first_s: float | None = None
 
     def veto(running: Plan, candidate: Plan, step: int) -> str:
-        nonlocal lapsed
-        lapsed = lapsed or engine.pool_size() != pool
-        if lapsed:
+        nonlocal first_s
+        if step >= until_step:
             return ""
-        for name, layout in targets.items():
-            if _tp_pp(candidate.model_stage(name)) == layout != _tp_pp(running.model_stage(name)):
-                tp, pp = layout
-                return f"hindsight: the run without the move of step {move.step} ({name} to TP{tp}/PP{pp})"
+        if first_s is not None and any(first_s < at <= engine.now() for at, _ in engine.trace.pool):
+            return ""
+        for name, target in targets.items():
+            if key(candidate.model_stage(name)) == target != key(running.model_stage(name)):
+                first_s = engine.now() if first_s is None else first_s
+                return f"hindsight: the run without the move of step {move.step} ({name})"
         return ""
 
     return veto
@@ -362,15 +405,20 @@ def _veto_of(move: MoveHindsight, engine: SimulatedEngine) -> Callable[[Plan, Pl
 
 def _copy(engine: SimulatedEngine, controller: Controller) -> tuple[SimulatedEngine, Controller]:
     """A copy of a running simulated job that reports nowhere: its events and step history
-    start empty (they only grow, and what the copy does next is all a replay reads)."""
-    memo = {id(controller.events): [], id(engine.history): {}}
-    copied_engine, copied = copy.deepcopy((engine, controller), memo)
-    copied._emit_to = None
-    return copied_engine, copied
+    start empty (they only grow, and what the copy does next is all a replay reads), and it
+    has no sink to emit to."""
+    memo = {id(controller.events): [], id(engine.history): {}, id(controller._emit_to): None}
+    return copy.deepcopy((engine, controller), memo)
+
+
+def _refused_steps(controller: Controller) -> list[int]:
+    """The steps of the decisions ``controller``'s veto refused, in order."""
+    return [
+        e["step"]
+        for e in controller.events
+        if e["event"] == "control.decision" and str(e["reason"]).startswith("vetoed:")
+    ]
 
 
 def _refusals(controller: Controller) -> int:
-    return sum(
-        e["event"] == "control.decision" and str(e["reason"]).startswith("vetoed:")
-        for e in controller.events
-    )
+    return len(_refused_steps(controller))

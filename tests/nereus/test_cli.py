@@ -303,6 +303,28 @@ _TRACE_HEADER = '{"trace": "t", "version": 1, "steps": 5, "accelerator": "h100-s
 _POINT = '{"at_step": 0, "gen_len": 500}'
 
 
+def test_simulate_counterfactual_replays_the_run_without_its_moves_for_a_saving(tmp_path):
+    env = live.service_env(tmp_path)
+    args = ["simulate", "--trace", "gen:oscillate", "--gpus", "16", "--steps", "12"]
+    args += ["--seed", "9", "--policy", "dynarl", "--counterfactual"]
+    done = _run([*args, "--json"], env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    data = json.loads(done.stdout)
+    replayed = data["counterfactual"]
+    assert replayed["simulated"] is True
+    whole = replayed["without_saving_moves"]
+    assert whole["run_s"] == data["seconds"] and whole["refused"] >= 1
+    assert whole["without_s"] != whole["run_s"]  # refusing moves changed the run
+    relaid = [m for m in data["hindsight"]["moves"] if m["why"] == "saving" and m["moved"]]
+    assert len(relaid) >= 1  # the replays below are of real moves
+    assert [m["step"] for m in replayed["moves"]] == [m["step"] for m in relaid]
+    assert replayed["paid"] == sum(m["net_s"] > 0 for m in replayed["moves"])
+    text = _run(args, env, timeout=300)
+    assert text.returncode == 0, text.stderr
+    assert "counterfactual     without its moves made for their saving" in text.stdout
+    assert f"each refused alone: {replayed['paid']} of {len(relaid)} paid" in text.stdout
+
+
 @pytest.mark.parametrize(
     ("lines", "args", "message"),
     [

@@ -1,7 +1,7 @@
 """Counterfactual replays of a simulated run (runtime/engine/hindsight.py): the same run, from
 the same seeds, with moves made for their saving refused by the controller's ``veto``. Every
-second here is simulated; the runs are small (16 slots, a few dozen steps) and real: the
-controller, planner, admission and transition compiler are the job's own."""
+second here is simulated; the runs are small (16 slots, 40 steps) and real: the controller,
+planner, admission and transition compiler are the job's own."""
 
 import pytest
 
@@ -17,15 +17,18 @@ CATALOG = default_catalog()
 ACC = CATALOG.accelerator("h100-sxm")
 WORKLOAD = PpoWorkload.for_model(CATALOG.model("llama-3.1-8b"), gen_len=500)
 STEPS = 40
-# An oscillating length on a spot-like 16-slot pool: DynaRL-style admission (whatever is
-# predicted faster) makes about ten moves for their saving in 40 steps here.
-TRACE = generate("oscillate", seed=9, steps=STEPS, gpus=16, accelerator=ACC.name, spot=True)
+# An oscillating length: DynaRL-style admission (whatever is predicted faster) makes about ten
+# moves for their saving in 40 steps here, on a pool that does not change in that time.
+OSCILLATE = generate("oscillate", seed=9, steps=STEPS, gpus=16, accelerator=ACC.name, spot=True)
+# A growing length on a pool that changes: payback admits a move at step 14 whose new units are
+# built during one more step, so it runs after step 15.
+GROWTH = generate("growth", seed=1, steps=STEPS, gpus=16, accelerator=ACC.name, spot=True)
 
 
-def _start(made: list | None = None):
+def _start(trace=OSCILLATE, admission="always_faster", made: list | None = None):
     def start():
-        engine = SimulatedEngine(TRACE, ACC, truth=TrueModel.draw(7), seed=3)
-        controller = Controller(WORKLOAD, ACC, JobPolicy(admission="always_faster"))
+        engine = SimulatedEngine(trace, ACC, truth=TrueModel.draw(7), seed=3)
+        controller = Controller(WORKLOAD, ACC, JobPolicy(admission=admission))
         if made is not None:
             made.append(controller)
         return engine, controller
@@ -33,11 +36,15 @@ def _start(made: list | None = None):
     return start
 
 
-@pytest.fixture(scope="module")
-def ran():
-    engine, controller = _start()()
+def _ran(start):
+    engine, controller = start()
     run_job(engine, controller, STEPS)
     return engine, controller, hindsight.moves(controller.events, engine, WORKLOAD)
+
+
+@pytest.fixture(scope="module")
+def ran():
+    return _ran(_start())
 
 
 def test_a_copy_resumed_with_no_veto_runs_the_same_steps_as_the_run(ran):
@@ -54,7 +61,8 @@ def test_a_copy_resumed_with_no_veto_runs_the_same_steps_as_the_run(ran):
     run_job(again, control, STEPS, between_steps=at_20)
     copied_engine, copied = copies["run"]
     assert copied.events == [] and copied_engine.history == {}  # a copy starts its own record
-    run_job(copied_engine, copied, STEPS, resume_at=20)
+    summary = run_job(copied_engine, copied, STEPS, resume_at=20)
+    assert summary.steps == STEPS - 20 and not summary.stopped
     assert copied_engine.now() == again.now() == engine.now()
     assert sorted(copied_engine.history) == list(range(20, STEPS))
     for step, ran_then in copied_engine.history.items():
@@ -66,24 +74,36 @@ def test_a_copy_resumed_with_no_veto_runs_the_same_steps_as_the_run(ran):
     ]
 
 
-def test_each_move_for_a_saving_is_refused_in_its_own_replay(ran):
+def test_each_move_for_a_saving_is_refused_in_its_own_replay_at_its_decision(ran):
     engine, _, seen = ran
     saving = [m for m in seen if m.why == "saving" and hindsight._relaid(m)][:2]
+    assert len(saving) == 2
     replays = hindsight.counterfactuals(_start(), STEPS, saving)
     assert [r.step for r in replays] == [m.step for m in saving]
     for replay, move in zip(replays, saving, strict=True):
         assert replay.run_s == engine.now()
-        assert replay.refused >= 1  # the replay met the move and refused it
+        assert replay.refused_at == move.decided  # the move itself, not a later lookalike
         assert replay.without_s != replay.run_s  # refusing a transition changes the run
-        assert replay.net_s == replay.without_s - replay.run_s
         assert replay.moved == move.moved
         assert replay.to_json()["simulated"] is True
+
+
+def test_a_move_built_ahead_is_refused_at_the_step_that_admitted_it():
+    """A move whose new units are built during one more step is admitted a step before it
+    runs: its replay is copied before the admitting decision, which the veto then refuses."""
+    engine, _, seen = _ran(_start(GROWTH, "payback"))
+    staged = [m for m in seen if m.why == "saving" and m.moved and m.decided < m.step]
+    assert staged, [(m.step, m.decided, m.why) for m in seen]
+    [replay] = hindsight.counterfactuals(_start(GROWTH, "payback"), STEPS, staged[:1])
+    assert replay.refused_at == staged[0].decided and replay.refused >= 1
+    assert replay.without_s != engine.now()
+    assert GROWTH.pool_changes() > 0  # and the pool changes in this run
 
 
 def test_without_saving_moves_the_run_still_moves_for_memory_and_makes_no_saving_move(ran):
     engine, _, seen = ran
     made: list[Controller] = []
-    replay = hindsight.without_saving_moves(_start(made), STEPS, engine.now())
+    replay = hindsight.without_saving_moves(_start(made=made), STEPS, engine.now())
     [vetoed] = made
     why = [
         hindsight.reason(e["because"]) for e in vetoed.events if e["event"] == "control.transition"
@@ -92,7 +112,7 @@ def test_without_saving_moves_the_run_still_moves_for_memory_and_makes_no_saving
     # A move forced by memory is not the veto's to refuse: the run makes it as before.
     assert why.count("memory") == sum(m.why == "memory" for m in seen) >= 1
     assert replay.refused >= sum(m.why == "saving" for m in seen)
-    assert replay.net_s == replay.without_s - engine.now() != 0
+    assert replay.without_s != engine.now()
 
 
 def _plan(generation_tp: int) -> Plan:
@@ -104,30 +124,45 @@ def _plan(generation_tp: int) -> Plan:
     return Plan.of_units(accelerator=ACC.name, num_slots=16, layouts=layouts)
 
 
-def test_a_moves_veto_refuses_its_layout_only_while_the_pool_is_the_one_it_was_made_on():
+def test_a_moves_veto_refuses_its_layout_until_the_run_left_it_or_the_pool_changed():
     tp2, tp4 = _plan(2), _plan(4)
     trace = Trace(
-        name="v", steps=10, accelerator=ACC.name, gpus=16, gen_len=((0, 500.0),), pool=((50.0, 8),)
+        name="v",
+        steps=10,
+        accelerator=ACC.name,
+        gpus=16,
+        gen_len=((0, 500.0),),
+        pool=((50.0, 8), (100.0, 16)),
     )
     engine = SimulatedEngine(trace, ACC, truth=TrueModel.draw(7), seed=3)
     move = hindsight.MoveHindsight(
         step=3, why="saving", cost_s=1.0, moved=(("actor@generation", (2, 1), (4, 1)),)
     )
-    veto = hindsight._veto_of(move, engine)
-    assert "actor@generation to TP4/PP1" in veto(tp2, tp4, 4)
+    targets = {"actor@generation": (4, 1)}
+    veto = hindsight._veto_of(move, targets, engine, until_step=8)
+    assert "the move of step 3 (actor@generation)" in veto(tp2, tp4, 3)
     assert veto(tp4, tp4, 4) == ""  # staying in the layout is no move into it
     assert veto(tp4, tp2, 4) == ""  # nor is moving out of it
-    engine.clock = 60.0  # the pool has changed: the runs replan on it freely from here
+    assert veto(tp2, tp4, 8) == ""  # the run as it ran had left the layout by then
+    # The pool shrank and came back while nobody asked: the runs have replanned since.
+    engine.clock = 110.0
+    assert engine.pool_size() == 16
     assert veto(tp2, tp4, 5) == ""
-    engine.clock = 0.0
-    assert veto(tp2, tp4, 6) == ""  # and a lapsed veto stays lapsed
+    fresh = hindsight._veto_of(move, targets, engine, until_step=8)
+    assert fresh(tp2, tp4, 5) != ""  # a veto first asked after the changes holds
 
 
 def test_a_deep_copy_of_a_run_shares_nothing_it_writes():
     """The copies replays go on from must not write into the run they were made from."""
     engine, controller = _start()()
     run_job(engine, controller, 5)
-    before_clock, before_events = engine.now(), len(controller.events)
+    clock, events, history = engine.now(), len(controller.events), dict(engine.history)
+    plan, efficiency = controller.plan, dict(controller.calibrator.efficiency())
     copied_engine, copied = hindsight._copy(engine, controller)
-    run_job(copied_engine, copied, 10, resume_at=5)
-    assert engine.now() == before_clock and len(controller.events) == before_events
+    copied.veto = lambda running, candidate, step: "refused"
+    run_job(copied_engine, copied, 20, resume_at=5)
+    assert copied_engine.now() > clock and len(copied_engine.history) == 15
+    assert engine.now() == clock and len(controller.events) == events
+    assert engine.history == history and controller.plan is plan
+    assert controller.calibrator.efficiency() == efficiency
+    assert controller.veto is None
