@@ -433,7 +433,9 @@ def _counterfactual_lines(replayed: dict | None, steps: int) -> list[str]:
     if not replayed:
         return []
     whole = replayed["without_saving_moves"]
-    alone = ", ".join(f"step {m['step']} {m['net_s']:+.1f} s" for m in replayed["moves"])
+    alone = ", ".join(
+        f"step {m['step']} {m['net_s']:+.1f} s" for m in replayed["moves"] if m.get("met", True)
+    )
     return [
         "Replayed from the run's seeds without them (`hindsight.replayed`: what they bought, "
         "their cost and all that followed included): without every move made for its saving "
@@ -1008,16 +1010,16 @@ def markdown(results: dict) -> str:
             "best, worst net s | all refused: s/step | all: bought s |",
             "| --- | --- | --- | --- | --- | --- | --- |",
             *(
-                f"| {trace} | {name} | {len(c['moves'])} | {c['paid']} | "
+                f"| {trace} | {name} | {len(met)} | {c['paid']} | "
                 + (
-                    f"{max(m['net_s'] for m in c['moves']):+.0f}, "
-                    f"{min(m['net_s'] for m in c['moves']):+.0f}"
-                    if c["moves"]
+                    f"{max(m['net_s'] for m in met):+.0f}, {min(m['net_s'] for m in met):+.0f}"
+                    if met
                     else "–"
                 )
                 + f" | {c['without_saving_moves']['without_s'] / max(1, steps):.2f} | "
                 f"{c['without_saving_moves']['net_s']:+.0f} |"
                 for trace, name, c, steps in replays
+                for met in [[m for m in c["moves"] if m.get("met", True)]]
             ),
             "",
             "Each alone is that move's worth with all that followed from it; the replays "

@@ -234,11 +234,17 @@ def simulate(
             f"{whole['without_s'] / 3600:.2f} h: they bought {whole['net_s']:+.1f} s, their "
             "cost and all that followed from them included"
         )
-        if alone:
+        met = [m for m in alone if m["met"]]
+        if met:
             typer.echo(
                 f"                     each refused alone: {replayed['paid']} of "
-                f"{len(alone)} paid: "
-                + ", ".join(f"step {m['step']} {m['net_s']:+.1f} s" for m in alone)
+                f"{len(met)} paid: "
+                + ", ".join(f"step {m['step']} {m['net_s']:+.1f} s" for m in met)
+            )
+        if replayed["unmet"]:
+            typer.echo(
+                f"                     {replayed['unmet']} could not be refused alone (the "
+                "replay did not meet them at their decision)"
             )
     typer.echo(f"  restarts           {summary.restarts}, {summary.restart_seconds:.1f} s")
     return 0

@@ -126,12 +126,15 @@ enough to repay itself (payback) or that it is faster (DynaRL-style ``always_fas
 decision it carried out (``other``)."""
 
 
-def why_moved(trigger: str, reason: str) -> str:
+def why_moved(trigger: str, reason: str, *, forced: bool = False) -> str:
     """``MOVE_REASONS``' name for a move admitted on a trigger of kind ``trigger`` with the
     verdict's (or the decision's) ``reason``: the one rule the controller's veto and hindsight
-    share."""
+    share. ``forced``: a move off a plan that can no longer run (urgent, unless the slots
+    changed or a person chose it)."""
     if trigger in ("pool", "override"):
         return "slots" if trigger == "pool" else "override"
+    if forced:
+        return "urgent"
     if reason.startswith("the running plan will not fit"):
         return "memory"
     if reason.startswith(("urgent", "salvage")):

@@ -1179,6 +1179,7 @@ class Controller:
                 outlook=outlook,
                 route=route,
                 ahead=ahead,
+                forced=broken,
             )
         )
         if not verdict.admit and verdict.reason.startswith(("pays back", CONTESTED)):
@@ -1248,7 +1249,11 @@ class Controller:
             engine.drop_ahead()
             self.emit(
                 self._decision(
-                    staged.trigger, staged.plan, None, "staged transition dropped: replanning"
+                    staged.trigger,
+                    staged.plan,
+                    None,
+                    "staged transition dropped: replanning",
+                    step=report.step,
                 )
             )
             return
@@ -1256,7 +1261,11 @@ class Controller:
         try:
             dag = self._compile(engine, staged.plan, workload, built_ahead=staged.ahead)
         except TransitionRefusedError as exc:
-            self.emit(self._decision(staged.trigger, staged.plan, None, f"infeasible now: {exc}"))
+            self.emit(
+                self._decision(
+                    staged.trigger, staged.plan, None, f"infeasible now: {exc}", step=report.step
+                )
+            )
             if not triggers:  # else the replan for them follows
                 self._replan_now(staged.trigger, report.step, engine)
             return
@@ -1551,7 +1560,9 @@ class Controller:
             except TransitionRefusedError as exc:
                 # Its verdict priced a live move; a restart would cost far more, so it is not
                 # taken on that verdict: a replan weighs every route afresh.
-                self.emit(self._decision(trigger, candidate, None, f"infeasible now: {exc}"))
+                self.emit(
+                    self._decision(trigger, candidate, None, f"infeasible now: {exc}", step=step)
+                )
                 self._replan_now(trigger, step, engine)
                 return
             if deferred.ahead and dag.ahead:
@@ -1883,11 +1894,14 @@ class Controller:
         route=None,
         step=None,
         ahead=False,
+        forced=False,
     ) -> Event:
         """``step``: when the decision is taken, if not at its trigger (a deferred one);
         ``ahead``: the verdict priced building the new units ahead (its cost is then not the
-        DAG's ``cost_s``)."""
+        DAG's ``cost_s``); ``forced``: a move off a plan that can no longer run (``why``:
+        urgent, whatever the trigger)."""
         step = trigger.step if step is None else step
+        said = (verdict.reason if verdict is not None else "") or reason
         return {
             "event": "control.decision",
             "trigger": trigger.to_json(),
@@ -1911,6 +1925,9 @@ class Controller:
             "built_ahead": ahead,
             "steps_left": None if self.last_step is None else self._steps_left(step),
             "step": step,
+            # What a move it admits is made for (``admission.MOVE_REASONS``): what the veto
+            # refuses and hindsight replays are the ``saving`` ones.
+            "why": why_moved(trigger.kind, said, forced=forced),
         }
 
 
@@ -1930,6 +1947,7 @@ def _because(decision: Event | None) -> dict | None:
         "reason": (verdict.get("reason") or decision["reason"]),
         "saving_s": verdict.get("saving_s"),
         "step": decision.get("step"),  # when it was decided (a staged move runs a step later)
+        "why": decision.get("why"),
     }
 
 

@@ -80,7 +80,9 @@ def reason(because: dict | None) -> str:
     carried out (``because``: its trigger's kind, its reason)."""
     if because is None:
         return "other"
-    return why_moved(because["trigger"], str(because.get("reason") or ""))
+    # The controller's own word where the decision carries it (a move off a plan that could no
+    # longer run is urgent whatever its trigger); else from its trigger and reason.
+    return because.get("why") or why_moved(because["trigger"], str(because.get("reason") or ""))
 
 
 def _entry(ms: ModelStagePlan) -> tuple:
@@ -235,6 +237,16 @@ class Counterfactual:
     """Admissions the veto refused in the replay (0: the replay never met the move)."""
     refused_at: int | None = None
     """The step of the first decision the veto refused (the move's own, ``decided``)."""
+    decided: int | None = None
+    """The step of the decision the move carried out (``MoveHindsight.decided``)."""
+
+    @property
+    def met(self) -> bool:
+        """The replay refused the move itself, at its decision: else its figure is not the
+        move's (the run again, or a later move's), and is not counted."""
+        return self.refused_at is not None and self.refused_at == (
+            self.refused_at if self.decided is None else self.decided
+        )
 
     @property
     def net_s(self) -> float:
@@ -248,6 +260,7 @@ class Counterfactual:
             {"model_stage": n, "before": list(a), "after": list(b)} for n, a, b in self.moved
         ]
         out["net_s"] = self.net_s
+        out["met"] = self.met
         out["simulated"] = True
         return out
 
@@ -307,6 +320,7 @@ def counterfactuals(
                 without_s=copied_engine.now(),
                 refused=_refusals(copied),
                 refused_at=next(iter(_refused_steps(copied)), None),
+                decided=move.decided,
             )
         )
     return out
@@ -333,7 +347,8 @@ def replayed(start: Start, steps: int, seen: Sequence[MoveHindsight], run_s: flo
         "simulated": True,
         "without_saving_moves": whole.to_json(),
         "moves": [c.to_json() for c in alone],
-        "paid": sum(c.net_s > 0 for c in alone),
+        "paid": sum(c.met and c.net_s > 0 for c in alone),
+        "unmet": sum(not c.met for c in alone),
     }
 
 
@@ -343,8 +358,9 @@ def _relaid(move: MoveHindsight) -> bool:
 
 def _key(move: MoveHindsight) -> Callable[[ModelStagePlan], tuple]:
     """What a move changed about its model-stages, as a veto compares it: their TP/PP where it
-    relaid them, else their layout and micro-batch (a move onto other slots or batches)."""
-    return _tp_pp if _relaid(move) else (lambda ms: (ms.layout, ms.micro_batch))
+    relaid them, else their layout, slots and micro-batch (a move onto other slots or
+    batches)."""
+    return _tp_pp if _relaid(move) else _entry
 
 
 def _targets(move: MoveHindsight, engine: SimulatedEngine) -> dict[str, tuple]:
@@ -390,7 +406,7 @@ def _veto_of(
 
     def veto(running: Plan, candidate: Plan, step: int) -> str:
         nonlocal first_s
-        if step >= until_step:
+        if step + 1 >= until_step:  # a move decided then would run when the run had left
             return ""
         if first_s is not None and any(first_s < at <= engine.now() for at, _ in engine.trace.pool):
             return ""

@@ -473,6 +473,50 @@ def test_a_saving_only_the_latest_calibration_sees_is_not_a_move(monkeypatch, la
         assert controller.transitions + (controller.staged is not None) == 1
 
 
+def test_a_deferred_move_the_veto_refuses_is_logged_and_dropped(monkeypatch):
+    """As above, a move kept for later (faster only as calibrated now) becomes admissible once
+    the window holds only the new calibration. With a veto (hindsight's replays set one) it is
+    refused then: the refusal is logged at the step it was weighed, with the veto's reason and
+    the decision's class, and the move is dropped rather than weighed again each step."""
+    from runtime.control.monitor import Trigger
+
+    engine = _engine(pool=((1.0, 32),), gpus=16)
+    controller = Controller(WORKLOAD, ACC, _policy())
+    first = controller.initial_plan(engine)
+    engine.step(first, WORKLOAD, 0)
+    _swinging(controller)
+    for step in range(43, 107):
+        controller._calibrated.append((step, {"tp_allreduce:intra": 0.3 if step < 100 else 0.7}))
+
+    def price(plan_, workload, efficiency=None):
+        if plan_ is first:
+            return 10.0
+        learned = (efficiency or {"tp_allreduce:intra": 0.7})["tp_allreduce:intra"]
+        return 9.0 if learned > 0.5 else 11.0
+
+    monkeypatch.setattr(controller, "_price", price)
+    asked = []
+
+    def veto(running, candidate, step):
+        asked.append((running is first, step))
+        return "not this one"
+
+    controller.veto = veto
+    trigger = Trigger(kind="drift", signal="gen_len", value=1000.0, reference=1500.0, step=106)
+    controller.replan(trigger, engine)
+    assert controller.deferred is not None and not asked  # refused by admission, not the veto
+    for step in range(107, 107 + 64):
+        controller._calibrated.append((step, {"tp_allreduce:intra": 0.7}))
+        controller._reconsider(step, engine)
+        if controller.deferred is None:
+            break
+    assert asked == [(True, 99 + 64)]
+    last = [e for e in controller.events if e["event"] == "control.decision"][-1]
+    assert last["reason"] == "vetoed: not this one" and not last["admit"]
+    assert last["step"] == 99 + 64 and last["why"] == "saving"
+    assert controller.transitions == 0 and controller.staged is None
+
+
 def test_the_calibrations_a_move_is_checked_under_start_once_calibration_has_learned():
     """The job's first ``OUTLOOK_WINDOW`` steps with samples are calibration learning the cluster
     (from the defaults and the probes towards what the steps measure), which is no swing: the
