@@ -277,7 +277,8 @@ class Controller:
         self.pending: Proposal | None = None
         self.veto: Callable[[Plan, Plan, int], str] | None = None
         """Refuses a move admission found worth its cost (one hindsight would call ``saving``:
-        not urgent, not away from a plan forecast to outgrow memory, not onto a changed pool):
+        not urgent nor off a plan that can no longer run, not away from a plan forecast to
+        outgrow memory, not onto a changed pool):
         called with the running plan, the candidate and the step, it returns why (empty: no
         veto). None in a job; hindsight's counterfactual replays set it (``counterfactuals``)."""
         self.events: list[Event] = []
@@ -1899,7 +1900,7 @@ class Controller:
         """``step``: when the decision is taken, if not at its trigger (a deferred one);
         ``ahead``: the verdict priced building the new units ahead (its cost is then not the
         DAG's ``cost_s``); ``forced``: a move off a plan that can no longer run (``why``:
-        urgent, whatever the trigger)."""
+        urgent, unless the slots changed or a person chose the plan)."""
         step = trigger.step if step is None else step
         said = (verdict.reason if verdict is not None else "") or reason
         return {
