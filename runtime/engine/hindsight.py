@@ -16,6 +16,10 @@ in memory. A failed transition is not replayed, nor one followed by another chan
 next step (which plan is whose would be a guess). A slot that fails without the pool changing
 does not end a life. A move that repays within its horizon can lose after it, and one that seems to lose over
 the next stretch can win over its life.
+
+What a move bought beyond its life takes the run again: ``replayed`` makes it from its seeds
+without the moves made for their saving (all of them, and each alone from a copy taken before
+its decision), with the controller's ``veto`` refusing them, and compares the two runs' clocks.
 """
 
 from __future__ import annotations
@@ -244,9 +248,7 @@ class Counterfactual:
     def met(self) -> bool:
         """The replay refused the move itself, at its decision: else its figure is not the
         move's (the run again, or a later move's), and is not counted."""
-        return self.refused_at is not None and self.refused_at == (
-            self.refused_at if self.decided is None else self.decided
-        )
+        return self.refused_at is not None and self.decided in (None, self.refused_at)
 
     @property
     def net_s(self) -> float:
@@ -284,13 +286,14 @@ def without_saving_moves(start: Start, steps: int, run_s: float) -> Counterfactu
 def counterfactuals(
     start: Start, steps: int, seen: Sequence[MoveHindsight]
 ) -> list[Counterfactual]:
-    """For each move of ``seen`` made for its saving that changed a TP/PP layout (``moves`` of
-    the run ``start`` makes), the same run with that move refused (``_veto_of``: and any other
-    move for a saving into the layouts it moved to, for as long as the run as it ran kept
-    them). The run is made again and copied (``copy.deepcopy``) before the step of the
-    decision each such move carried out; each copy goes on with the veto to the run's end. The
-    replays share the steps' noise (the engine draws it per step), so what differs is what the
-    move did. One replay of the run's remainder per move, after one run to take the copies."""
+    """For each move of ``seen`` made for its saving that in-run hindsight replayed (``moves``
+    of the run ``start`` makes: its next step ran what it made), the same run with that move
+    refused (``_veto_of``: and any other move for a saving into what it made of its
+    model-stages, for as long as the run as it ran kept them so). The run is made again and
+    copied (``copy.deepcopy``) before the step of the decision each such move carried out;
+    each copy goes on with the veto to the run's end. The replays share the steps' noise (the
+    engine draws it per step), so what differs is what the move did. One replay of the run's
+    remainder per move, after one run to take the copies."""
     wanted = [m for m in seen if m.why == "saving" and m.moved]
     if not wanted:
         return []
