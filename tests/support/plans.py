@@ -14,6 +14,7 @@ from runtime.control.admission import decide
 from runtime.engine.sim import SimulatedEngine, TrueModel
 from runtime.engine.traces import Trace
 from runtime.planner import PpoWorkload, default_catalog, plan
+from runtime.planner.plan import Layout, Plan
 from runtime.transition import Cluster, diff
 
 CATALOG = default_catalog()
@@ -21,6 +22,18 @@ CPU = CATALOG.accelerator("cpu-slot")
 TINY = PpoWorkload.for_model(CATALOG.model("tiny-llama"))
 H100 = CATALOG.accelerator("h100-sxm")
 LLAMA_8B = PpoWorkload.for_model(CATALOG.model("llama-3.1-8b"), gen_len=1024)
+
+
+def generation_over(num_slots: int, generation_tp: int) -> Plan:
+    """An 8B PPO plan on ``num_slots`` H100s written by hand: every model-stage tensor-parallel
+    over 8 slots across the pool, but generation over ``generation_tp``."""
+    layouts = {}
+    for ms in LLAMA_8B.model_stages():
+        tp = generation_tp if ms.stage == "generation" else 8
+        dp = num_slots // tp
+        units = tuple(tuple(range(i * tp, (i + 1) * tp)) for i in range(dp))
+        layouts[ms.name] = (Layout(dp=dp, tp=tp, pp=1), units)
+    return Plan.of_units(accelerator=H100.name, num_slots=num_slots, layouts=layouts)
 
 
 @functools.cache

@@ -415,18 +415,11 @@ def test_a_saving_that_survives_the_swing_repays_over_the_pools_horizon(monkeypa
         assert controller.deferred is not None  # kept, in case the swing calms down
 
 
-@pytest.mark.parametrize("lasting", [True, False])
-def test_a_saving_only_the_latest_calibration_sees_is_not_a_move(monkeypatch, lasting):
-    """As above, the candidate is 1 s/step faster at every length of the recent swing, as
-    calibrated now (the all-reduce inside a node learned at 0.7). Over the window's steps,
-    calibration had learned it at 0.3 until step 100 (interference that comes and goes), and
-    priced so the candidate is 1 s/step slower: the saving is the latest calibration's alone,
-    and it goes when the efficiency swings back, so admission does not make the move, and says
-    under which step's calibration; it keeps it, and makes it once the window has seen only the
-    new efficiency. Where the window has seen only the new efficiency from the start (a lasting
-    change), the move is made at once, on the pool's horizon as before."""
-    from runtime.control.monitor import Trigger
-
+def _faster_as_calibrated_now(monkeypatch, *, lasting: bool):
+    """A job on 16 slots of a pool grown to 32, its length swinging, whose candidate is priced
+    1 s/step faster with the all-reduce inside a node learned at 0.7 and slower at 0.3; over
+    the window's steps calibration had it at 0.3 until step 100, unless the change is
+    ``lasting`` (0.7 throughout). Its engine, controller and first plan."""
     engine = _engine(pool=((1.0, 32),), gpus=16)
     controller = Controller(WORKLOAD, ACC, _policy())
     first = controller.initial_plan(engine)
@@ -443,6 +436,22 @@ def test_a_saving_only_the_latest_calibration_sees_is_not_a_move(monkeypatch, la
         return 9.0 if learned > 0.5 else 11.0
 
     monkeypatch.setattr(controller, "_price", price)
+    return engine, controller, first
+
+
+@pytest.mark.parametrize("lasting", [True, False])
+def test_a_saving_only_the_latest_calibration_sees_is_not_a_move(monkeypatch, lasting):
+    """As above, the candidate is 1 s/step faster at every length of the recent swing, as
+    calibrated now (the all-reduce inside a node learned at 0.7). Over the window's steps,
+    calibration had learned it at 0.3 until step 100 (interference that comes and goes), and
+    priced so the candidate is 1 s/step slower: the saving is the latest calibration's alone,
+    and it goes when the efficiency swings back, so admission does not make the move, and says
+    under which step's calibration; it keeps it, and makes it once the window has seen only the
+    new efficiency. Where the window has seen only the new efficiency from the start (a lasting
+    change), the move is made at once, on the pool's horizon as before."""
+    from runtime.control.monitor import Trigger
+
+    engine, controller, first = _faster_as_calibrated_now(monkeypatch, lasting=lasting)
     trigger = Trigger(kind="drift", signal="gen_len", value=1000.0, reference=1500.0, step=106)
     controller.replan(trigger, engine)
     decision = next(e for e in controller.events if e["event"] == "control.decision")
@@ -480,21 +489,7 @@ def test_a_deferred_move_the_veto_refuses_is_logged_and_dropped(monkeypatch):
     the decision's class, and the move is dropped rather than weighed again each step."""
     from runtime.control.monitor import Trigger
 
-    engine = _engine(pool=((1.0, 32),), gpus=16)
-    controller = Controller(WORKLOAD, ACC, _policy())
-    first = controller.initial_plan(engine)
-    engine.step(first, WORKLOAD, 0)
-    _swinging(controller)
-    for step in range(43, 107):
-        controller._calibrated.append((step, {"tp_allreduce:intra": 0.3 if step < 100 else 0.7}))
-
-    def price(plan_, workload, efficiency=None):
-        if plan_ is first:
-            return 10.0
-        learned = (efficiency or {"tp_allreduce:intra": 0.7})["tp_allreduce:intra"]
-        return 9.0 if learned > 0.5 else 11.0
-
-    monkeypatch.setattr(controller, "_price", price)
+    engine, controller, first = _faster_as_calibrated_now(monkeypatch, lasting=False)
     asked = []
 
     def veto(running, candidate, step):

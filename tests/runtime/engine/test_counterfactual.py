@@ -13,7 +13,7 @@ from runtime.engine import hindsight
 from runtime.engine.sim import Ran, SimulatedEngine, TrueModel
 from runtime.engine.traces import Trace, generate
 from runtime.planner import PpoWorkload, default_catalog
-from runtime.planner.plan import Layout, Plan
+from tests.support.plans import generation_over
 
 CATALOG = default_catalog()
 ACC = CATALOG.accelerator("h100-sxm")
@@ -116,17 +116,8 @@ def test_without_saving_moves_the_run_still_moves_for_memory_and_makes_no_saving
     assert replay.without_s != engine.now()
 
 
-def _plan(generation_tp: int) -> Plan:
-    layouts = {}
-    for ms in WORKLOAD.model_stages():
-        tp = generation_tp if ms.stage == "generation" else 8
-        units = tuple(tuple(range(i * tp, (i + 1) * tp)) for i in range(16 // tp))
-        layouts[ms.name] = (Layout(dp=16 // tp, tp=tp, pp=1), units)
-    return Plan.of_units(accelerator=ACC.name, num_slots=16, layouts=layouts)
-
-
 def test_a_moves_veto_refuses_its_layout_until_the_run_left_it_or_the_pool_changed():
-    tp2, tp4 = _plan(2), _plan(4)
+    tp2, tp4 = generation_over(16, 2), generation_over(16, 4)
     trace = Trace(
         name="v",
         steps=10,
@@ -172,7 +163,7 @@ def test_a_deep_copy_of_a_run_shares_nothing_it_writes():
 
 
 def test_a_moves_veto_lasts_while_the_run_as_it_ran_kept_what_it_made():
-    tp2, tp4, other = _plan(2), _plan(4), _plan(8)
+    tp2, tp4, other = (generation_over(16, tp) for tp in (2, 4, 8))
     trace = Trace(name="k", steps=10, accelerator=ACC.name, gpus=16, gen_len=((0, 500.0),))
     engine = SimulatedEngine(trace, ACC, truth=TrueModel.draw(7), seed=3)
     ran = {0: tp2, 1: tp2, 2: tp4, 3: tp4, 4: tp4, 5: other, 6: tp4}

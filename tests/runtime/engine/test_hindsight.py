@@ -11,27 +11,16 @@ from runtime.engine import hindsight
 from runtime.engine.sim import Ran, SimulatedEngine, TrueModel
 from runtime.engine.traces import Trace
 from runtime.planner import PpoWorkload, default_catalog
-from runtime.planner.plan import Layout, Plan
+from runtime.planner.plan import Plan
+from tests.support.plans import generation_over
 
 CATALOG = default_catalog()
 ACC = CATALOG.accelerator("h100-sxm")
 WORKLOAD = PpoWorkload.for_model(CATALOG.model("llama-3.1-8b"), gen_len=1024)
 
 
-def _plan(num_slots: int, generation_tp: int) -> Plan:
-    """Every model-stage tensor-parallel over 8 slots across the pool, but generation over
-    ``generation_tp``."""
-    layouts = {}
-    for ms in WORKLOAD.model_stages():
-        tp = generation_tp if ms.stage == "generation" else 8
-        dp = num_slots // tp
-        units = tuple(tuple(range(i * tp, (i + 1) * tp)) for i in range(dp))
-        layouts[ms.name] = (Layout(dp=dp, tp=tp, pp=1), units)
-    return Plan.of_units(accelerator=ACC.name, num_slots=num_slots, layouts=layouts)
-
-
-TP2, TP4 = _plan(16, 2), _plan(16, 4)
-SMALLER = _plan(8, 4)
+TP2, TP4 = generation_over(16, 2), generation_over(16, 4)
+SMALLER = generation_over(8, 4)
 
 
 def _engine(history: dict[int, Plan]) -> SimulatedEngine:
