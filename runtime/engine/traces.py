@@ -14,9 +14,12 @@ size from that simulated time on; ``fail_slot`` kills one slot at that time (its
 pool shrinks by one until a later ``gpus`` record). The header's optional ``notice_s`` (default 0)
 is how long before a shrink of the pool the job is told of it, as clouds announce reclaiming a
 spot instance (EC2 Spot: two minutes; GCP and Azure: 30 s): the slots to go stay usable, and
-hold their state, until the shrink itself. Failures come unannounced. ``generate`` makes seeded
-traces of the shapes the experiments use; ``load`` reads a file and names the line and field of
-anything malformed.
+hold their state, until the shrink itself. Failures come unannounced. The header's optional
+``len_sigma`` (default 0.6, 0 to 3) is the sigma of a lognormal spread of one response's length
+around the step's ``gen_len``, its mean (0: every response has that length), and ``len_cap``
+(default 4, 1 to 64) cuts a response at that many times the mean, as a max_tokens limit does;
+``Trace.response_lengths`` draws them. ``generate`` makes seeded traces of the shapes the
+experiments use; ``load`` reads a file and names the line and field of anything malformed.
 
 Bounds: ``steps`` and ``at_step`` at most ``MAX_STEPS`` (a job's most), ``gen_len`` at most
 ``MAX_GEN_LEN`` tokens, ``gpus`` at most ``MAX_GPUS``, and the failures
@@ -51,6 +54,16 @@ MAX_GEN_LEN = 10_000_000
 MAX_DIGITS = 100
 """Integers of more digits than this are not read as numbers (every bound above has far fewer);
 a field holding one is refused by name, not by Python's limit on converting long integers."""
+DEFAULT_LEN_SIGMA = 0.6
+"""The sigma of a response's lognormal length around the step's mean, when the header gives none."""
+MAX_LEN_SIGMA = 3
+"""The widest spread a trace gives (at 3, the median response is 1% of the mean)."""
+DEFAULT_LEN_CAP = 4.0
+"""How many times the step's mean length a response is cut at, when the header gives none."""
+MIN_LEN_CAP, MAX_LEN_CAP = 1, 64
+"""The bounds of ``len_cap``: a cap below the mean would move the mean; 64 is far in the tail."""
+HEADER_OPTIONS = ("notice_s", "len_sigma", "len_cap")
+"""The header's optional fields."""
 SHAPES = ("growth", "plateau", "step", "oscillate", "noisy", "shrink")
 
 
@@ -79,6 +92,25 @@ class Trace:
     """(simulated seconds, slot index) failures, by time."""
     notice_s: float = 0.0
     """How long before a shrink of the pool it is announced (0: unannounced)."""
+    len_sigma: float = DEFAULT_LEN_SIGMA
+    """The sigma of one response's lognormal length around the step's mean (0: the mean)."""
+    len_cap: float = DEFAULT_LEN_CAP
+    """A response is cut at this many times the step's mean length."""
+
+    def response_lengths(self, step: int, count: int, rng: random.Random) -> list[int]:
+        """``count`` responses' lengths at ``step``: the step's mean (``gen_len_at``) times a
+        lognormal of mean 1 (mu = -sigma²/2), cut to 1 to ``len_cap`` times the mean, in whole
+        tokens. One standard normal is drawn per response whatever the sigma, so one rng state
+        gives the same quantiles at every sigma (at 0, every length is the mean). The cap takes
+        a little off the mean: 0.4% at the defaults."""
+        _int(count, "count")
+        mean = self.gen_len_at(step)
+        top = max(1, math.floor(self.len_cap * mean))  # rounding up would pass the cap
+        mu = -(self.len_sigma**2) / 2
+        return [
+            min(top, max(1, round(mean * math.exp(mu + self.len_sigma * rng.gauss(0.0, 1.0)))))
+            for _ in range(count)
+        ]
 
     def gen_len_at(self, step: int) -> int:
         steps = [s for s, _ in self.gen_len]
@@ -134,6 +166,10 @@ class Trace:
                     "accelerator": self.accelerator,
                     "gpus": self.gpus,
                     **({"notice_s": self.notice_s} if self.notice_s else {}),
+                    **(
+                        {"len_sigma": self.len_sigma} if self.len_sigma != DEFAULT_LEN_SIGMA else {}
+                    ),
+                    **({"len_cap": self.len_cap} if self.len_cap != DEFAULT_LEN_CAP else {}),
                 }
             )
         ]
@@ -240,11 +276,22 @@ def parse(lines: list[str], *, source: str = "trace", gpus: int | None = None) -
         raise TraceError(f"{where}: field 'accelerator': must be a name")
     if not isinstance(header["trace"], str):
         raise TraceError(f"{where}: field 'trace': must be a name")
-    unknown = set(header) - {"trace", "version", "steps", "accelerator", "gpus", "notice_s"}
+    unknown = set(header) - {"trace", "version", "steps", "accelerator", "gpus", *HEADER_OPTIONS}
     if unknown:
         raise TraceError(f"{where}: field '{sorted(unknown)[0]}': unknown in the header")
     notice_s = _number(
         header.get("notice_s", 0.0), f"{where}: field 'notice_s'", maximum=MAX_NOTICE_S
+    )
+    len_sigma = _number(
+        header.get("len_sigma", DEFAULT_LEN_SIGMA),
+        f"{where}: field 'len_sigma'",
+        maximum=MAX_LEN_SIGMA,
+    )
+    len_cap = _number(
+        header.get("len_cap", DEFAULT_LEN_CAP),
+        f"{where}: field 'len_cap'",
+        minimum=MIN_LEN_CAP,
+        maximum=MAX_LEN_CAP,
     )
     steps = _int(header["steps"], f"{where}: field 'steps'", minimum=1, maximum=MAX_STEPS)
     written = _int(header["gpus"], f"{where}: field 'gpus'", minimum=1, maximum=MAX_GPUS)
@@ -255,6 +302,11 @@ def parse(lines: list[str], *, source: str = "trace", gpus: int | None = None) -
     gen_len, pool, failures = [], [], []
     for number, record in records[1:]:
         where = f"{source}:{number}"
+        misplaced = [k for k in ("len_sigma", "len_cap") if k in record]
+        if misplaced:  # a trace-wide setting, not one that changes over steps or time
+            raise TraceError(
+                f"{where}: field '{misplaced[0]}': belongs in the header (line {records[0][0]})"
+            )
         kinds = [k for k in ("gen_len", "gpus", "fail_slot") if k in record]
         if len(kinds) != 1:
             raise TraceError(
@@ -313,6 +365,8 @@ def parse(lines: list[str], *, source: str = "trace", gpus: int | None = None) -
         pool=tuple((at, value) for at, value, _ in sorted(pool)),
         failures=tuple((at, value) for at, value, _ in sorted(failures)),
         notice_s=notice_s,
+        len_sigma=len_sigma,
+        len_cap=len_cap,
     )
 
 
@@ -385,14 +439,19 @@ def generate(
     grow_to: int | None = None,
     failures: int = 0,
     notice_s: float | None = None,
+    len_sigma: float = DEFAULT_LEN_SIGMA,
+    len_cap: float = DEFAULT_LEN_CAP,
 ) -> Trace:
     """A seeded trace of one of ``SHAPES``; ``spot`` adds a spot-like pool (over a dozen changes in
     ``hours``, never above ``MAX_GPUS``), announcing each shrink ``notice_s`` before it
     (``SPOT_NOTICE_S`` unless given), ``grow_to`` a pool that doubles towards that size,
-    ``failures`` slot failures (less any that would leave the pool no slot to run on)."""
+    ``failures`` slot failures (less any that would leave the pool no slot to run on);
+    ``len_sigma`` and ``len_cap`` shape each response's length as the header's fields do."""
     if notice_s is None:
         notice_s = SPOT_NOTICE_S if spot else 0.0
     _number(notice_s, "notice_s", maximum=MAX_NOTICE_S)
+    _number(len_sigma, "len_sigma", maximum=MAX_LEN_SIGMA)
+    _number(len_cap, "len_cap", minimum=MIN_LEN_CAP, maximum=MAX_LEN_CAP)
     if shape not in SHAPES:
         raise TraceError(f"shape: expected one of {', '.join(SHAPES)}, got {shape!r}")
     _int(gpus, "gpus", minimum=1, maximum=MAX_GPUS)
@@ -460,4 +519,6 @@ def generate(
         pool=tuple(sorted(pool)),
         failures=tuple(sorted(fails)),
         notice_s=float(notice_s),
+        len_sigma=float(len_sigma),
+        len_cap=float(len_cap),
     )
