@@ -1,7 +1,7 @@
 """``nereus simulate``: the controller, planner and transitions on the simulated cluster.
 
 Everything it prints is simulated: step times, transitions and restarts come from the simulated
-engine's hidden true model, never from hardware.
+cluster twin's physics (runtime/twin), never from hardware.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import typer
 from nereus.client import loads_strict
 from runtime.control import Controller, JobPolicy, PolicyError, run_job
 from runtime.engine import hindsight
-from runtime.engine.sim import SimulatedEngine, TrueModel
+from runtime.engine.sim import SimulatedEngine
 from runtime.engine.traces import (
     MAX_GPUS,
     MAX_STEPS,
@@ -161,7 +161,7 @@ def simulate(
 
         def start() -> tuple[SimulatedEngine, Controller]:
             return (
-                SimulatedEngine(trace, accelerator, truth=TrueModel.draw(seed), seed=seed),
+                SimulatedEngine(trace, accelerator, seed=seed),
                 Controller(workload, accelerator, job_policy),
             )
 
@@ -224,7 +224,7 @@ def simulate(
         typer.echo(
             f"  in hindsight       {looked_back['repaid']} of {looked_back['moves_for_saving']} "
             f"moves made for their saving truly repaid their cost; their true saving less "
-            f"their cost, in all: {looked_back['net_s']:+.1f} s (the true model, over each "
+            f"their cost, in all: {looked_back['net_s']:+.1f} s (the twin replayed, over each "
             "move's life)"
         )
     if replayed is not None:

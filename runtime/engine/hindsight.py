@@ -169,10 +169,9 @@ def _life(
         if back is None:
             until = f"step {later} gave their old slots to others"
             break
-        at = workload.with_gen_len(max(1, round(ran.gen_len)))
-        seconds, _ = engine.truth.step_seconds(ran.plan, at, engine.acc, at_s=ran.at_s)
-        old_s, peak = engine.truth.step_seconds(back, at, engine.acc, at_s=ran.at_s)
-        if peak > 1.0:
+        seconds, _ = engine.replay(ran.plan, workload, ran)
+        old_s, failure = engine.replay(back, workload, ran)
+        if failure:
             until = f"their old layouts would not have fitted at step {later}"
             break
         saved += old_s - seconds

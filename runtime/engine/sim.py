@@ -1,23 +1,22 @@
-"""The simulated cluster: the engine interface in simulated time, with a hidden true model.
+"""The simulated cluster: the engine interface over the cluster twin (``runtime/twin``).
 
-Everything it reports is labelled simulated. What it hides from the planner:
+Everything it reports is labelled simulated. The twin's physics is its own: the planner's cost
+and memory models are never asked what a step, a primitive, a build or a restart takes, so the
+planner starts wrong about this world and must learn it online (and may never learn all of it:
+its model has one length per step, this world a long tail of responses; its memory model has
+no padding to the longest sequence of a micro-batch, this world does).
 
-- **True efficiencies.** Each operation class runs at the planner's default efficiency times a
-  factor drawn per cluster (0.6–1.2), so the planner starts wrong and must learn online.
-- **Interference** that shifts over time: communication classes slow by up to ``interference``
-  along a slow wave (other tenants on the links), and per-step noise (``noise``, lognormal).
-- **True memory.** Activations and KV caches take ``memory_factor`` of what the planner's model
-  says, and the device has no headroom: a plan the planner thought feasible can run out of memory
-  and fail its step.
-
-Steps cost what the true model says for the plan's layouts at the trace's generated length.
-Transitions play the compiled DAG with true primitive times (bytes over links at true
-efficiencies, plus the per-primitive overhead the EMU benchmark measures on real slots);
-checkpoint/restart costs a restart plus saving and loading the whole persistent state at the
-storage bandwidth. The trace's pool changes and failures revoke the highest slots or the named one.
-A slot the plan uses that is lost in the middle of a step fails the step there, as on the Ray
-engine: before the training stage the units on the other slots are kept, after it began every
-unit's state is written off.
+Each step draws every response's length from the trace (``Trace.response_lengths``, seeded by
+the step alone, so two policies on the same trace and seed see the same sequences) and the twin
+plays the step: generation as a serving engine batches it, pipelines micro-batch by micro-batch,
+the collectives over the links the units span, and an allocator that fails a step whose slot
+outgrows its device (the job goes back to its last checkpoint). Transitions play the compiled
+DAG with the twin's time for each primitive; checkpoint/restart costs the twin's restart plus
+saving and loading the whole persistent state at the storage bandwidth. The trace's pool changes
+and failures revoke the highest slots or the named one; a failed slot stays lost until the
+trace's next pool record replaces it. A slot the plan uses that is lost in the middle of a step
+fails the step there, as on the Ray engine: before the training stage the units on the other
+slots are kept, after it began every unit's state is written off.
 """
 
 from __future__ import annotations
@@ -29,38 +28,33 @@ from collections.abc import Sequence
 
 from runtime.engine.interface import ProbeReport, StepReport, TransitionOutcome
 from runtime.engine.traces import Trace
-from runtime.planner import cost, memory
 from runtime.planner.calibration import TRAINING, samples_from_stages
 from runtime.planner.catalog import Accelerator
-from runtime.planner.cost import DEFAULT_EFFICIENCY
 from runtime.planner.plan import Plan
 from runtime.planner.probes import Probe, check_probes
-from runtime.planner.search import on_ready, stage_time
-from runtime.planner.shapes import LayoutShape
 from runtime.planner.workload import PpoWorkload
-from runtime.transition import cost as transition_cost
 from runtime.transition.compiler import DEFAULT_REBUILD_S
 from runtime.transition.dag import TransitionDag, in_build_order
 from runtime.transition.simulate import simulate
 from runtime.transition.units import Units, bytes_on, persists, units_not_held, units_of
+from runtime.twin import (
+    ClusterTwin,
+    build_seconds,
+    device,
+    primitive_seconds,
+    probe_seconds,
+    restart_seconds,
+)
 
-COMMUNICATION = ("tp_allreduce", "pp_p2p", "dp_allreduce", "weight_sync", "transition")
 STALL_S = 60.0
 """Simulated seconds a job that cannot run on its pool waits before trying again."""
 CHECKPOINT_EVERY = 20
 """Steps between the simulated job's committed checkpoints."""
-REBUILD_TRUTH = 1.25
-"""True time to build a derived unit over the compiler's default (which the engine learns)."""
-EMU_OVERHEAD = 1.6
-"""True primitive time over the ideal one (the EMU benchmark measures 1.25–2× on real slots)."""
 PROBE_SETUP_S = 2.0
 """Simulated seconds of making the probes' process groups (once per ``run_probes`` call that
 needs a group not made before, as the Ray engine keeps its groups)."""
-
-
-PLANNER_ONLY = ("weight_read",)
-"""Classes of the planner's cost model that the true model prices in its own form instead
-(``TrueModel.small_gemm_tokens``): a term whose time it gives 0."""
+BACKENDS = ("continuous", "static")
+"""How the simulated generation units decode: as a serving engine (vLLM) or a plain loop."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -71,114 +65,30 @@ class Ran:
     at_s: float
     """The simulated clock when it started."""
     gen_len: float
-    """The mean generated length it ran at (the trace's, with the step's jitter)."""
+    """The mean generated length it ran at."""
+    lengths: tuple[int, ...] = ()
+    """Every response's length (``hindsight`` replays the step with them)."""
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class TrueModel:
-    """What the cluster really does; the planner never reads it."""
-
-    efficiency: dict[str, float]
-    noise: float = 0.03
-    interference: float = 0.3
-    interference_period_s: float = 4 * 3600.0
-    memory_factor: float = 1.15
-    restart_fixed_s: float = 120.0
-    """Process start, NCCL/Ray set-up, model load warm-up."""
-    storage_bytes_per_s: float = 2e9
-    """Checkpoint bandwidth per node."""
-    small_gemm_tokens: float = 256.0
-    """A GEMM over fewer rows runs further from its peak: in training and inference its
-    efficiency is the class's times ``tokens / (tokens + small_gemm_tokens)`` for the tokens of
-    one micro-batch. The planner prices this its own way, as the weights each micro-batch's pass
-    streams (``weight_read``, at an efficiency it learns): the truth has no such class, and
-    ``seconds`` leaves the planner's term out."""
-    launch_s: float = 40e-6
-    """Fixed seconds per layer, pass and micro-batch in training and inference (an eager step's
-    kernel launches; generation replays captured graphs). The planner's model has none."""
-    isolated: float = 1.1
-    """A collective timed alone (a calibration probe) runs this much faster than the same
-    class inside a step, where compute contends with it for memory bandwidth and SMs: a probe's
-    efficiency is optimistic, and the stage samples must correct it."""
-
-    @classmethod
-    def draw(cls, seed: int, **overrides) -> TrueModel:
-        rng = random.Random(seed)
-        family = {}
-        efficiency = {}
-        for op_class, default in DEFAULT_EFFICIENCY.items():
-            if op_class in PLANNER_ONLY:
-                continue
-            name = op_class.partition(":")[0]
-            family.setdefault(name, rng.uniform(0.6, 1.2))
-            efficiency[op_class] = min(1.0, default * family[name] * rng.uniform(0.95, 1.05))
-        return cls(efficiency=efficiency, **overrides)
-
-    def seconds(self, shape: LayoutShape, *, num_slots: int, at_s: float) -> float:
-        """True seconds of a model-stage's step as ``shape`` runs it at simulated time
-        ``at_s``, noise aside: the cost model's form at the true efficiencies, plus what that
-        form lacks (small GEMMs' lower efficiency, launch overheads), which calibration with one
-        efficiency per class can only average over the plans it has seen."""
-        efficiency = {**self.efficiency_at(at_s), **dict.fromkeys(PLANNER_ONLY, math.inf)}
-        total, breakdown = cost.predict(shape, num_slots=num_slots, efficiency=efficiency)
-        seconds = float(total[0])
-        ms, w = shape.ms, shape.workload
-        if ms.stage in ("training", "inference"):
-            mb = float(shape.mb[0])
-            seconds += float(breakdown["gemm"][0]) * self.small_gemm_tokens / (mb * w.seq_len)
-            passes = (3 + (1 if w.recompute else 0)) if ms.stage == "training" else 1
-            epochs = w.ppo_epochs if ms.stage == "training" else 1
-            micro = math.ceil(float(shape.batch_per_unit[0]) / mb) * epochs
-            seconds += micro * ms.model.num_layers / shape.pp * passes * self.launch_s
-        return seconds
-
-    def plan_seconds(
-        self,
-        plan: Plan,
-        workload: PpoWorkload,
-        accelerator: Accelerator,
-        *,
-        at_s: float,
-        num_slots: int | None = None,
-    ) -> tuple[dict[str, float], float]:
-        """Each model-stage's true seconds as ``plan`` runs it at ``at_s``, noise aside, and the
-        fullest slot's true memory as a fraction of a device (over 1: it does not fit).
-        ``num_slots``: the pool the plan's collectives span (the plan's own by default)."""
-        pool = plan.num_slots if num_slots is None else num_slots
-        seconds: dict[str, float] = {}
-        peak = 0.0
-        for ms in workload.model_stages():
-            shape = LayoutShape.of_plan(ms, workload, accelerator, plan)
-            seconds[ms.name] = self.seconds(shape, num_slots=pool, at_s=at_s)
-            use = memory.memory_breakdown(shape, num_slots=pool)
-            scaled = sum(
-                float(v[0]) * (self.memory_factor if k in ("activations", "kv_cache") else 1)
-                for k, v in use.items()
-            )
-            peak = max(peak, scaled / accelerator.memory_bytes)
-        return seconds, peak
-
-    def step_seconds(
-        self, plan: Plan, workload: PpoWorkload, accelerator: Accelerator, *, at_s: float
-    ) -> tuple[float, float]:
-        """A step's true seconds as ``plan`` runs it at ``at_s``, noise aside (its stages one
-        after another, each stage's model-stages as its mode says), and its fullest slot's true
-        memory as a fraction of a device."""
-        seconds, peak = self.plan_seconds(plan, workload, accelerator, at_s=at_s)
-        modes = {s.stage: s.mode for s in plan.stages}
-        per_stage: dict[str, list[float]] = {}
-        for ms in workload.model_stages():
-            per_stage.setdefault(ms.stage, []).append(seconds[ms.name])
-        return sum(stage_time(modes[s], ts) for s, ts in per_stage.items()), peak
-
-    def efficiency_at(self, seconds: float) -> dict[str, float]:
-        """True efficiencies at a simulated time: communication slowed by the interference wave."""
-        wave = 0.5 * (1 - math.cos(2 * math.pi * seconds / self.interference_period_s))
-        slow = 1 + self.interference * wave
-        return {
-            c: e / slow if c.partition(":")[0] in COMMUNICATION else e
-            for c, e in self.efficiency.items()
-        }
+def on_ready(plan: Plan, building) -> Plan | None:
+    """``plan`` as it runs while its units ``building`` ((model-stage, slots)) are still being
+    built: each generation model-stage among them on its built units only, which share its
+    sequences (each a serving engine that takes as many at once as its cache holds). None when
+    some generation model-stage has no unit built yet."""
+    changed = {}
+    for ms in plan.model_stages:
+        if not ms.name.endswith("@generation") or not any(
+            (ms.name, u) in building for u in ms.units
+        ):
+            continue
+        units = tuple(u for u in ms.units if (ms.name, u) not in building)
+        if not units:
+            return None
+        layout = dataclasses.replace(ms.layout, dp=len(units))
+        changed[ms.name] = dataclasses.replace(ms, layout=layout, units=units, micro_batch=0)
+    return dataclasses.replace(
+        plan, model_stages=tuple(changed.get(ms.name, ms) for ms in plan.model_stages)
+    )
 
 
 class SimulatedEngine:
@@ -192,19 +102,29 @@ class SimulatedEngine:
         trace: Trace,
         accelerator: Accelerator,
         *,
-        truth: TrueModel,
+        twin: ClusterTwin | None = None,
         seed: int = 0,
         checkpoint_every: int = CHECKPOINT_EVERY,
+        backend: str = "continuous",
     ):
         if accelerator.name != trace.accelerator:
             raise ValueError(
                 f"accelerator: the trace is for {trace.accelerator}, not {accelerator.name}"
             )
+        if backend not in BACKENDS:
+            raise ValueError(f"backend: expected one of {', '.join(BACKENDS)}, got {backend!r}")
         self.trace = trace
         self.acc = accelerator
-        self.truth = truth
+        self.twin = twin or ClusterTwin.draw(device(accelerator.name), seed)
+        """The world: the planner never reads it."""
+        if self.twin.device.name != accelerator.name:
+            raise ValueError(
+                f"twin: its device is {self.twin.device.name}, the cluster's {accelerator.name}"
+            )
+        self.backend = backend
         self.seed = seed
-        # Each step's draws (its generated length's jitter, its model-stages' noise) come from
+        self._workload: PpoWorkload | None = None
+        # Each step's draws (its responses' lengths, its model-stages' noise) come from
         # a stream of that step alone, so that two policies run on the same trace and seed see
         # the same step-to-step noise however their plans differ; transitions and builds have
         # streams of their own.
@@ -216,7 +136,6 @@ class SimulatedEngine:
         self._units: dict = {}
         self._lost: set[int] = set()
         self._pool = trace.gpus_at(0.0)
-        self._failures_seen = 0.0
         self._rebuild = dict(DEFAULT_REBUILD_S)
         """Seconds one new unit of each derived stage takes to build, as this engine has
         measured its rebuilds (the compiler's GPU defaults until it has seen one)."""
@@ -234,7 +153,7 @@ class SimulatedEngine:
         them)."""
         self._joining: dict[tuple[str, tuple[int, ...]], float] = {}
         """Derived units a transition did not wait for (``TransitionDag.joining``): when each is
-        ready. The next step generates on the others meanwhile (``search.on_ready``)."""
+        ready. The next step generates on the others meanwhile (``on_ready``)."""
 
     @property
     def rebuild_s(self) -> tuple[tuple[str, float], ...]:
@@ -256,6 +175,7 @@ class SimulatedEngine:
 
     def start(self, plan: Plan, workload: PpoWorkload) -> None:
         self._check_fits(plan)
+        self._workload = workload
         self._units = units_of(plan, workload)
         self._lost.clear()
         self._joining.clear()
@@ -291,27 +211,25 @@ class SimulatedEngine:
                 simulated=True,
             )
         rng = random.Random(f"{self.seed}:step:{step}")
-        gen_len = self.trace.gen_len_at(step) * math.exp(rng.gauss(0, 0.02))
+        lengths = self.trace.response_lengths(step, workload.global_batch, rng)
+        gen_len = sum(lengths) / len(lengths)
         now = workload.with_gen_len(max(1, round(gen_len)))
-        runs_on, building_s, blocked_s = self._joined(plan, now)
-        modes = {s.stage: s.mode for s in plan.stages}
-        per_stage: dict[str, list[float]] = {}
-        measured: dict[str, float] = {}  # what the slots time: each model-stage, whole
-        true_s, peak = self.truth.plan_seconds(
-            runs_on, now, self.acc, at_s=self.clock, num_slots=plan.num_slots
+        self._workload = workload
+        runs_on, building_s, blocked_s = self._joined(plan)
+        played = self.twin.step(
+            runs_on, now, lengths=lengths, at_s=self.clock, backend=self.backend, rng=rng
         )
-        for ms in now.model_stages():
-            measured[ms.name] = true_s[ms.name] * math.exp(rng.gauss(0, self.truth.noise))
-            per_stage.setdefault(ms.stage, []).append(measured[ms.name])
-        stage_seconds = {stage: stage_time(modes[stage], ts) for stage, ts in per_stage.items()}
+        measured = dict(played.model_stage_seconds)  # what the slots time: each model-stage
+        stage_seconds = dict(played.stage_seconds)
         # The units still building hold their slots until they are built: the next stage
         # (on every slot) waits for them.
         stage_seconds["generation"] = max(stage_seconds["generation"], building_s) + blocked_s
         seconds = sum(stage_seconds.values())
-        ok, failure = True, ""
+        peak = played.peak_fraction
+        out_of_memory = played.failure
         used = {s for ms in plan.model_stages for s in ms.slots}
         lost_at = self.trace.first_loss(self.clock, self.clock + seconds, used)
-        if lost_at is not None and (peak <= 1.0 or lost_at - self.clock < 0.5 * seconds):
+        if lost_at is not None and (not out_of_memory or lost_at - self.clock < 0.5 * seconds):
             # A slot the plan uses was revoked or failed part-way: the step fails there, as on
             # the Ray engine. Before the training stage no unit's state has changed: the units
             # on the lost slots are gone and the others are kept, at the step's start. Once
@@ -322,9 +240,7 @@ class SimulatedEngine:
             stage = "training" if training else "generation or inference"
             self._advance(elapsed)
             if training:
-                self._units = {}
-                self._redo = self._redo + self._since_checkpoint
-                self._since_checkpoint = []
+                self._lose_state()
             return StepReport(
                 step=step,
                 ok=False,
@@ -333,21 +249,22 @@ class SimulatedEngine:
                 failure=f"a slot was lost during the step's {stage} (simulated)",
                 simulated=True,
             )
-        if peak > 1.0:
+        ok, failure = True, ""
+        if out_of_memory:
             # Out of memory part-way: one rank fails inside the step's collectives, the others
             # time out and the group is torn down, as the Ray engine does on any failed step.
             # Every unit is mid-update: the job goes back to its last checkpoint, and the steps
             # since then are done again after the restart.
-            ok, failure = False, f"out of memory: {peak:.0%} of a device (simulated)"
+            ok, failure = False, out_of_memory
             seconds *= 0.5
-            self._units = {}
-            self._redo = self._redo + self._since_checkpoint
-            self._since_checkpoint = []
+            self._lose_state()
         else:
             self._since_checkpoint.append(seconds)
             if len(self._since_checkpoint) >= self.checkpoint_every:
                 self._since_checkpoint.clear()  # committed
-            self.history[step] = Ran(plan=plan, at_s=self.clock, gen_len=gen_len)
+            self.history[step] = Ran(
+                plan=plan, at_s=self.clock, gen_len=gen_len, lengths=tuple(lengths)
+            )
         self._advance(seconds)
         return StepReport(
             step=step,
@@ -367,9 +284,25 @@ class SimulatedEngine:
             peak_memory=peak,
             failure=failure,
             simulated=True,
+            extra={"preempted": played.preempted} if played.preempted else {},
         )
 
-    def _joined(self, plan: Plan, workload: PpoWorkload) -> tuple[Plan, float, float]:
+    def _lose_state(self) -> None:
+        """Every unit's state is gone mid-update: the steps since the last checkpoint are
+        done again after the restart."""
+        self._units = {}
+        self._redo = self._redo + self._since_checkpoint
+        self._since_checkpoint = []
+
+    def replay(self, plan: Plan, workload: PpoWorkload, ran: Ran) -> tuple[float, str]:
+        """What ``plan`` would have taken for the step ``ran`` (its sequences, its clock),
+        noise aside: seconds, and why it would have failed (empty: it fits)."""
+        at = workload.with_gen_len(max(1, round(ran.gen_len)))
+        lengths = list(ran.lengths) or [max(1, round(ran.gen_len))] * workload.global_batch
+        played = self.twin.step(plan, at, lengths=lengths, at_s=ran.at_s, backend=self.backend)
+        return played.seconds, played.failure
+
+    def _joined(self, plan: Plan) -> tuple[Plan, float, float]:
         """The plan this step runs (generation on the units that are built: those a transition
         did not wait for are built by the end of this step's generation), how long the last of
         them still builds, and how long the step waits before it can start (no generation unit
@@ -383,12 +316,7 @@ class SimulatedEngine:
         if not building:
             return plan, 0.0, 0.0
         last = max(building.values()) - self.clock
-        # The built units decode as many sequences at once as truly fit (as vLLM sizes its KV
-        # cache from the memory it finds free): the device as its larger true footprint sees it.
-        device = dataclasses.replace(
-            self.acc, memory_bytes=self.acc.memory_bytes / self.truth.memory_factor
-        )
-        runs_on = on_ready(plan, workload, device, building)
+        runs_on = on_ready(plan, building)
         if runs_on is None:  # none built yet (a second transition before any step): the
             return plan, 0.0, last  # step waits for every build, as a transition would
         return runs_on, last, 0.0
@@ -406,14 +334,12 @@ class SimulatedEngine:
         )
 
     def transition(self, dag: TransitionDag) -> TransitionOutcome:
-        eff = self.truth.efficiency_at(self.clock)
-
-        took_s: dict[str, float] = {}  # each node's true seconds, as the executor times them
+        took_s: dict[str, float] = {}  # each node's seconds, as the executor times them
 
         def true_seconds(node) -> float:
-            predicted = transition_cost.predict(node.primitive, self.acc, eff).seconds
-            noise = self._transition_rng.gauss(0, self.truth.noise)
-            took_s[node.node_id] = predicted * EMU_OVERHEAD * math.exp(noise)
+            seconds = primitive_seconds(self.twin, node.primitive, at_s=self.clock)
+            noise = self._transition_rng.gauss(0, self.twin.noise)
+            took_s[node.node_id] = seconds * math.exp(noise)
             return took_s[node.node_id]
 
         result = simulate(dag, durations=true_seconds)
@@ -422,7 +348,7 @@ class SimulatedEngine:
             for node_id, seconds in took_s.items()
             if result.ok and (sample := dag.nodes[node_id].sample(seconds)) is not None
         )
-        took = {name: self._build_s(name) for name in dag.rebuilds}
+        took = {name: self._build_s(name, units) for name, units in dag.rebuild_units.items()}
         rebuild = dag.rebuild_makespan(took)
         built_here = {
             name
@@ -431,7 +357,7 @@ class SimulatedEngine:
             if (name, u) not in dag.built_ahead | dag.joining
         }
         for key in dag.built_ahead:  # waited for where still building
-            ready = self._ahead.get(key, self.clock + self._build_s(key[0]))
+            ready = self._ahead.get(key, self.clock + self._build_s(key[0], (key[1],)))
             rebuild = max(rebuild, ready - self.clock)
         for name in built_here:  # those built ahead or joining are learned from as they build
             self._learn_build(name, took[name])
@@ -487,7 +413,10 @@ class SimulatedEngine:
         """When each of these units ((model-stage, slots)) is built, the builds starting at
         ``start`` in the engines' order: each as soon as all its slots are free."""
         keys = in_build_order(keys)
-        seconds = {name: self._build_s(name) for name in sorted({n for n, _ in keys})}
+        seconds = {
+            name: self._build_s(name, [u for n, u in keys if n == name])
+            for name in sorted({n for n, _ in keys})
+        }
         for name, took in seconds.items():
             self._learn_build(name, took)
         free: dict[int, float] = {}
@@ -498,11 +427,23 @@ class SimulatedEngine:
             out[(name, slots)] = ready
         return out
 
-    def _build_s(self, model_stage: str) -> float:
-        """The true seconds one unit of ``model_stage`` takes to build now."""
+    def _build_s(self, model_stage: str, units: Sequence[tuple[int, ...]] = ()) -> float:
+        """The seconds one unit of ``model_stage`` takes to build now (its largest, on the
+        twin's links), with the noise of builds."""
         stage = model_stage.partition("@")[2]
-        noise = math.exp(self._build_rng.gauss(0, self.truth.noise))
-        return dict(DEFAULT_REBUILD_S)[stage] * REBUILD_TRUTH * noise
+        role = model_stage.partition("@")[0]
+        size = max((len(u) for u in units), default=1)
+        slots = max(units, key=len, default=(0,))
+        nbytes = 0.0
+        if self._workload is not None:
+            model = self._workload.models[role]
+            nbytes = (
+                model.num_params(scalar_head=role in ("critic", "reward"))
+                * self._workload.bytes_per_value
+                / size
+            )
+        noise = math.exp(self._build_rng.gauss(0, self.twin.noise))
+        return build_seconds(self.twin, stage, nbytes, slots) * noise
 
     def _learn_build(self, model_stage: str, seconds: float) -> None:
         """As the Ray engine learns from its timings."""
@@ -515,7 +456,6 @@ class SimulatedEngine:
         state = sum(
             sum(bytes_on(u).values()) for us in units_of(plan, workload).values() for u in us
         )
-        nodes = max(1, math.ceil(plan.num_slots / self.acc.gpus_per_node))
         intact = self._intact()
         redo = 0.0
         if all(intact.get(name) for name in units_of(plan, workload)):
@@ -527,32 +467,29 @@ class SimulatedEngine:
             self._since_checkpoint = self._redo + self._since_checkpoint
             self._redo = []
             redo = sum(self._since_checkpoint)
-        seconds = self.truth.restart_fixed_s + passes * state / (
-            self.truth.storage_bytes_per_s * nodes
-        )
-        seconds += redo
-        # The restarted processes replace the lost ones; a slot lost while they start stays lost.
-        before = set(self._lost)
+        seconds = restart_seconds(self.twin, state, plan.num_slots, passes) + redo
+        # A restart replaces no slot: failed slots stay lost until the trace's next pool
+        # record, and the plan it restarts onto must avoid them.
         self._advance(seconds)
         self._units = units_of(plan, workload)
-        self._lost -= before
         self._joining.clear()
         return seconds
 
     def run_probes(self, probes: Sequence[Probe]) -> ProbeReport:
-        """Each probe's runs at the true efficiency of its class now (interference included),
-        a little faster than inside a step (``TrueModel.isolated``), with the step's noise; the
-        clock moves by the group set-up, a warm-up run and the timed runs of each."""
+        """Each probe's runs on the twin's links now (other tenants' traffic included, nothing
+        of the job's own beside it), with the step's noise; the clock moves by the group
+        set-up, a warm-up run and the timed runs of each."""
         check_probes(probes, self._pool, self._lost)
-        eff = self.truth.efficiency_at(self.clock)
         measured = []
         groups = {p.slots for p in probes}
         seconds = PROBE_SETUP_S if groups - self._probe_groups else 0.0
         self._probe_groups |= groups
         for probe in probes:
-            true_s = probe.ideal_s(self.acc) / min(1.0, eff[probe.op_class] * self.truth.isolated)
+            true_s = probe_seconds(
+                self.twin, probe.pattern, probe.slots, probe.nbytes, at_s=self.clock
+            )
             runs = tuple(
-                true_s * math.exp(self._probe_rng.gauss(0, self.truth.noise))
+                true_s * math.exp(self._probe_rng.gauss(0, self.twin.noise))
                 for _ in range(probe.repeats)
             )
             seconds += true_s + sum(runs)
@@ -576,10 +513,25 @@ class SimulatedEngine:
                 name: tuple(u for u in units if not set(u.slots) & back)
                 for name, units in self._units.items()
             }
+        if any(start < at <= self.clock for at, _ in self.trace.pool):
+            # A pool record: the cluster's allocation is renewed, failed slots replaced (empty).
+            self._replace_failed(start)
         self._pool = pool
         for slot in self.trace.failures_between(start, self.clock):
             if slot < self._pool:
                 self._lost.add(slot)
+
+    def _replace_failed(self, start: float) -> None:
+        """Slots that failed before the latest pool record since ``start`` come back empty."""
+        record = max(at for at, _ in self.trace.pool if start < at <= self.clock)
+        failed = {slot for at, slot in self.trace.failures if at <= record}
+        back = self._lost & failed & set(range(self.trace.gpus_at(record)))
+        if back:
+            self._lost -= back
+            self._units = {
+                name: tuple(u for u in units if not set(u.slots) & back)
+                for name, units in self._units.items()
+            }
 
     def _intact(self) -> dict:
         return {

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from runtime.control import Controller, JobPolicy, run_job
 from runtime.engine import hindsight
-from runtime.engine.sim import SimulatedEngine, TrueModel
+from runtime.engine.sim import SimulatedEngine
 from runtime.engine.traces import generate
 from runtime.events import EventSink, RuntimeEvent
 from runtime.jobs.driver import Command, JobOutcome, apply_commands
@@ -25,7 +25,7 @@ from runtime.planner import PpoWorkload, default_catalog
 def sim_job_parts(
     spec: PpoSimJobSpec, *, emit: Callable[[dict], None] | None = None
 ) -> tuple[SimulatedEngine, Controller]:
-    """The job's simulated cluster (its generated trace, its hidden true model) and its
+    """The job's simulated cluster (its generated trace, its cluster twin) and its
     controller: what a run starts from, and what a preview asks for the first plan."""
     catalog = default_catalog()
     accelerator = catalog.accelerator(spec.gpu)
@@ -39,7 +39,7 @@ def sim_job_parts(
         hours=spec.trace_hours,
     )
     workload = PpoWorkload.for_model(catalog.model(spec.model), gen_len=trace.gen_len_at(0))
-    engine = SimulatedEngine(trace, accelerator, truth=TrueModel.draw(spec.seed), seed=spec.seed)
+    engine = SimulatedEngine(trace, accelerator, seed=spec.seed)
     controller = Controller(workload, accelerator, JobPolicy.from_json(spec.policy), emit=emit)
     return engine, controller
 

@@ -11,11 +11,12 @@ from typing import Any
 
 from runtime.control import Controller, JobPolicy
 from runtime.control.admission import decide
-from runtime.engine.sim import SimulatedEngine, TrueModel
+from runtime.engine.sim import SimulatedEngine
 from runtime.engine.traces import Trace
 from runtime.planner import PpoWorkload, default_catalog, plan
 from runtime.planner.plan import Layout, Plan
 from runtime.transition import Cluster, diff
+from runtime.twin import ClusterTwin, device
 
 CATALOG = default_catalog()
 CPU = CATALOG.accelerator("cpu-slot")
@@ -130,7 +131,9 @@ def simulated_controller(
         gen_len=((0, 1024.0),),
         pool=((1.0, 32),),
     )
-    engine = SimulatedEngine(trace, H100, truth=TrueModel.draw(3, noise=0.0), seed=1)
+    engine = SimulatedEngine(
+        trace, H100, twin=ClusterTwin.draw(device(H100.name), 3, noise=0.0), seed=1
+    )
     controller = Controller(
         LLAMA_8B,
         H100,
