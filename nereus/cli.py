@@ -208,6 +208,13 @@ _Interval = Annotated[
 @app.command("submit", epilog=_API_EPILOG)
 def submit_command(
     spec: Annotated[str, typer.Option(help="JSON file of the job spec ('-': standard input).")],
+    generation_backend: Annotated[
+        str | None,
+        typer.Option(
+            help="A PPO job's generation backend, set in the spec over the file's: torch (the "
+            "default) or vllm (GPU slots only; refused on CPU slots, exit code 2)."
+        ),
+    ] = None,
     project: Annotated[
         str | None, typer.Option(help="Project slug (default: the token's project).")
     ] = None,
@@ -230,6 +237,7 @@ def submit_command(
     raise typer.Exit(
         code=submit(
             spec_file=spec,
+            generation_backend=generation_backend,
             project=project,
             name=name,
             idempotency_key=idempotency_key,

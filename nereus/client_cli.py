@@ -108,10 +108,15 @@ def submit(
     as_json: bool,
     url: str | None,
     token: str | None,
+    generation_backend: str | None = None,
 ) -> int:
-    """Submit a job; print its id (or its JSON); with ``wait``, follow it to the end."""
+    """Submit a job; print its id (or its JSON); with ``wait``, follow it to the end.
+    ``generation_backend``: the spec's field of that name, over the file's; the service
+    validates it as any spec field (a 400 naming ``spec.generation_backend``: exit code 2)."""
     try:
         spec = _read_spec(spec_file)
+        if generation_backend is not None:
+            spec["generation_backend"] = generation_backend
         if name is None:
             name = "job" if spec_file == "-" else Path(spec_file).stem
         client = _client(url, token)

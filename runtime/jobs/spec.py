@@ -9,6 +9,11 @@ from typing import Any
 from runtime.planner.catalog import CPU_SLOT
 
 JOB_KINDS = ("sft", "ppo", "ppo-sim")
+VLLM_NEEDS_GPUS = (
+    f"generation_backend: vllm needs GPU slots; this job runs on CPU slots (gpu={CPU_SLOT}): "
+    "name a GPU kind in gpu, or use torch"
+)
+"""A PPO job's ``vllm`` backend on CPU slots, refused at submission (the API, form and CLI)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -191,6 +196,10 @@ class PpoJobSpec:
     in for a GPU, the group over gloo; any other (``h100-sxm``, ``h200``, ...), one GPU of that
     kind per slot, the group over NCCL, which the Ray cluster must have. The planner plans for it
     and calibrates against it."""
+    generation_backend: str = "torch"
+    """How the actor's generation units sample: ``torch`` (the default: the units' own model, any
+    layout, CPU or GPU slots) or ``vllm`` (a vLLM engine per one-slot generation unit, fed the
+    actor's weights each step: GPU slots only, with vLLM installed, the ``gpu`` extra)."""
     policy: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -218,7 +227,9 @@ class PpoJobSpec:
         if not 0 <= self.pace_s <= 60:
             raise ValueError(f"pace_s: expected 0 <= pace_s <= 60, got {self.pace_s}")
         config = self.job_config()
-        config.validate()
+        config.validate()  # names an unknown generation_backend
+        if self.generation_backend == "vllm" and not self.uses_gpus:
+            raise ValueError(VLLM_NEEDS_GPUS)
         _check_policy(self.policy)
         _check_fits(config, self.num_slots, self.gpu)
 
@@ -258,6 +269,7 @@ class PpoJobSpec:
             batch_size=self.batch_size,
             warmup_steps=self.warmup_steps,
             checkpoint_every=self.checkpoint_every,
+            generation_backend=self.generation_backend,
             seed=self.seed,
         )
 

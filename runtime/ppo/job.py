@@ -67,6 +67,7 @@ class SupersededError(RuntimeError):
 
 
 REWARDS = ("length", "correct", "partial", "model")
+GENERATION_BACKENDS = slot_work.GENERATION_BACKENDS  # PpoJobConfig.generation_backend's values
 
 logger = logging.getLogger(__name__)
 
@@ -149,6 +150,11 @@ class PpoJobConfig:
         if self.reward not in REWARDS:
             raise PpoConfigError(
                 f"reward: expected one of {', '.join(REWARDS)}, got {self.reward!r}"
+            )
+        if self.generation_backend not in GENERATION_BACKENDS:
+            raise PpoConfigError(
+                f"generation_backend: expected one of {', '.join(GENERATION_BACKENDS)}, "
+                f"got {self.generation_backend!r}"
             )
         if (
             isinstance(self.checkpoint_every, bool)

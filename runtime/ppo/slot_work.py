@@ -28,7 +28,7 @@ import math
 import time
 import zlib
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -306,13 +306,25 @@ def generate(
     GPU, fed the workspace's weights each step; one-slot units). ``micro_batch``: the most
     prompts decoded at once, as many as the plan's KV cache holds (0: all); the rest wait for
     later waves. A response depends only on its prompt and row, not on the wave it ran in."""
+    run = generator_for(backend)
     ws = workspace(ctx, unit)
-    run = _generate_vllm if backend == "vllm" else _generate_torch
     waves = [
         run(ctx, ws, prompts[r.start : r.stop], rows[r.start : r.stop], params, pad_token_id)
         for r in _row_chunks(len(rows), micro_batch or len(rows))
     ]
     return None if waves[0] is None else {"rows": rows, **join_responses(waves, pad_token_id)}
+
+
+def generator_for(backend: str) -> Callable[..., dict | None]:
+    """The function that runs one wave of ``generate`` on ``backend`` (one of
+    ``GENERATION_BACKENDS``); an unknown one is refused, naming the job's field, not run as
+    torch. Choosing ``vllm`` imports nothing: vLLM is imported when its first wave runs."""
+    try:
+        return _GENERATORS[backend]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"generation_backend: expected one of {', '.join(GENERATION_BACKENDS)}, got {backend!r}"
+        ) from None
 
 
 def join_responses(parts: list[dict], pad_token_id: int) -> dict[str, torch.Tensor]:
@@ -394,6 +406,12 @@ def _generate_vllm(ctx, ws: Workspace, prompts, rows, params, pad_token_id) -> d
         "response_mask": rollout.response_mask,
         "logprobs": rollout.logprobs,
     }
+
+
+GENERATION_BACKENDS = ("torch", "vllm")
+"""How generation units sample: ``torch``, the units' own model in any layout; ``vllm``, a vLLM
+engine on a one-slot unit's GPU (``runtime/ppo/generate_vllm.py``)."""
+_GENERATORS = {"torch": _generate_torch, "vllm": _generate_vllm}
 
 
 # --- inference ------------------------------------------------------------------------------------

@@ -98,7 +98,10 @@ class JobListCreateApi(APIView):
         )
         name = Text(max_length=200)
         spec = serializers.JSONField(
-            help_text="The job spec (see runtime/jobs/spec.py); missing fields take defaults."
+            help_text="The job spec (see runtime/jobs/spec.py); missing fields take defaults. "
+            "A PPO job's (kind ppo) generation_backend: torch (the default) or vllm, which needs "
+            "GPU slots (a GPU kind in gpu) and is refused on CPU slots with a 400 naming "
+            "spec.generation_backend."
         )
 
         def validate_spec(self, value):

@@ -15,7 +15,7 @@ from runtime.control.policy import APPROVAL_MODES, RUNWAYS, SIGNALS, JobPolicy
 from runtime.engine.traces import SHAPES
 from runtime.jobs.spec import PpoJobSpec, PpoSimJobSpec, SftJobSpec, spec_from_json
 from runtime.planner.catalog import default_catalog
-from runtime.ppo.job import REWARDS
+from runtime.ppo.job import GENERATION_BACKENDS, REWARDS
 from runtime.ppo.tasks import TASK_NAMES
 from webapp.projects.models import Project, Role
 from webapp.projects.selectors import projects_visible_to
@@ -107,6 +107,14 @@ class JobSubmitForm(forms.Form):
         label="Slots",
         help_text="cpu-slot: a CPU process per slot; a GPU kind: one such GPU per slot, which "
         "the Ray cluster must have.",
+    )
+    generation_backend = forms.ChoiceField(
+        required=False,
+        choices=[(name, name) for name in GENERATION_BACKENDS],
+        initial=_PPO.generation_backend,
+        label="Generation",
+        help_text="torch: any slots. vllm: GPU slots only, with vLLM installed on them (the gpu "
+        "extra); refused on CPU slots.",
     )
     tasks = forms.CharField(
         required=False,
@@ -285,6 +293,7 @@ class JobSubmitForm(forms.Form):
                 "kind": "ppo",
                 "model": data["ppo_model"],
                 "gpu": data.get("ppo_gpu") or _PPO.gpu,
+                "generation_backend": data.get("generation_backend") or _PPO.generation_backend,
                 "tasks": data["tasks"],
                 "reward": data["reward"],
                 "num_slots": data["num_slots"],
