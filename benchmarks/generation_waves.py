@@ -1,7 +1,7 @@
 """SIMULATED: jobs whose generation KV cache outgrows memory, with generation waves and without.
 
 Each row is a Llama-3.1-8B PPO job on the simulated cluster while the generated length grows
-(60 steps, a linear trace), run twice side by side under the same true model: planned (training
+(60 steps, a linear trace), run twice side by side on the same cluster twin: planned (training
 and inference micro-batches and generation waves chosen by the planner) and pinned
 (``adaptive_micro_batch: false``: the workload's micro-batch, every sequence decoded at once).
 Many sequences per step make the KV cache, not training, what memory binds first. Prints a table
@@ -22,9 +22,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks import _report
 from runtime.control import JobPolicy
 from runtime.control.controller import Controller, run_job
-from runtime.engine.sim import SimulatedEngine, TrueModel
+from runtime.engine.sim import SimulatedEngine
 from runtime.engine.traces import Trace
 from runtime.planner import PpoWorkload, default_catalog
+from runtime.twin import ClusterTwin, device
 
 STEPS = 60
 SCENARIOS = (  # (GPUs, sequences per step, generated length from, to)
@@ -50,7 +51,8 @@ def run(gpus: int, batch: int, start: int, end: int, *, planned: bool) -> dict:
         gen_len=((0, float(start)), (STEPS, float(end))),
         pool=(),
     )
-    engine = SimulatedEngine(trace, acc, truth=TrueModel.draw(3, noise=0.0), seed=1)
+    twin = ClusterTwin.draw(device(acc.name), 3, noise=0.0)
+    engine = SimulatedEngine(trace, acc, twin=twin, seed=1)
     controller = Controller(workload, acc, JobPolicy())
     summary = run_job(engine, controller, STEPS)
     waves = [

@@ -71,14 +71,17 @@ def continuous(
     preempted = 0
     peak = 0
     while waiting or running:
-        used = sum(_held(prompt, done) for _, done in running)
+        context = sum(prompt + done for _, done in running)
         joined = []
         while waiting and len(running) < seats:
-            need = _held(prompt, waiting[-1][1])
-            if used + need > kv_tokens:
+            # A sequence joins only if every running one still has room to grow by a token
+            # after it (a page of slack each), so that the one preempted last does not come
+            # straight back.
+            after = context + prompt + waiting[-1][1]
+            if after + (len(running) + 1) * (PAGE_TOKENS + 1) > kv_tokens:
                 break
             seq = waiting.pop()
-            used += need
+            context = after
             running.append(seq)
             joined.append(prompt + seq[1])
         if joined:
