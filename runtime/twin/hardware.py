@@ -62,6 +62,7 @@ machine has cores).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from pathlib import Path
@@ -82,6 +83,10 @@ class Link:
     """Per hop of the ring or tree (a small all-reduce among ``k`` takes ``2 log2(k)`` hops)."""
     inter: bool = False
     """Whether the group crosses nodes (other tenants' traffic slows it)."""
+
+    @property
+    def key(self) -> tuple:
+        return (self.bus_bytes_per_s, self.latency_s, self.inter)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -135,6 +140,11 @@ class Device:
     profiling, KV-cache allocation, CUDA-graph capture)."""
     unit_start_s: float = 1.5
     """Seconds to start a forward-only inference unit once its weights are there."""
+
+    @functools.cached_property
+    def key(self) -> tuple:
+        """The device as a tuple of its figures (hashed once)."""
+        return dataclasses.astuple(self)
 
     @property
     def hbm_rate(self) -> float:

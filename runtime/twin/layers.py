@@ -52,6 +52,21 @@ class Shard:
             nbytes=nbytes,
         )
 
+    @functools.cached_property
+    def key(self) -> tuple:
+        """The shard as a tuple (hashed once, where the dataclass would hash its model each
+        time)."""
+        return (
+            self.model.name,
+            dataclasses.astuple(self.model),
+            self.tp,
+            self.layers,
+            self.first,
+            self.last,
+            self.scalar_head,
+            self.nbytes,
+        )
+
     @property
     def kv_heads_per_rank(self) -> float:
         """Key/value heads one rank caches (replicated when ``tp`` exceeds them)."""
@@ -172,15 +187,34 @@ def kv_read_s(dev: Device, shard: Shard) -> float:
     return shard.kv_bytes_per_token / dev.hbm_rate
 
 
-@functools.lru_cache(maxsize=1 << 16)
+_MEMO: dict[tuple, float] = {}
+_MEMO_MAX = 1 << 18
+"""Seconds of passes already priced, by their shape: a run asks again and again for the same
+shapes (micro-batches are padded), and hashing the shapes' tuples is cheap."""
+
+
+def _memo(key: tuple, price) -> float:
+    seconds = _MEMO.get(key)
+    if seconds is None:
+        if len(_MEMO) >= _MEMO_MAX:
+            _MEMO.clear()
+        seconds = _MEMO[key] = price()
+    return seconds
+
+
 def forward_s(
     dev: Device, shard: Shard, tokens: float, lengths_sq: float, link: Link, slow: float, slowdown
 ) -> float:
-    """``forward``'s wall seconds (remembered: a run asks again for the same shapes)."""
-    return forward(dev, shard, tokens, lengths_sq, link, slow=slow).seconds(dev, slowdown=slowdown)
+    """``forward``'s wall seconds (remembered)."""
+    key = ("f", dev.key, shard.key, tokens, lengths_sq, link.key, slow, slowdown)
+    return _memo(
+        key,
+        lambda: forward(dev, shard, tokens, lengths_sq, link, slow=slow).seconds(
+            dev, slowdown=slowdown
+        ),
+    )
 
 
-@functools.lru_cache(maxsize=1 << 16)
 def backward_s(
     dev: Device,
     shard: Shard,
@@ -192,5 +226,23 @@ def backward_s(
     recompute: bool,
 ) -> float:
     """``backward``'s wall seconds (remembered)."""
-    work = backward(dev, shard, tokens, lengths_sq, link, recompute=recompute, slow=slow)
-    return work.seconds(dev, slowdown=slowdown)
+    key = ("b", dev.key, shard.key, tokens, lengths_sq, link.key, slow, slowdown, recompute)
+    return _memo(
+        key,
+        lambda: backward(
+            dev, shard, tokens, lengths_sq, link, recompute=recompute, slow=slow
+        ).seconds(dev, slowdown=slowdown),
+    )
+
+
+def decode_s(
+    dev: Device, shard: Shard, batch: int, link: Link, graphs: bool, slow: float, slowdown
+) -> float:
+    """``decode_step``'s wall seconds (remembered)."""
+    key = ("d", dev.key, shard.key, batch, link.key, graphs, slow, slowdown)
+    return _memo(
+        key,
+        lambda: decode_step(dev, shard, batch, link, graphs=graphs, slow=slow).seconds(
+            dev, slowdown=slowdown
+        ),
+    )

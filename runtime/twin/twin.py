@@ -196,6 +196,7 @@ class _Step:
         self.b = workload.bytes_per_value
         self.failure = ""
         self.preempted = 0
+        self._shards: dict[tuple[str, str], list[Shard]] = {}
         self.usage: dict[int, dict[str, float]] = {}
         """slot -> model-stage -> its bytes there beside the resident ones (a stage's
         model-stages run one after another on a slot, or on other slots)."""
@@ -214,6 +215,11 @@ class _Step:
         return self.w.models[role]
 
     def shards(self, role: str, name: str) -> list[Shard]:
+        if (role, name) not in self._shards:
+            self._shards[(role, name)] = self._make_shards(role, name)
+        return self._shards[(role, name)]
+
+    def _make_shards(self, role: str, name: str) -> list[Shard]:
         lay = self.layout(name)
         return [
             Shard.of(
@@ -442,6 +448,26 @@ class _Step:
         total = 0.0
         peak = [0.0] * lay.pp
         grads = [sh.params * GRAD_BYTES for sh in shards]
+        priced: dict[tuple, tuple[list[float], list[float], list[float], float]] = {}
+
+        def micro_batch(links, pp_link, count: int, longest: int):
+            """Per stage: forward and backward seconds and activations of one micro-batch of
+            ``count`` sequences padded to ``longest`` tokens, and its message between stages."""
+            key = (tuple(link.key for link in links), pp_link.key, count, longest)
+            if key not in priced:
+                tokens = float(count * longest)
+                sq = float(count * longest**2)
+                fwd, bwd, act = [], [], []
+                for sh, link in zip(shards, links, strict=True):
+                    s = self.twin._slow(link, self.at_s, crossing)
+                    fwd.append(layers.forward_s(self.dev, sh, tokens, sq, link, s, slow))
+                    bwd.append(
+                        layers.backward_s(self.dev, sh, tokens, sq, link, s, slow, w.recompute)
+                    )
+                    act.append(_activations(sh, tokens, recompute=w.recompute))
+                priced[key] = (fwd, bwd, act, kernels.send(pp_link, tokens * h * self.b))
+            return priced[key]
+
         for _ in range(w.ppo_epochs):
             for k in range(w.ppo_minibatches):
                 batch = self.lengths[k * minibatch : (k + 1) * minibatch]
@@ -458,22 +484,12 @@ class _Step:
                     micros = _micro_batches(share, min(mb, len(share)))
                     for micro in micros:
                         longest = _padded(w.prompt_len + max(micro))
-                        tokens = float(len(micro) * longest)
-                        sq = float(len(micro) * longest**2)
-                        for p, (sh, link) in enumerate(zip(shards, tp_links, strict=True)):
-                            s = self.twin._slow(link, self.at_s, crossing)
-                            fwd[p].append(layers.forward_s(self.dev, sh, tokens, sq, link, s, slow))
-                            bwd[p].append(
-                                layers.backward_s(
-                                    self.dev, sh, tokens, sq, link, s, slow, w.recompute
-                                )
-                            )
-                            flight = min(lay.pp - p, len(micros))
-                            peak[p] = max(
-                                peak[p],
-                                flight * _activations(sh, tokens, recompute=w.recompute),
-                            )
-                        send_s = max(send_s, kernels.send(pp_link, tokens * h * self.b))
+                        f, b, act, sent = micro_batch(tp_links, pp_link, len(micro), longest)
+                        for p in range(lay.pp):
+                            fwd[p].append(f[p])
+                            bwd[p].append(b[p])
+                            peak[p] = max(peak[p], min(lay.pp - p, len(micros)) * act[p])
+                        send_s = max(send_s, sent)
                     slowest = max(slowest, pipeline.one_f_one_b(fwd, bwd, send_s))
                 reduce_s = 0.0
                 for pos in range(lay.tp * lay.pp):
@@ -531,9 +547,7 @@ def serve_unit(
 
     def fixed_stage(b: int) -> float:
         device = max(
-            layers.decode_step(
-                dev, sh, b, link, graphs=graphs, slow=twin._slow(link, at_s, crossing)
-            ).seconds(dev, slowdown=slowdown)
+            layers.decode_s(dev, sh, b, link, graphs, twin._slow(link, at_s, crossing), slowdown)
             for sh, link in zip(shards, tp_links, strict=True)
         )
         host = dev.decode_host_s + dev.decode_host_per_seq_s * b if graphs else 0.0
