@@ -422,6 +422,7 @@ def test_the_real_ppo_job_page_has_the_controller_and_ppo_panels_without_simulat
     page = client.get(f"/jobs/{job.pk}/").content.decode()
     assert "engine: <strong>Ray, CPU slots</strong>" in page
     assert 'class="sim"' not in page and "simulated cluster" not in page
+    assert 'id="twin-scope"' not in page
     for panel in (
         "chart-genlen",
         "chart-memory",
@@ -453,6 +454,8 @@ def test_the_simulated_job_page_labels_the_engine_and_offers_approval_to_approve
     assert 'id="dag"' in page and 'id="decisions"' in page and 'id="calibration-ops"' in page
     assert 'id="decide-form"' in page and 'id="job-config"' in page
     assert 'id="chart-reward"' not in page  # PPO's own statistics are the real job's
+    # what the cluster twin models and what it leaves out, said where its figures are shown
+    assert 'id="twin-scope"' in page and "It leaves out:" in page
     client.force_login(viewer)
     page = client.get(f"/jobs/{sim_job.pk}/").content.decode()
     assert 'id="decide-form"' not in page and f"/jobs/{sim_job.pk}/cancel/" not in page
