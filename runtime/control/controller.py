@@ -1747,13 +1747,25 @@ class Controller:
             )
 
     def command(self, kind: str, proposal_id: int, engine: Engine) -> str:
-        """``approve`` or ``reject`` a pending proposal; returns what happened."""
-        if kind not in ("approve", "reject"):
-            raise ValueError(f"command: expected 'approve' or 'reject', got {kind!r}")
+        """``approve`` or ``reject`` a pending proposal, or let it go as ``stale`` (a person
+        proposed a plan of their own after it: only the newest proposal can be approved);
+        returns what happened."""
+        if kind not in ("approve", "reject", "stale"):
+            raise ValueError(f"command: expected 'approve', 'reject' or 'stale', got {kind!r}")
         pending = self.pending
         if pending is None or pending.proposal_id != proposal_id:
             raise ValueError(f"proposal: {proposal_id} is not waiting")
         self.pending = None
+        if kind == "stale":
+            engine.drop_ahead()  # its units built ahead will not be used
+            self.emit(
+                {
+                    "event": "control.stale",
+                    "proposal": proposal_id,
+                    "reason": "superseded by a person's newer proposal",
+                }
+            )
+            return "stale"
         if kind == "reject":
             engine.drop_ahead()
             self.emit({"event": "control.rejected", "proposal": proposal_id})

@@ -22,6 +22,7 @@ from runtime.jobs.spec import SftJobSpec
 
 Command = tuple[str, Any]
 """What people send a running job: (``approve`` or ``reject``, the controller's proposal id);
+(``stale``, the controller's proposal id) for a proposal a person's newer override made stale;
 (``override``, ``{"plan": the plan's JSON, "proposal": the override's id as people know it}``)
 for a person's plan that another person approved (a rejected override asks nothing of the job);
 or (``resize``, ``{"slots": n, "notice_s": seconds}``), an operator's change of the job's slot
@@ -43,15 +44,23 @@ def apply_commands(controller, engine, commands: list[Command], sink: EventSink)
     changes to the engine, between steps; each outcome becomes a ``command.applied`` event (a
     proposal that stopped waiting is ignored, an override the controller cannot take is refused
     saying why, and so is a pool change the engine cannot make). The controller sees a changed
-    pool before the next step (``Controller.before_step``)."""
-    for kind, argument in commands:
+    pool before the next step (``Controller.before_step``).
+
+    Of the overrides approved since the last step only the last is taken: each was approved
+    while it was the job's newest proposal, so a later one was proposed after it and supersedes
+    it (``stale: …``, and the job moves once, to the newest)."""
+    overrides = [i for i, (kind, _) in enumerate(commands) if kind == "override"]
+    for i, (kind, argument) in enumerate(commands):
         if kind == "resize":
             _resize(engine, argument, sink)
             continue
         override = kind == "override"
         proposal = argument.get("proposal") if override else argument
         try:
-            if override:
+            if override and i != overrides[-1]:
+                newer = commands[overrides[-1]][1].get("proposal")
+                outcome = f"stale: superseded by override {newer}, approved after it"
+            elif override:
                 outcome = controller.override(argument.get("plan"), engine)
             else:
                 outcome = controller.command(kind, proposal, engine)

@@ -383,6 +383,93 @@ def test_a_rejected_override_asks_nothing_of_the_driver(api, project, member, ru
     assert running.events.filter(kind="command.reject").exists() and link.commands() == []
 
 
+def test_a_newer_override_makes_the_older_stale_and_only_the_newest_is_approved(
+    api, project, member, running, approver
+):
+    """Two overrides waiting: the older could still be approved and both reached the job (found
+    by review). The newer makes the older stale; approving it is a 409 naming the newer."""
+    proposer = member(project, Role.OPERATOR, "pat")
+    client = api(user=proposer)
+    older = _override(client, running.pk, {"plan": events.plan_json(8), "reason": "eight"})
+    newer = _override(client, running.pk, {"plan": events.plan_json(6), "reason": "six"})
+    older_id, newer_id = older.json()["id"], newer.json()["id"]
+    assert api(user=approver).get(f"{PROPOSALS}{older_id}/").json()["state"] == "stale"
+    inbox = api(user=approver).get(PROPOSALS, {"state": "waiting"}).json()["results"]
+    assert [p["id"] for p in inbox] == [newer_id]
+    stale = running.events.get(kind="proposals.stale")
+    assert stale.data["proposals"] == [older_id] and str(newer_id) in stale.data["reason"]
+
+    for decision in ("approve", "reject"):
+        refused = _decide(api(user=approver), Proposal.objects.get(pk=older_id), decision)
+        assert refused.status_code == 409 and refused.json()["code"] == "not_waiting"
+        assert refused.json()["message"] == errors.SUPERSEDED.format(
+            proposal_id=older_id, newer=newer_id
+        )
+    approved = _decide(api(user=approver), Proposal.objects.get(pk=newer_id))
+    assert approved.status_code == 200 and approved.json()["state"] == "approved"
+    link = job_services._ControlLink(running.pk, running.epoch)
+    assert link.commands() == [("override", {"plan": events.plan_json(6), "proposal": newer_id})]
+    assert running.events.filter(kind="command.approve").count() == 1
+
+
+def test_a_controllers_proposal_and_an_override_make_each_other_stale(
+    api, project, member, running, approver
+):
+    """Whichever is newer is the one decided: a person's override after the controller's
+    proposal makes it stale and tells the controller (``command.stale``, which the driver
+    passes on); the controller's next proposal makes a waiting override stale."""
+    first = _propose(running, controller_id=1)
+    proposer = member(project, Role.OPERATOR, "pat")
+    made = _override(api(user=proposer), running.pk, {"plan": events.plan_json(6), "reason": "x"})
+    override_id = made.json()["id"]
+    first.refresh_from_db()
+    assert first.state == ProposalState.STALE
+    refused = _decide(api(user=approver), first)
+    assert refused.status_code == 409
+    assert refused.json()["message"] == errors.SUPERSEDED.format(
+        proposal_id=first.pk, newer=override_id
+    )
+    link = job_services._ControlLink(running.pk, running.epoch)
+    assert link.commands() == [("stale", 1)]
+
+    second = _propose(running, controller_id=2)
+    assert Proposal.objects.get(pk=override_id).state == ProposalState.STALE
+    refused = _decide(api(user=approver), Proposal.objects.get(pk=override_id))
+    assert refused.status_code == 409
+    assert refused.json()["message"] == errors.SUPERSEDED.format(
+        proposal_id=override_id, newer=second.pk
+    )
+    assert _decide(api(user=approver), second).status_code == 200
+    assert link.commands() == [("approve", 2)]
+
+
+def test_an_older_proposal_still_waiting_is_found_stale_when_decided(api, running, approver):
+    """Two proposals left waiting (stored before newer ones made older ones stale): deciding
+    the older one refuses it and marks it stale, saying so to the job's pages."""
+    now = timezone.now()
+    rows = [
+        Proposal.objects.create(
+            job=running,
+            epoch=running.epoch,
+            controller_id=None,
+            plan=events.plan_json(n),
+            reason="stored",
+            proposed_by=running.owner,
+            expires_at=now + timedelta(hours=1),
+        )
+        for n in (8, 6)
+    ]
+    refused = _decide(api(user=approver), rows[0])
+    assert refused.status_code == 409
+    assert refused.json()["message"] == errors.SUPERSEDED.format(
+        proposal_id=rows[0].pk, newer=rows[1].pk
+    )
+    rows[0].refresh_from_db()
+    assert rows[0].state == ProposalState.STALE
+    assert running.events.get(kind="proposals.stale").data["proposals"] == [rows[0].pk]
+    assert _decide(api(user=approver), rows[1]).status_code == 200
+
+
 @pytest.mark.parametrize(
     ("body", "field"),
     [

@@ -414,3 +414,54 @@ def test_an_override_to_the_running_plan_cancels_a_move_staged_meanwhile(
     assert controller.plan.to_json() == running and controller.staged is None
     assert not Transition.objects.filter(job=job).exists()
     assert Plan.objects.get(job=job, current=True).plan == running
+
+
+def test_of_two_overrides_only_the_newer_is_approved_and_reaches_the_controller(
+    owner, approver, project, no_live_delivery
+):
+    """The controller waits for approval of a move; a person proposes a plan, then another:
+    each newer proposal makes the older stale (the older override cannot be approved, where
+    it once was and both reached the job), the controller lets its own go between steps, and
+    the job moves to the newest plan alone."""
+    job = make_job(
+        owner=owner, project=project, state=JobState.RUNNING, epoch=1, spec={"kind": "ppo-sim"}
+    )
+    link = job_services._ControlLink(job.pk, 1)
+    sink = job_services.DatabaseEventSink(job_id=job.pk, epoch=1)
+    controller, engine = events.simulated_controller(link.emit_control, approval="manual")
+    events.run_steps(controller, engine, range(1))
+    asked = Proposal.objects.get(job=job)
+    assert controller.pending is not None and asked.state == ProposalState.WAITING
+    job.refresh_from_db()
+    assert job.state == JobState.AWAITING_APPROVAL
+    running = controller.plan.to_json()
+    elsewhere = controller.pending.plan.to_json()
+
+    older = services.proposal_override(user=owner, job=job, plan=elsewhere, reason="move")
+    newer = services.proposal_override(user=owner, job=job, plan=running, reason="stay")
+    asked.refresh_from_db()
+    older.refresh_from_db()
+    assert (asked.state, older.state) == (ProposalState.STALE, ProposalState.STALE)
+    with pytest.raises(errors.ProposalError) as refused:
+        services.proposal_decide(user=approver, proposal=older, decision="approve", comment="go")
+    assert str(refused.value) == errors.SUPERSEDED.format(proposal_id=older.pk, newer=newer.pk)
+    services.proposal_decide(user=approver, proposal=newer, decision="approve", comment="stay")
+
+    apply_commands(controller, engine, link.commands(), sink)  # the driver, between steps
+    outcomes = [
+        (e.data["command"], e.data["outcome"])
+        for e in JobEvent.objects.filter(job=job, kind="command.applied").order_by("pk")
+    ]
+    assert outcomes == [("stale", "stale"), ("override", "unchanged")]
+    assert controller.pending is None
+    job.refresh_from_db()
+    assert job.state == JobState.RUNNING  # no approval is awaited any more
+    events.run_steps(controller, engine, range(1, 2))
+    assert controller.plan.to_json() == running and controller.transitions == 0
+    assert not Transition.objects.filter(job=job).exists()
+    states = dict(Proposal.objects.filter(job=job).values_list("pk", "state"))
+    assert states == {
+        asked.pk: ProposalState.STALE,
+        older.pk: ProposalState.STALE,
+        newer.pk: ProposalState.APPROVED,
+    }

@@ -131,13 +131,16 @@ def test_an_override_approved_over_rest_moves_the_job_and_one_that_does_not_fit_
     assert submitted.status_code == 201, submitted.content
     job_id = submitted.json()["id"]
 
-    # The driver waits before step 4's commands until both overrides are approved.
-    reached, release = threading.Event(), threading.Event()
+    # The driver waits before step 4's commands until the first override is approved, and
+    # before step 5's until the second is (approved between the same two steps, only the newer
+    # would be taken: tests/runtime/jobs/test_commands.py).
+    gates = {n: (threading.Event(), threading.Event()) for n in (5, 6)}
     should_stop, calls = job_services._should_stop, []
 
     def gated(job_id, epoch):
         calls.append(epoch)
-        if len(calls) == 5:
+        if len(calls) in gates:
+            reached, release = gates[len(calls)]
             reached.set()
             release.wait(60)
         return should_stop(job_id, epoch)
@@ -154,10 +157,11 @@ def test_an_override_approved_over_rest_moves_the_job_and_one_that_does_not_fit_
     driver = threading.Thread(target=drive)
     driver.start()
     try:
-        assert reached.wait(60), "the driver never reached step 4"
+        assert gates[5][0].wait(60), "the driver never reached step 4"
         fits, too_big = _overrides(Plan.objects.get(job_id=job_id, current=True).plan)
         ids = []
-        for plan_json in (too_big, fits):
+        for gate, plan_json in zip(gates.values(), (too_big, fits), strict=True):
+            assert gate[0].wait(60), "the driver never reached the next step"
             made = api(user=proposer).post(
                 f"/api/v1/jobs/{job_id}/override/",
                 {"plan": plan_json, "reason": "try this layout"},
@@ -169,8 +173,10 @@ def test_an_override_approved_over_rest_moves_the_job_and_one_that_does_not_fit_
                 f"/api/v1/proposals/{ids[-1]}/approve/", {"comment": "ok"}, format="json"
             )
             assert decided.status_code == 200, decided.content
+            gate[1].set()
     finally:
-        release.set()
+        for _, release in gates.values():
+            release.set()
         driver.join(timeout=120)
     assert not driver.is_alive() and result["state"] == JobState.SUCCEEDED, result
 

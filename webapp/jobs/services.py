@@ -850,9 +850,10 @@ class _ControlLink:
 
     def commands(self) -> list[tuple[str, Any]]:
         """The commands people gave since the last call (``runtime.jobs.driver.Command``): an
-        approval or rejection of a controller's proposal, by its controller id; an approved
-        override (a person's proposal: no controller id), with its plan; a pool change. A
-        rejected override asks nothing of the driver."""
+        approval or rejection of a controller's proposal, by its controller id; a controller's
+        proposal a person's newer override made stale (``stale``), by its controller id; an
+        approved override (a person's proposal: no controller id), with its plan; a pool
+        change. A rejected override asks nothing of the driver."""
         new = _retrying_database(
             f"job {self.job_id} commands",
             lambda: list(
@@ -881,7 +882,7 @@ class _ControlLink:
         return commands
 
 
-COMMAND_KINDS = ("command.approve", "command.reject", "command.resize")
+COMMAND_KINDS = ("command.approve", "command.reject", "command.stale", "command.resize")
 _PROPOSAL_ENDS = ("control.approved", "control.rejected", "control.expired", "control.stale")
 
 

@@ -5,6 +5,10 @@ EXPIRED = "proposal {proposal_id} expired at {expires_at}; the job kept its plan
 SUPERSEDED_EPOCH = (
     "proposal {proposal_id} belongs to driver epoch {epoch}; the job is at epoch {current}"
 )
+SUPERSEDED = (
+    "proposal {proposal_id} is stale: proposal {newer} for the same job was made after it, and "
+    "only a job's newest proposal can be approved or rejected"
+)
 JOB_FINISHED = "proposal {proposal_id}: its job has finished or is stopping ({state})"
 OVERRIDE_JOB_STOPPED = "job {job_id} is {state}: there is no running plan to override"
 OVERRIDE_FIXED = (

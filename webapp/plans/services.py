@@ -7,7 +7,9 @@ the job's event log. ``proposal_decide`` records a person's answer to a proposal
 ``Controller.command``, which answers with ``control.approved`` / ``control.rejected`` /
 ``control.stale``. An approved override (``proposal_override``: a person's plan) goes to
 ``Controller.override``, which moves the job to it (a ``control.decision`` with trigger
-``override``, then its transition) or refuses it (``control.override_refused``).
+``override``, then its transition) or refuses it (``control.override_refused``). A newer
+proposal for a job, the controller's or a person's, makes the older ones still waiting stale
+(``_supersede``): only a job's newest proposal can be approved.
 """
 
 from __future__ import annotations
@@ -156,11 +158,7 @@ def _record_proposal(job: Job, epoch: int, data: dict) -> dict:
                 field="route", problem=f"expected one of {ProposalRoute.values}"
             )
         )
-    # The controller holds one proposal at a time: a new one replaces any it made before.
-    Proposal.objects.filter(job=job, proposed_by__isnull=True, state=ProposalState.WAITING).exclude(
-        epoch=epoch, controller_id=controller_id
-    ).update(state=ProposalState.STALE)
-    row, _ = Proposal.objects.get_or_create(
+    row, created = Proposal.objects.get_or_create(
         job=job,
         epoch=epoch,
         controller_id=controller_id,
@@ -172,7 +170,45 @@ def _record_proposal(job: Job, epoch: int, data: dict) -> dict:
             "expires_at": timezone.now() + approval_timeout(job),
         },
     )
+    if created:
+        _supersede(job, row)
     return {"proposal": row.pk}
+
+
+def _supersede(job: Job, newer: Proposal) -> list[int]:
+    """A newer proposal for a job makes every older one still waiting stale, the controller's
+    and people's overrides alike: only the newest can be approved, so that two approvals never
+    both reach the job (an older one approved before the newer was made is not waiting, and
+    stays approved). Returns their ids; the caller holds the job's row lock.
+
+    The pages are told (``proposals.stale``) of those the controller has not announced itself:
+    a controller's new proposal replaces its own older one with a ``control.stale`` of its own.
+    A person's override superseding the controller's proposal also tells the controller, which
+    holds it as its pending proposal (``command.stale``, passed on between steps like a
+    decision): it lets it go and the job stops awaiting an approval nobody can give."""
+    older = list(
+        Proposal.objects.select_for_update()
+        .filter(job=job, state=ProposalState.WAITING, pk__lt=newer.pk)
+        .order_by("pk")
+    )
+    if not older:
+        return []
+    ids = [row.pk for row in older]
+    Proposal.objects.filter(pk__in=ids).update(state=ProposalState.STALE)
+    why = f"superseded by proposal {newer.pk}, made after it for the same job"
+    by_person = newer.proposed_by_id is not None
+    announce = [row.pk for row in older if by_person or row.proposed_by_id is not None]
+    if announce:
+        proposals_ended(job, announce, ProposalState.STALE, why)
+    for row in older:
+        if by_person and row.proposed_by_id is None and row.controller_id is not None:
+            job_event_append(
+                job=job,
+                epoch=row.epoch,
+                kind="command.stale",
+                data={"proposal": row.controller_id, "proposal_row": row.pk, "reason": why},
+            )
+    return ids
 
 
 def _record_outcome(job: Job, epoch: int, data: dict, state: str) -> dict:
@@ -326,6 +362,7 @@ def proposal_override(
         kind="proposal.override",
         data={"proposal_row": proposal.pk, "by": user.get_username(), "reason": reason},
     )
+    _supersede(job, proposal)  # what waited before it is stale: only the newest is decided
     return proposal
 
 
@@ -404,9 +441,10 @@ def proposal_decide(
 
     Refuses: a caller who cannot see the job (``NotFoundError``) or is below approver
     (``RoleError``); a bad decision or blank comment (``ValidationError`` naming the field); a
-    proposal that is not waiting, expired, from an older driver epoch or of a job that has
-    finished or is being cancelled (``ProposalError``; the last three are marked expired or
-    stale as they are found); the proposer approving their own override
+    proposal that is not waiting, expired, from an older driver epoch, older than another
+    proposal for the same job (only the newest is decided: ``errors.SUPERSEDED``) or of a job
+    that has finished or is being cancelled (``ProposalError``; the last four are marked
+    expired or stale as they are found); the proposer approving their own override
     (``SelfApprovalError``, unless ``NEREUS_ALLOW_SELF_APPROVAL``). On success, appends
     ``command.<decision>`` to the job's log for its driver to pass to the controller between
     steps (an approved override: ``Controller.override``; a rejected one asks nothing of it).
@@ -443,7 +481,14 @@ def _decide(
 ) -> tuple[Proposal, errors.ProposalError | None]:
     job = Job.objects.select_for_update().get(pk=job_id)  # the job first, as every writer does
     row = Proposal.objects.select_for_update().get(pk=proposal_id)
+    newer = (
+        Proposal.objects.filter(job=job, pk__gt=row.pk).order_by("-pk").values_list("pk", flat=True)
+    ).first()
     if row.state != ProposalState.WAITING:
+        if row.state == ProposalState.STALE and newer is not None:
+            return row, errors.ProposalError(
+                errors.SUPERSEDED.format(proposal_id=row.pk, newer=newer)
+            )
         return row, errors.ProposalError(
             errors.NOT_WAITING.format(proposal_id=row.pk, state=row.state)
         )
@@ -456,6 +501,10 @@ def _decide(
     if row.epoch < job.epoch:
         return _mark(job, row, ProposalState.STALE), errors.ProposalError(
             errors.SUPERSEDED_EPOCH.format(proposal_id=row.pk, epoch=row.epoch, current=job.epoch)
+        )
+    if newer is not None:  # one that waited from before newer proposals went stale with them
+        return _mark(job, row, ProposalState.STALE, f"superseded by proposal {newer}"), (
+            errors.ProposalError(errors.SUPERSEDED.format(proposal_id=row.pk, newer=newer))
         )
     if timezone.now() >= row.expires_at:
         return _mark(job, row, ProposalState.EXPIRED), errors.ProposalError(
@@ -482,12 +531,13 @@ def _decide(
     return row, None
 
 
-def _mark(job: Job, row: Proposal, state: str) -> Proposal:
+def _mark(job: Job, row: Proposal, state: str, why: str = "") -> Proposal:
     """Mark a waiting proposal stale or expired as a decision finds it, with the job's event
     that says so to every page showing it (the caller holds the job's row lock)."""
     row.state = state
     row.save(update_fields=["state"])
-    why = "past its deadline" if state == ProposalState.EXPIRED else "found stale when decided"
+    if not why:
+        why = "past its deadline" if state == ProposalState.EXPIRED else "found stale when decided"
     proposals_ended(job, [row.pk], state, why)
     return row
 

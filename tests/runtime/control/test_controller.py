@@ -156,7 +156,7 @@ def test_a_rejected_or_expired_proposal_keeps_the_plan():
     controller2.initial_plan(engine2)
     _steps(controller2, engine2, range(4))
     assert "control.expired" in _kinds(controller2) and controller2.pending is None
-    with pytest.raises(ValueError, match="command: expected 'approve' or 'reject'"):
+    with pytest.raises(ValueError, match="command: expected 'approve', 'reject' or 'stale'"):
         controller2.command("maybe", 1, engine2)
 
 

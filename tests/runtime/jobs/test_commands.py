@@ -144,6 +144,62 @@ def test_approvals_and_rejections_still_reach_the_controllers_proposals():
     ]
 
 
+def test_of_two_overrides_approved_between_steps_only_the_newer_is_taken():
+    """Approved one after the other before the driver read either, both were applied (the job
+    moved to the older, then on to the newer; found by review): the newer supersedes the
+    older, which is reported stale, and the job moves once, to the newer."""
+    controller, engine, events = _waiting()
+    running = controller.plan
+    seen = len(events)
+    sink = Sink()
+    commands = [
+        ("override", {"plan": _halved_generation(controller), "proposal": 7}),
+        ("override", {"plan": running.to_json(), "proposal": 9}),
+    ]
+    apply_commands(controller, engine, commands, sink)
+    assert [e.data for e in sink.events] == [
+        {
+            "command": "override",
+            "proposal": 7,
+            "outcome": "stale: superseded by override 9, approved after it",
+        },
+        {"command": "override", "proposal": 9, "outcome": "unchanged"},
+    ]
+    assert controller.plan is running and controller.transitions == 0
+    assert controller.pending is None  # the person's plan superseded it too
+    assert not [e for e in events[seen:] if e["event"] == "control.transition"]
+
+
+def test_a_proposal_a_persons_newer_override_made_stale_is_let_go():
+    """The service made the controller's waiting proposal stale when a person proposed a plan
+    after it (only the newest can be approved): told so between steps, the controller drops
+    it and what it built ahead for it, and reports it stale."""
+    controller, engine, events = _waiting()
+    proposal = controller.pending.proposal_id
+    dropped = []
+    engine.drop_ahead = lambda: dropped.append(True)
+    seen = len(events)
+    sink = Sink()
+    apply_commands(controller, engine, [("stale", proposal), ("approve", proposal)], sink)
+    assert [e.data for e in sink.events] == [
+        {"command": "stale", "proposal": proposal, "outcome": "stale"},
+        {
+            "command": "approve",
+            "proposal": proposal,
+            "outcome": f"ignored: proposal: {proposal} is not waiting",
+        },
+    ]
+    assert controller.pending is None and dropped
+    assert events[seen:] == [
+        {
+            "event": "control.stale",
+            "proposal": proposal,
+            "reason": "superseded by a person's newer proposal",
+        }
+    ]
+    assert controller.transitions == 0
+
+
 def test_a_pool_change_on_an_engine_whose_pool_follows_a_trace_is_refused():
     """The simulated engine's pool is its trace's: a resize reaching it (the web refuses one for
     a simulated job, so only a stored command from before could) is refused, saying so, and
