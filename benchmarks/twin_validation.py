@@ -640,13 +640,16 @@ def predict(record: dict, twin=None) -> dict:
 
 
 def predict_transition(record: dict, twin=None) -> float | None:
-    """The twin's seconds for one measured transition (the DAG as the controller compiled it);
-    None where the twin has no ``transition_seconds`` yet."""
+    """The twin's seconds for one measured transition: the DAG as the controller compiled it,
+    played in the executor's order (``runtime.transition.simulate``) with the twin's time for
+    each primitive, as the simulated engine plays it."""
+    from runtime.transition.simulate import simulate
+    from runtime.twin import primitive_seconds
+
     twin = twin or load_twin()
-    if not hasattr(twin, "transition_seconds"):
-        return None
     dag = pickle.loads(base64.b64decode(record["dag_pickle"]))
-    return float(twin.transition_seconds(dag))
+    result = simulate(dag, durations=lambda node: primitive_seconds(twin, node.primitive))
+    return float(result.makespan_s)
 
 
 def _segments(steps: list[dict]) -> list[list[dict]]:

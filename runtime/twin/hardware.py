@@ -54,9 +54,10 @@ node), a Ray call (1 ms), and what the runtime reserves per device (2 GiB).
 
 The **CPU slot** (a worker process standing in for a GPU on this kind of machine) is measured, not
 cited: ``benchmarks/cpu_slot_profile.py`` writes ``profiles/cpu-slot.json`` (its GEMM rate and
-how it falls for few rows, an eager op's dispatch cost, memcpy, gloo's latency and bandwidth,
-Ray's call round trip, and how slots slow each other down when more of them compute than the
-machine has cores).
+how it falls for few rows, memcpy, gloo's latency and bandwidth, Ray's call round trip, how slots
+slow each other down when more of them compute than the machine has cores, and the job's own
+slot code timed and its operations counted for two models: a slot's passes run op by op, so an
+operation's host time and their number per layer decide its small models' time).
 """
 
 from __future__ import annotations
@@ -133,6 +134,13 @@ class Device:
     """Seconds of host work per operation where the host computes (a CPU slot's dispatch)."""
     call_s: float = 1e-3
     """Seconds of one remote call from the job's driver to a slot (a Ray actor call)."""
+    eager_ops: tuple[float, float, float, float, float, float] | None = None
+    """Where the passes run unfused, op by op (a CPU slot's eager PyTorch): operations per layer
+    and per pass besides, of a decode step, a forward and a forward-and-backward, in that order
+    (None: the kernels ``layers`` counts)."""
+    sharing: tuple[float, ...] = ()
+    """How much slower each slot computes with 1, 2, ... slots computing at once on the host
+    (measured); past the table, in proportion to the slots over the cores."""
     group_s: float = 0.3
     """Seconds to set up a communicator among a primitive's slots (NCCL's init)."""
     serving_start_s: float = 15.0
@@ -217,6 +225,8 @@ def _cpu_slot(path: Path = PROFILES / "cpu-slot.json") -> Device:
         fit = gloo.get(kind) or gloo["all_reduce"]
         return Link(bus_bytes_per_s=float(fit["bytes_per_s"]), latency_s=float(fit["latency_s"]))
 
+    ops = _eager_ops(p["reference"])
+    per_op = p["reference"][min(p["reference"], key=lambda m: p["reference"][m]["decode_step_ops"])]
     return Device(
         name=CPU_SLOT,
         peak_flops=float(p["gemm_flops"]),
@@ -231,7 +241,7 @@ def _cpu_slot(path: Path = PROFILES / "cpu-slot.json") -> Device:
         nic_bytes_per_s=link("all_reduce").bus_bytes_per_s,
         inter_latency_s=link("all_reduce").latency_s,
         gpus_per_node=64,
-        launch_s=float(p["op_overhead_s"]),
+        launch_s=float(per_op["seconds_per_op_decoding"]),
         decode_host_s=0.0,
         kernel_floor_s=0.0,
         decode_host_per_seq_s=0.0,
@@ -239,9 +249,27 @@ def _cpu_slot(path: Path = PROFILES / "cpu-slot.json") -> Device:
         storage_bytes_per_s=float(p.get("storage_bytes_per_s", 1 * GB)),
         restart_s=float(p.get("restart_s", 5.0)),
         cores=float(p["cores"]),
-        op_s=float(p["op_overhead_s"]),
+        op_s=float(per_op["seconds_per_op_decoding"]),
         call_s=float(p["ray_call_s"]),
+        eager_ops=ops,
+        sharing=tuple(float(c["slowdown"]) for c in p.get("concurrency", ())),
     )
+
+
+def _eager_ops(reference: dict) -> tuple[float, ...]:
+    """Operations per layer and per pass of the job's own slot code, from the profile's counts
+    for two models of different depth (a line through the two)."""
+    from runtime.planner.catalog import MODELS  # the models' depth: a description, not a model
+
+    (a, ra), (b, rb) = sorted(
+        ((MODELS[name].num_layers, counts) for name, counts in reference.items()),
+        key=lambda item: item[0],
+    )[:2]
+    out = []
+    for field in ("decode_step_ops", "score_ops", "train_forward_backward_ops"):
+        per_layer = (rb[field] - ra[field]) / (b - a)
+        out += [per_layer, max(0.0, ra[field] - per_layer * a)]
+    return tuple(out)
 
 
 DEVICES: dict[str, Device] = {d.name: d for d in (A100, H100, H200, MI300X)}

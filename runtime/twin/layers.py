@@ -110,7 +110,11 @@ def forward(
     if tp > 1:
         layer.comm_s += 2 * kernels.all_reduce(link, tokens * h * b, tp, slow=slow)
         layer.kernels += 2
+    if dev.eager_ops:
+        layer.kernels = round(dev.eager_ops[2])
     work = Work().add(layer, shard.layers)
+    if dev.eager_ops:
+        work.kernels += round(dev.eager_ops[3])
     if shard.first:
         work.add(kernels.stream(dev, tokens * h * b * 2))
     if shard.last:
@@ -139,6 +143,7 @@ def backward(
     fwd = forward(dev, shard, tokens, lengths_sq, link, slow=slow)
     work = Work().add(fwd) if recompute else Work()
     layer = Work()
+    eager = dev.eager_ops
     for n, k in (((h + 2 * m.kv_dim) / tp, h), (h, h / tp), (2 * inter / tp, h), (h, inter / tp)):
         layer.add(kernels.gemm(dev, tokens, k, n, b))  # input gradient
         layer.add(kernels.gemm(dev, n, k, tokens, b))  # weight gradient
@@ -147,7 +152,11 @@ def backward(
     if tp > 1:
         layer.comm_s += 2 * kernels.all_reduce(link, tokens * h * b, tp, slow=slow)
         layer.kernels += 2
+    if eager:  # what a forward-and-backward counts beyond its forward
+        layer.kernels = round(eager[4] - eager[2])
     work.add(layer, shard.layers)
+    if eager:
+        work.kernels += round(max(0.0, eager[5] - eager[3]))
     if shard.last:
         work.add(kernels.gemm(dev, tokens, h, shard._vocab(), b))
         work.add(kernels.gemm(dev, shard._vocab(), h, tokens, b))
@@ -173,10 +182,14 @@ def decode_step(
     if tp > 1:
         layer.comm_s += 2 * kernels.all_reduce(link, batch * h * b, tp, slow=slow)
         layer.kernels += 2
+    if dev.eager_ops:
+        layer.kernels = round(dev.eager_ops[0])
     work = Work().add(layer, shard.layers)
     if shard.last:
         work.add(kernels.gemm(dev, batch, shard._vocab(), h, b))
         work.add(kernels.stream(dev, batch * shard._vocab() * 4 * 2, 2))  # sampling
+    if dev.eager_ops:
+        work.kernels += round(dev.eager_ops[1])
     if graphs:
         work.kernels = 1
     return work

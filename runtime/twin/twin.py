@@ -251,7 +251,20 @@ class _Step:
         """How much slower a slot computes with ``busy`` slots sharing the host's cores."""
         if not math.isfinite(self.dev.cores):
             return 1.0
-        return max(1.0, busy / self.dev.cores)
+        table = self.dev.sharing
+        if 1 <= busy <= len(table):
+            return max(1.0, table[busy - 1])
+        beyond = table[-1] * busy / len(table) if table else busy / self.dev.cores
+        return max(1.0, beyond)
+
+    def _width(self, micro: Sequence[int]) -> int:
+        """Tokens each sequence of a micro-batch is padded to: its longest (a serving engine's
+        rollouts, regrouped), or the whole batch's longest (a plain decode loop's rollout is one
+        padded tensor, cut into micro-batches as it is)."""
+        longest = self.w.prompt_len + (
+            max(self.lengths) if self.backend == "static" else max(micro)
+        )
+        return longest if math.isfinite(self.dev.cores) else _padded(longest)
 
     # --- memory ---------------------------------------------------------------------------------
 
@@ -385,7 +398,7 @@ class _Step:
         sends = 0.0
         peak = [0.0] * lay.pp
         for micro in _micro_batches(share, mb):
-            longest = _padded(self.w.prompt_len + max(micro))
+            longest = self._width(micro)
             tokens = float(len(micro) * longest)
             for p, (sh, link) in enumerate(zip(shards, tp_links, strict=True)):
                 s = self.twin._slow(link, self.at_s, crossing)
@@ -483,7 +496,7 @@ class _Step:
                     send_s = 0.0
                     micros = _micro_batches(share, min(mb, len(share)))
                     for micro in micros:
-                        longest = _padded(w.prompt_len + max(micro))
+                        longest = self._width(micro)
                         f, b, act, sent = micro_batch(tp_links, pp_link, len(micro), longest)
                         for p in range(lay.pp):
                             fwd[p].append(f[p])
