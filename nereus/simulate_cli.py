@@ -34,7 +34,10 @@ POLICIES = {
     "dynarl": {"admission": "always_faster"},
     "never": {"admission": "never"},
     "restart": {"admission": "restart"},
-    "dp-only": {"admission": "payback", "fixed_layouts": True},
+    # the seed paper's baseline: the launch layouts and micro-batches kept, DP following the pool
+    # (a micro-batch halves only after a step ran out of memory and cost the job a restart)
+    "dp-only": {"admission": "payback", "fixed_layouts": True, "fixed_micro_batches": True},
+    "relaxed-dp": {"admission": "payback", "fixed_layouts": True},  # micro-batches free
 }
 
 

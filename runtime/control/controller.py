@@ -12,6 +12,7 @@ import dataclasses
 import itertools
 import logging
 import math
+import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -28,14 +29,22 @@ from runtime.control.policy import JobPolicy
 from runtime.engine.interface import Engine, ProbeReport, StepReport
 from runtime.events import finite
 from runtime.planner import PlanningError, plan
+from runtime.planner import cost as cost_model
 from runtime.planner.calibration import Calibrator
 from runtime.planner.catalog import Accelerator
 from runtime.planner.cost import OPERATION_CLASSES
 from runtime.planner.memory import memory_breakdown, memory_budget, total_bytes
 from runtime.planner.plan import Plan
 from runtime.planner.probes import LINK_GAUGES, Probe, link_probes, probes_for
-from runtime.planner.search import PlanResult, on_ready, price_plan, rebatched, stage_prices
-from runtime.planner.shapes import LayoutShape, batchings
+from runtime.planner.search import (
+    PlanResult,
+    on_ready,
+    price_plan,
+    rebatched,
+    stage_prices,
+    stage_time,
+)
+from runtime.planner.shapes import LayoutShape, batchings, training_state
 from runtime.planner.space import only_layouts
 from runtime.planner.workload import PpoWorkload
 from runtime.transition import Cluster, TransitionRefusedError, diff
@@ -274,6 +283,10 @@ class Controller:
         self.plan: Plan | None = None
         self.fixed: dict[str, tuple[int, int]] = dict(fixed or {})
         """With ``policy.fixed_layouts``: each model-stage's (tp, pp); default: the first plan's."""
+        self.kept_micro_batches: dict[str, int] = {}
+        """With ``policy.fixed_micro_batches``: each model-stage's micro-batch (generation: the
+        sequences a unit decodes at once, 0 all of them), the first plan's until a step runs
+        out of memory (``_halve_micro_batches``)."""
         self.pending: Proposal | None = None
         self.veto: Callable[[Plan, Plan, int], str] | None = None
         """Refuses a move admission found worth its cost (one hindsight would call ``saving``:
@@ -502,7 +515,7 @@ class Controller:
             excluded = only_layouts(self.fixed, workload, acc, num_slots)
         if keep is not None:
             excluded |= only_layouts(keep, workload, acc, num_slots)
-        return plan(
+        result = plan(
             workload,
             acc,
             num_slots,
@@ -510,6 +523,92 @@ class Controller:
             num_alternatives=alternatives,
             excluded=excluded,
             fits_at=self._workload(fits_at) if fits_at > workload.gen_len else None,
+        )
+        if not (self.policy.fixed_micro_batches and self.kept_micro_batches):
+            return result
+        return dataclasses.replace(
+            result,
+            best=self._pinned(result.best, workload, acc),
+            alternatives=tuple(self._pinned(p, workload, acc) for p in result.alternatives),
+        )
+
+    def _pinned(self, plan_: Plan, workload: PpoWorkload, acc: Accelerator) -> Plan:
+        """With ``policy.fixed_micro_batches``: ``plan_`` with every model-stage in its kept
+        micro-batch (``kept_micro_batches``), priced and sized at it. The search chose the layouts
+        and data parallelism at the micro-batches it would pick; the plan runs the kept ones,
+        even where the memory model says they will not fit (a static framework finds out by
+        running out of memory)."""
+        eff = {**cost_model.DEFAULT_EFFICIENCY, **self.calibrator.efficiency()}
+        resident = training_state(plan_, workload)
+        chosen = {}
+        for ms in workload.model_stages():
+            running = plan_.model_stage(ms.name)
+            size = self.kept_micro_batches.get(ms.name, running.micro_batch)
+            shape = LayoutShape.of_layout(ms, workload, acc, running.layout, size, resident)
+            total, breakdown = cost_model.predict(shape, num_slots=plan_.num_slots, efficiency=eff)
+            held = memory_breakdown(shape, num_slots=plan_.num_slots)
+            chosen[ms.name] = dataclasses.replace(
+                running,
+                micro_batch=size,
+                predicted_s=float(total[0]),
+                breakdown=tuple((k, float(v[0])) for k, v in breakdown.items() if v[0] > 0),
+                memory_per_slot=tuple((k, float(v[0])) for k, v in held.items() if v[0] > 0),
+            )
+        stages = tuple(
+            dataclasses.replace(
+                stage,
+                predicted_s=stage_time(
+                    stage.mode,
+                    [chosen[ms.name].predicted_s for ms in workload.model_stages(stage.stage)],
+                ),
+            )
+            for stage in plan_.stages
+        )
+        return dataclasses.replace(
+            plan_,
+            model_stages=tuple(chosen[ms.name] for ms in plan_.model_stages),
+            stages=stages,
+            predicted_step_s=sum(s.predicted_s for s in stages),
+        )
+
+    def _halve_micro_batches(self, report: StepReport) -> None:
+        """With ``policy.fixed_micro_batches``, after a step ran out of memory: halve the kept
+        micro-batch of the model-stage the failure names (of every training and inference one
+        when it names none), as it ran in the running plan: training and inference to half
+        their sequences per micro-batch (at least one), generation to half the sequences a unit
+        decodes at once (twice the waves). The replan that follows restarts the job on them."""
+        assert self.plan is not None
+        named = re.match(r"out of memory (?:on slot \d+ )?in (\S+@\w+)", report.failure)
+        names = [ms.name for ms in self.plan.model_stages]
+        if named and named.group(1) in names:
+            names = [named.group(1)]
+        else:
+            names = [n for n in names if not n.endswith("@generation")]
+        workload = self._workload(report.gen_len or self._gen_len)
+        changed = {}
+        for ms in workload.model_stages():
+            if ms.name not in names:
+                continue
+            shape = LayoutShape.of_plan(ms, workload, self.acc, self.plan)
+            if ms.stage == "generation":
+                now = int(shape.concurrent[0])
+                halved = max(1, -(-now // 2))
+            else:
+                now = int(shape.mb[0])
+                halved = max(1, now // 2)
+            before = self.kept_micro_batches.get(
+                ms.name, self.plan.model_stage(ms.name).micro_batch
+            )
+            self.kept_micro_batches[ms.name] = halved
+            if halved != before:
+                changed[ms.name] = [before, halved]
+        self.emit(
+            {
+                "event": "control.micro_batches_halved",
+                "step": report.step,
+                "failure": report.failure,
+                "changed": changed,
+            }
         )
 
     def _weigh(self) -> None:
@@ -656,6 +755,8 @@ class Controller:
         candidate = self._candidate(engine, self.workload)
         if not self.fixed:
             self.fixed = {ms.name: (ms.layout.tp, ms.layout.pp) for ms in candidate.model_stages}
+        if not self.kept_micro_batches:
+            self.kept_micro_batches = candidate.micro_batches(self.workload.micro_batch)
         self.plan = candidate
         self.monitor.pool = len(self._alive(engine))
         engine.start(candidate, self.workload)
@@ -723,6 +824,8 @@ class Controller:
         else:
             if report.gen_len > 0 and "out of memory" in report.failure:
                 self._gen_len = report.gen_len  # the length that did not fit
+            if self.policy.fixed_micro_batches and "out of memory" in report.failure:
+                self._halve_micro_batches(report)
             triggers.append(Trigger(kind="failure", step=report.step, detail=report.failure))
             self.monitor.observe(report.step, {}, pool=len(self._alive(engine)))
         self._expire_pending(engine)
@@ -860,7 +963,7 @@ class Controller:
         acc = self._measured_accelerator()
         for ms in workload.model_stages():
             shape = LayoutShape.of_plan(ms, workload, acc, plan_)
-            if least:
+            if least and not self.policy.fixed_micro_batches:  # else its own is its least
                 shape = dataclasses.replace(shape, micro_batch=batchings(shape)[-1])
             yield ms, float(total_bytes(memory_breakdown(shape, num_slots=plan_.num_slots))[0])
 
@@ -980,8 +1083,11 @@ class Controller:
     def _rebatched(self, workload: PpoWorkload, fits_at: float) -> Plan | None:
         """The running layouts, each in the micro-batch (generation: the waves) that the
         planner would give it at ``workload``, fitting ``fits_at`` as well in the memory the
-        devices really give; None if some layout fits in none."""
+        devices really give; None if some layout fits in none (or the policy keeps the
+        micro-batches: ``fixed_micro_batches``)."""
         assert self.plan is not None
+        if self.policy.fixed_micro_batches:
+            return None
         return rebatched(
             self.plan,
             workload,
@@ -1486,6 +1592,8 @@ class Controller:
             stages=self.plan.stages,
             models=self.plan.models,
         )
+        if self.policy.fixed_micro_batches and self.kept_micro_batches:
+            salvage = self._pinned(salvage, workload, self.acc)
         try:
             dag = self._compile(engine, salvage, workload)
         except TransitionRefusedError as exc:
@@ -1876,6 +1984,8 @@ class Controller:
         self.pending, self.staged, self.deferred = None, None, None
         if self.policy.fixed_layouts:
             self.fixed = _layouts(candidate)  # the layouts a person chose are the ones to keep
+        if self.policy.fixed_micro_batches:  # and so are the micro-batches
+            self.kept_micro_batches = candidate.micro_batches(self.workload.micro_batch)
         if not moves and self._same_plan(candidate, self.plan):
             self.emit(self._decision(trigger, candidate, None, "override: the job runs it already"))
             return "unchanged"

@@ -51,6 +51,13 @@ class JobPolicy:
     the least predicted step time plus its move's cost spread over the steps it lasts."""
     fixed_layouts: bool = False
     """Keep every model-stage's (tp, pp); replan only data parallelism."""
+    fixed_micro_batches: bool = False
+    """Keep every model-stage's micro-batch (generation: the sequences a unit decodes at once)
+    at the first plan's, as a static framework keeps the ones it was launched with: never
+    lowered to avoid a predicted memory problem or to run faster, but halved for the
+    model-stage whose memory a step ran out of (generation: twice the waves), once that step
+    has cost the job its restart from the last checkpoint. Independent of ``fixed_layouts``
+    (the seed paper's DP-scaling baseline keeps both)."""
     min_saving: float = 0.01
     """Payback admission's dead band: a move predicted to save less than this fraction of a
     step is not made, however soon it would repay. Layouts whose predicted step times are this
@@ -113,7 +120,7 @@ class JobPolicy:
                 f"policy.memory_runway: expected one of {', '.join(RUNWAYS)}, "
                 f"got {self.memory_runway!r}"
             )
-        for field in ("fixed_layouts", "calibration_probes"):
+        for field in ("fixed_layouts", "fixed_micro_batches", "calibration_probes"):
             if not isinstance(getattr(self, field), bool):
                 raise PolicyError(
                     f"policy.{field}: must be true or false, got {getattr(self, field)!r}"
