@@ -146,7 +146,7 @@ def simulate_command(
         str, typer.Option(help="A trace file (JSON Lines), or gen:<shape> to generate one.")
     ],
     policy: Annotated[
-        str, typer.Option(help="nereus, dynarl, never, restart or dp-only.")
+        str, typer.Option(help="nereus, dynarl, never, restart, dp-only or relaxed-dp.")
     ] = "nereus",
     gpus: Annotated[
         int | None, typer.Option(help="Slots at the start (default: the trace's).")
@@ -154,7 +154,9 @@ def simulate_command(
     model: Annotated[str, typer.Option(help="Model of all four roles.")] = "llama-3.1-8b",
     gpu: Annotated[str, typer.Option(help="Accelerator kind.")] = "h100-sxm",
     steps: Annotated[int | None, typer.Option(min=1, help="Steps (default: the trace's).")] = None,
-    seed: Annotated[int, typer.Option(help="Seed of the generated trace and true model.")] = 0,
+    seed: Annotated[
+        int, typer.Option(help="Seed of the generated trace and the cluster twin.")
+    ] = 0,
     policy_file: Annotated[
         str | None, typer.Option(help="JSON file of policy settings (thresholds, gamma, ...).")
     ] = None,
