@@ -92,10 +92,13 @@ def test_a_person_approves_a_proposal_and_the_controller_acts_on_it(project, mem
 
 def _overrides(running: dict) -> tuple[dict, dict]:
     """Two changes a person might make to the running plan: generation on half its units (a
-    live transition drops the others), and every model-stage on slot 0 alone (an 8B model's
-    training state is far beyond one device)."""
+    live transition drops the others), each decoding at once no more sequences than a unit did
+    before (so that its KV cache needs no more memory), and every model-stage on slot 0 alone
+    (an 8B model's training state is far beyond one device)."""
     fits = copy.deepcopy(running)
     (generation,) = [ms for ms in fits["model_stages"] if ms["name"] == "actor@generation"]
+    share = -(-256 // len(generation["units"]))  # the simulated job's 256 sequences a step
+    generation["micro_batch"] = min(generation["micro_batch"] or share, share)
     generation["layout"]["dp"] = len(generation["units"]) // 2
     generation["units"] = generation["units"][: generation["layout"]["dp"]]
     layouts = {ms["name"]: (Layout(dp=1, tp=1, pp=1), ((0,),)) for ms in running["model_stages"]}
