@@ -16,6 +16,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from runtime.bytesize import byte_size, byte_sizes
 from runtime.control.admission import (
     CONTESTED,
     Option,
@@ -940,7 +941,7 @@ class Controller:
                     value=ahead,
                     reference=self._gen_len,
                     step=step,
-                    detail=f"{ms.name} needs {need * self.memory_factor / 2**30:.1f} GiB "
+                    detail=f"{ms.name} needs {byte_size(need * self.memory_factor)} "
                     f"at gen_len {ahead:.0f}",
                 )
         return None
@@ -1952,9 +1953,10 @@ class Controller:
         over = [(name, need) for name, need in over if not self._within(need)]
         if over:
             name, need = over[0]
+            needs, room = byte_sizes(need * self.memory_factor, budget)
             return refuse(
-                f"it does not fit in memory: {name} needs {need * self.memory_factor / 2**30:.1f}"
-                f" GiB of a slot's {budget / 2**30:.1f} GiB at gen_len {self._gen_len:.0f}"
+                f"it does not fit in memory: {name} needs {needs} of a slot's {room} at gen_len "
+                f"{self._gen_len:.0f}"
             )
         moves = not candidate.places_like(self.plan)
         dag = None

@@ -17,8 +17,9 @@ from collections.abc import Collection, Mapping, Sequence
 
 import numpy as np
 
+from runtime.bytesize import byte_size, byte_sizes
 from runtime.planner import cost, memory
-from runtime.planner.catalog import GIB, Accelerator
+from runtime.planner.catalog import Accelerator
 from runtime.planner.plan import Layout, ModelStagePlan, Plan, StagePlan
 from runtime.planner.shapes import LayoutShape, batchings, training_state
 from runtime.planner.space import Rejection, valid_layouts
@@ -298,12 +299,19 @@ def _infeasible(
         )
     beside = ""
     if resident is not None:
-        kept = sum(v for role, v in resident if not (ms.stage == "training" and role == ms.role))
-        beside = f", beside {kept / GIB:.1f} GiB of training state kept per slot"
+        others = [(r, v) for r, v in resident if not (ms.stage == "training" and r == ms.role)]
+        if others:
+            each = byte_sizes(*(v for _, v in others))  # each model's own, told apart
+            named = ", ".join(
+                f"{role} {size}" for (role, _), size in zip(others, each, strict=True)
+            )
+            total = byte_size(sum(v for _, v in others))
+            beside = f", beside {total} of training state kept per slot ({named})"
+    need, budget_text = byte_sizes(least, budget)
     return PlanningError(
-        f"memory: {ms.name} needs at least {least / GIB:.1f} GiB per slot (dp,tp,pp)="
-        f"({where[0]},{where[1]},{where[2]}){beside}, {over / GIB:.1f} GiB over the "
-        f"{budget / GIB:.1f} GiB budget of {acc.name} ({acc.memory_bytes / GIB:.0f} GiB less "
+        f"memory: {ms.name} needs at least {need} per slot (dp,tp,pp)="
+        f"({where[0]},{where[1]},{where[2]}){beside}, {byte_size(over)} over the "
+        f"{budget_text} budget of {acc.name} ({byte_size(acc.memory_bytes)} less "
         f"{memory.HEADROOM:.0%} headroom)",
         constraint="memory",
         model_stage=ms.name,
@@ -500,22 +508,28 @@ def _search(workload, accelerator, num_slots, eff, excluded, fits_at):
         at = base.at(_allow(level, workload))
         if any(at.layout(ms, tp, pp).fits.any() for _, ms, tp, pp in cluster):
             levels.append(level)
-    if not levels:  # no training layout fits beside anything: say why, beside the least any
-        # keeps and beside the unsharded state (every training layout allowed); the refusal
-        # below names the smaller shortfall (the unsharded level alone overstated the state
-        # beside the other model-stages thirtyfold where sharding was what came closest)
-        unsharded = min(
-            _kept_per_slot(ms, workload, 1, 1) for ms in workload.model_stages("training")
+    allowances = [_allow(level, workload) for level in levels]
+    if not levels:  # no training layout fits beside anything: say why, beside the least each
+        # training model keeps and beside its unsharded state (every training layout
+        # allowed), each model's its own (the actor's vocabulary head keeps more than the
+        # critic's scalar one); the refusal below names the smaller shortfall (the unsharded
+        # state alone overstated the state beside the other model-stages thirtyfold where
+        # sharding was what came closest)
+        training = workload.model_stages("training")
+        least = tuple(
+            (ms.role, min((k for k, other, _, _ in kept if other.name == ms.name), default=0.0))
+            for ms in training
         )
-        levels = sorted({kept[0][0], unsharded}) if kept else [unsharded]
+        unsharded = tuple((ms.role, _kept_per_slot(ms, workload, 1, 1)) for ms in training)
+        allowances = [least] if least == unsharded else [least, unsharded]
     found, errors = [], []
-    for level in levels:
+    for allowance in allowances:
         try:
-            found.append(_solve(base.at(_allow(level, workload)), excluded))
+            found.append(_solve(base.at(allowance), excluded))
         except PlanningError as exc:
             errors.append(exc)
-    if not found:
-        found = _own_allowances(base, kept, workload, excluded)
+    if not found or not levels:  # each training model beside the other's own allowance
+        found += _own_allowances(base, kept, workload, excluded)
     if not found:
         # Say what binds where the plan comes closest to fitting: the smallest shortfall.
         memory_errors = [e for e in errors if e.constraint == "memory"]
@@ -664,10 +678,10 @@ def _rejections(best, columns, prices: _Prices, excluded) -> tuple[Rejection, ..
                 continue
             keeps = prices.too_heavy(ms, tp, pp)
             if keeps is not None:
+                keeps_text, room = byte_sizes(keeps, dict(prices.resident)[ms.role])
                 reason = (
-                    f"memory: keeps {keeps / GIB:.1f} GiB of training state per slot through the "
-                    f"step, more than the {dict(prices.resident)[ms.role] / GIB:.1f} GiB the "
-                    "other model-stages were planned beside"
+                    f"memory: keeps {keeps_text} of training state per slot through the "
+                    f"step, more than the {room} the other model-stages were planned beside"
                 )
                 out.append(Rejection(model_stage=ms.name, tp=tp, pp=pp, reason=reason))
                 continue
@@ -675,9 +689,10 @@ def _rejections(best, columns, prices: _Prices, excluded) -> tuple[Rejection, ..
             dp, total, need = row.dp, row.seconds, row.need
             within = dp * tp * pp <= limit
             if not np.any(need <= budget):
+                at_best, budget_text = byte_sizes(float(need.min()), budget)
                 reason = (
-                    f"memory: needs {need.min() / GIB:.1f} GiB per slot at best "
-                    f"(dp={int(dp[np.argmin(need)])}), budget {budget / GIB:.1f} GiB"
+                    f"memory: needs {at_best} per slot at best "
+                    f"(dp={int(dp[np.argmin(need)])}), budget {budget_text}"
                 )
             elif not np.any((need <= budget) & within):
                 fewest = int(dp[np.argmax(need <= budget)]) * tp * pp

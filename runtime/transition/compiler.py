@@ -28,6 +28,7 @@ import itertools
 import math
 from collections.abc import Mapping, Sequence
 
+from runtime.bytesize import byte_sizes
 from runtime.emu.layout import ShardError, UnitLayout
 from runtime.emu.primitives import BUCKET_BYTES, Destroy, Extend, Merge, Split, Unit
 from runtime.planner.catalog import CPU_SLOT, Accelerator
@@ -171,8 +172,9 @@ def _diff(current, target, cluster, workload, efficiency, tag, derived_from, rou
     for slot, (used, cap) in enumerate(zip(initial, cluster.capacity(), strict=True)):
         if used > cap:
             raise TransitionRefusedError(
-                f"cluster.capacity_bytes: slot {slot} already holds {used / 2**30:.2f} GiB, "
-                f"over its {cap / 2**30:.2f} GiB"
+                "cluster.capacity_bytes: slot {} already holds {}, over its {}".format(
+                    slot, *byte_sizes(used, cap)
+                )
             )
     dag = TransitionDag(
         nodes=builder.nodes,
@@ -343,9 +345,10 @@ def _check_final(dag: TransitionDag, final: dict[str, tuple[Unit, ...]]) -> None
             holders = sorted(
                 {u.model_stage for us in final.values() for u in us if slot in u.slots}
             )
+            held, room = byte_sizes(used, cap)
             raise TransitionRefusedError(
-                f"target: slot {slot} would hold {used / 2**30:.2f} GiB of state "
-                f"({', '.join(holders)}), over its {cap / 2**30:.2f} GiB"
+                f"target: slot {slot} would hold {held} of state "
+                f"({', '.join(holders)}), over its {room}"
             )
 
 
@@ -788,9 +791,10 @@ def _add_resource_edges(dag: TransitionDag) -> None:
                 if _serialise(dag):
                     return
                 what = f" while {running} runs" if running else ""
+                need, room = byte_sizes(worst, dag.capacity[slot])
                 raise TransitionRefusedError(
-                    f"target: slot {slot} would need {worst / 2**30:.2f} GiB{what}, over its "
-                    f"{dag.capacity[slot] / 2**30:.2f} GiB, and no order of the primitives fits",
+                    f"target: slot {slot} would need {need}{what}, over its {room}, and no "
+                    "order of the primitives fits",
                     memory=True,
                 )
             dag.add_edge(*edge, "resource")

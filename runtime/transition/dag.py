@@ -18,6 +18,7 @@ import dataclasses
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from runtime.bytesize import byte_sizes
 from runtime.emu.primitives import Destroy, Extend, Merge, Primitive, Split, Unit
 from runtime.planner.calibration import Sample
 from runtime.transition.cost import OVERHEAD_S
@@ -456,9 +457,9 @@ class TransitionDag:
             worst, running, _ = self.worst_case(slot)
             if worst > self.capacity[slot]:
                 what = f" while {running} runs" if running else ""
+                held, room = byte_sizes(worst, self.capacity[slot])
                 raise MemoryUnsafeError(
-                    f"slot {slot}: could hold {worst / 2**30:.2f} GiB{what}, over its "
-                    f"{self.capacity[slot] / 2**30:.2f} GiB",
+                    f"slot {slot}: could hold {held}{what}, over its {room}",
                     slot=slot,
                     worst_bytes=worst,
                     capacity_bytes=self.capacity[slot],

@@ -3,12 +3,14 @@ alternatives, rejections with reasons, and infeasibility that says what binds.""
 
 import dataclasses
 import math
+import re
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from runtime.bytesize import byte_size, byte_sizes
 from runtime.planner import (
     PlanningError,
     PpoWorkload,
@@ -21,7 +23,12 @@ from runtime.planner.catalog import Accelerator, ModelConfig
 from runtime.planner.memory import memory_breakdown, memory_budget, total_bytes
 from runtime.planner.plan import Layout, Plan, PlanError
 from runtime.planner.search import fitting, price_plan, rebatched
-from runtime.planner.shapes import LayoutShape, batchings, training_state
+from runtime.planner.shapes import (
+    ADAM_BYTES_PER_PARAM,
+    LayoutShape,
+    batchings,
+    training_state,
+)
 from runtime.planner.space import only_layouts, valid_layouts
 from tests.runtime.planner.oracle import exhaustive_step_seconds
 from tests.support.hashing import outputs_under_hash_seeds
@@ -187,6 +194,69 @@ def test_no_feasible_plan_says_what_binds_and_by_how_much():
         plan(tiny, CATALOG.accelerator("cpu-slot"), 0)
 
 
+def test_no_feasible_plan_prices_each_training_models_state_at_its_own():
+    """Llama-3.1-70B on one H100: no training layout fits, and the refusal priced the state
+    the other model-stages sit beside at the critic's figure for the actor too (the actor's
+    vocabulary head keeps more than the critic's scalar one; found by review). Each is priced
+    from its own parameters, and the need named is generation's beside both."""
+    model = CATALOG.model("llama-3.1-70b")
+    workload = PpoWorkload.for_model(model)
+    acc = CATALOG.accelerator("h100-sxm")
+    with pytest.raises(PlanningError) as refused:
+        plan(workload, acc, 1)
+    per_param = 2 * workload.bytes_per_value + ADAM_BYTES_PER_PARAM  # unsharded, one replica
+    actor = model.num_params(scalar_head=False) * per_param
+    critic = model.num_params(scalar_head=True) * per_param
+    assert actor > critic * 1.005
+    message = str(refused.value)
+    shown_actor, shown_critic = byte_sizes(actor, critic)
+    assert f"beside {byte_size(actor + critic)} of training state kept per slot" in message
+    assert f"(actor {shown_actor}, critic {shown_critic})" in message, message
+    assert refused.value.model_stage == "actor@generation"
+    (generation,) = workload.model_stages("generation")
+    shape = LayoutShape(
+        ms=generation,
+        workload=workload,
+        accelerator=acc,
+        tp=1,
+        pp=1,
+        dp=np.array([1.0]),
+        resident=(("actor", actor), ("critic", critic)),
+    )
+    shape = dataclasses.replace(shape, micro_batch=batchings(shape)[-1])
+    need = float(total_bytes(memory_breakdown(shape, num_slots=1))[0])
+    assert refused.value.shortfall == pytest.approx(need - memory_budget(acc.memory_bytes))
+    assert f"needs at least {byte_sizes(need, memory_budget(acc.memory_bytes))[0]}" in message
+
+
+def test_a_refusal_by_a_hair_prints_the_need_and_the_budget_apart():
+    """The largest slot on which a tiny model fits in no layout: its need passes the budget by
+    under a byte, and the refusal printed both as "0.2 GiB" and the shortfall as "0.0 GiB".
+    The two figures read differently, and the shortfall is not a bare zero."""
+    workload = PpoWorkload.for_model(CATALOG.model("tiny-llama"))
+    acc = CATALOG.accelerator("cpu-slot")
+    low, high = 2**20, 2**30  # bytes of a slot: none fits at the first, one does at the second
+    refusal = None
+    while high - low > 1:
+        middle = (low + high) // 2
+        try:
+            plan(workload, dataclasses.replace(acc, memory_bytes=middle), 1, num_alternatives=0)
+            high = middle
+        except PlanningError as exc:
+            low, refusal = middle, exc
+    assert refusal is not None and refusal.constraint == "memory"
+    assert 0 < refusal.shortfall < 1
+    found = re.search(
+        r"needs at least (\S+ \S+) per slot .*, (\S+ \S+) over the (\S+ \S+) budget",
+        str(refusal),
+    )
+    assert found is not None, str(refusal)
+    need, over, budget = found.groups()
+    assert need != budget and need.endswith(" MiB") and budget.endswith(" MiB"), str(refusal)
+    assert float(need.split()[0]) > float(budget.split()[0])
+    assert over.endswith(" bytes") and float(over.split()[0]) > 0, str(refusal)
+
+
 def test_a_plan_is_fastest_at_one_length_and_fits_another():
     """``fits_at``: memory is checked at the longer length, speed priced at the running one
     (one sequence per micro-batch, so that no smaller micro-batch can make a plan fit)."""
@@ -321,7 +391,7 @@ def test_a_layout_memory_outgrows_runs_in_smaller_micro_batches_before_it_is_dro
     free = plan(adaptive, acc, 32, num_alternatives=0).best
     with pytest.raises(
         PlanningError,
-        match=r"memory: actor@(generation|training) needs .* beside \d+\.\d GiB of training state",
+        match=r"memory: actor@(generation|training) needs .* beside \d+\.\d+ GiB of training state",
     ) as refused:
         plan(pinned, acc, 32, num_alternatives=0)
     assert refused.value.constraint == "memory"
@@ -526,7 +596,7 @@ def test_when_no_training_layout_fits_the_refusal_counts_the_least_training_stat
     workload = PpoWorkload.for_model(CATALOG.model("qwen2.5-32b"), gen_len=500)
     with pytest.raises(PlanningError) as refused:
         plan(workload, acc, 16, num_alternatives=0)
-    beside = re.search(r"beside (\d+\.\d) GiB of training state", str(refused.value))
+    beside = re.search(r"beside (\d+\.\d+) GiB of training state", str(refused.value))
     assert beside is not None, str(refused.value)
     least = sum(
         min(

@@ -7,6 +7,7 @@ import dataclasses
 import itertools
 import json
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -506,6 +507,29 @@ def test_plans_for_different_models_or_jobs_are_refused():
         diff(mine, theirs, cluster, workload)
 
 
+def test_a_slot_just_too_small_reads_as_over_its_capacity():
+    """A tiny model's state over a slot by a hair printed as the same figure twice ("0.03 GiB
+    ... over its 0.03 GiB"; found by review): the need and the capacity read differently, in
+    a unit that shows them."""
+    _, workload = _planned("tiny-llama")
+    on_zero = _plan({n: (Layout(dp=1, tp=1, pp=1), ((0,),)) for n in NAMES}, 8)
+    on_three = _plan({n: (Layout(dp=1, tp=1, pp=1), ((3,),)) for n in NAMES}, 8)
+    whole = occupancy(units_of(on_zero, workload), 8)[0]
+    assert whole < 2**30
+    for short in (2**20, 1024, 1):  # a MiB, a KiB, a byte under
+        caps = tuple(whole - short if s == 3 else whole * 2 for s in range(8))
+        cluster = Cluster(accelerator=ACC, num_slots=8, capacity_bytes=caps)
+        with pytest.raises(TransitionRefusedError) as refused:
+            diff(on_zero, on_three, cluster, workload)
+        found = re.search(
+            r"would hold (\S+) (\S+) of state .*, over its (\S+) (\S+)$", str(refused.value)
+        )
+        assert found is not None, str(refused.value)
+        need, unit, room, same = found.groups()
+        assert unit == same == "MiB" and need != room, str(refused.value)
+        assert float(need) > float(room)
+
+
 def test_an_infeasible_target_is_refused_naming_the_slot():
     current, workload = _planned("tiny-llama")
     on_zero = _plan({n: (Layout(dp=1, tp=1, pp=1), ((0,),)) for n in NAMES}, 8)
@@ -513,7 +537,9 @@ def test_an_infeasible_target_is_refused_naming_the_slot():
     whole = occupancy(units_of(on_zero, workload), 8)[0]
     caps = tuple(whole / 2 if s == 3 else whole * 2 for s in range(8))
     cluster = Cluster(accelerator=ACC, num_slots=8, capacity_bytes=caps)
-    with pytest.raises(TransitionRefusedError, match=r"target: slot 3 would hold .* GiB of state"):
+    with pytest.raises(
+        TransitionRefusedError, match=r"target: slot 3 would hold \S+ [KMG]iB of state"
+    ):
         diff(on_zero, on_three, cluster, workload)
     cluster = Cluster(accelerator=ACC, num_slots=8, capacity_bytes=(whole * 2,) * 8)
     bad = _plan(
