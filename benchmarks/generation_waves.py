@@ -100,7 +100,7 @@ def main() -> None:
                     f"{r['mean_step_s']:.1f}",
                 ]
             )
-    print("SIMULATED (the simulated engine's true model, not hardware)")
+    print("SIMULATED (the cluster twin, not hardware)")
     _report.print_table(
         [
             "job",
