@@ -7,35 +7,39 @@ import itertools
 import pytest
 
 from runtime.control import Controller, JobPolicy, PolicyError, run_job
-from runtime.engine.sim import PROBE_SETUP_S, SimulatedEngine, TrueModel
+from runtime.engine.sim import PROBE_SETUP_S, SimulatedEngine
 from runtime.engine.traces import Trace
 from runtime.planner import PpoWorkload, default_catalog
 from runtime.planner.calibration import Calibrator
-from runtime.planner.probes import LINK_GAUGES, PROBED_CLASSES, link_probes
+from runtime.planner.probes import LINK_GAUGES, PROBED_CLASSES, link_probes, probes_for
+from runtime.twin import ClusterTwin, Link, device, probe_seconds
 
 CATALOG = default_catalog()
 ACC = CATALOG.accelerator("a100-80gb")
 WORKLOAD = PpoWorkload.for_model(CATALOG.model("llama-3.1-8b"), gen_len=2048)
 
 
-def _pcie_truth() -> TrueModel:
-    """Collectives inside a node at an eighth of the catalog's NVLink: PCIe-class nodes
-    catalogued as SXM (the transitions' own classes aside)."""
-    drawn = TrueModel.draw(13, interference=0.0, noise=0.0)
-    return dataclasses.replace(
-        drawn,
-        efficiency={
-            c: e / 8 if c.endswith(":intra") and not c.startswith("transition") else e
-            for c, e in drawn.efficiency.items()
-        },
-    )
+def _pcie_twin() -> ClusterTwin:
+    """Links inside a node at an eighth of NVLink's bandwidth: PCIe-class nodes catalogued as
+    SXM."""
+    sxm = device(ACC.name)
+    intra = Link(bus_bytes_per_s=sxm.intra.bus_bytes_per_s / 8, latency_s=sxm.intra.latency_s)
+    return ClusterTwin.draw(dataclasses.replace(sxm, intra=intra), 13, interference=0.0, noise=0.0)
+
+
+def _alone(twin: ClusterTwin, op_class: str, *, at_s: float = 0.0) -> float:
+    """The efficiency a probe of ``op_class`` on 16 slots measures on ``twin`` at ``at_s`` (no
+    noise): the cost model's ideal seconds over the seconds the twin's links take for it alone."""
+    [probe] = [p for p in probes_for(WORKLOAD, ACC, range(16)) if p.op_class == op_class]
+    took = probe_seconds(twin, probe.pattern, probe.slots, probe.nbytes, at_s=at_s)
+    return probe.ideal_s(ACC) / took
 
 
 def _run(policy: JobPolicy, *, gpus=16, pool=(), steps=30, calibrator=None, engine=SimulatedEngine):
     trace = Trace(
         name="flat", steps=steps, accelerator=ACC.name, gpus=gpus, gen_len=((0, 2048.0),), pool=pool
     )
-    engine = engine(trace, ACC, truth=_pcie_truth(), seed=2)
+    engine = engine(trace, ACC, twin=_pcie_twin(), seed=2)
     controller = Controller(WORKLOAD, ACC, policy, calibrator=calibrator)
     return controller, run_job(engine, controller, steps)
 
@@ -51,12 +55,14 @@ def test_a_job_probes_its_links_first_and_runs_shorter_for_it():
     assert kinds.index("control.probes") < kinds.index("control.plan")  # before plans are weighed
     [probes] = _of(probed, "control.probes")
     assert probes["simulated"] and not probes["failure"] and probes["step"] == 0
-    # 16 slots, two nodes: every probed class, each measured near the truth (a collective timed
-    # alone runs ``isolated`` faster than inside a step)
+    # 16 slots, two nodes: every probed class, each measured as the twin's links run it alone
+    # (no noise; an efficiency is capped at 1)
     assert set(probes["efficiency"]) == set(PROBED_CLASSES)
-    truth = _pcie_truth()
+    twin = _pcie_twin()
     for op_class, value in probes["efficiency"].items():
-        assert value == pytest.approx(truth.efficiency[op_class] * truth.isolated, rel=0.01)
+        assert value == pytest.approx(min(1.0, _alone(twin, op_class)), rel=1e-9)
+    # the slow links inside a node measured slow: below what the same class measures across
+    assert probes["efficiency"]["pp_p2p:intra"] < probes["efficiency"]["pp_p2p:inter"]
     assert probes["slots"]["pp_p2p:inter"] == [0, 8]
     # The first plan already knows the links inside a node are slow: it is not the one the
     # catalog's figures choose, and the whole run, probes included, takes less time.
@@ -116,8 +122,7 @@ def test_classes_a_saved_calibration_has_learned_are_not_probed_again_but_its_li
     assert set(probes["slots"]) == set(LINK_GAUGES.values())
     assert set(probes["efficiency"]) == {LINK_GAUGES["inter"]}  # no reference saved for it
     # The saved reference is the gauge's: the links inside a node are timed as loaded against it.
-    truth = _pcie_truth()
-    now = truth.efficiency[LINK_GAUGES["intra"]] * truth.isolated
+    now = _alone(_pcie_twin(), LINK_GAUGES["intra"])
     assert probes["load"]["intra"] == pytest.approx(0.2 / now, rel=1e-6)
     assert probes["load"]["inter"] == 1.0  # first measured now: the reference
     assert 0 < summary.probe_seconds < 2 * PROBE_SETUP_S
@@ -184,16 +189,28 @@ class _Clocked(SimulatedEngine):
         return super().run_probes(probes)
 
 
-def _busy_links() -> TrueModel:
-    """Other traffic on the links building up and easing off twice an hour (every class that
-    crosses them up to 1.3 times slower), and no noise."""
-    return TrueModel.draw(13, noise=0.0, interference=0.3, interference_period_s=1800.0)
+def _busy_links() -> ClusterTwin:
+    """Other tenants' traffic on the links between nodes building up and easing off twice an
+    hour (up to 1.3 times slower), and no noise."""
+    return ClusterTwin.draw(
+        device(ACC.name), 13, noise=0.0, interference=0.3, interference_period_s=1800.0
+    )
 
 
 def test_the_links_are_timed_again_every_while_and_calibration_prices_them_at_their_load():
-    trace = Trace(name="flat", steps=60, accelerator=ACC.name, gpus=16, gen_len=((0, 2048.0),))
-    truth = _busy_links()
-    engine = _Clocked(trace, ACC, truth=truth, seed=2)
+    """Other tenants' traffic loads the links between nodes (the twin's links inside a node
+    carry the job's alone): each round of the gauges measures that load against the first
+    probing, and calibration prices the links between nodes at it."""
+    trace = Trace(
+        name="flat",
+        steps=60,
+        accelerator=ACC.name,
+        gpus=16,
+        gen_len=((0, 2048.0),),
+        len_sigma=0.0,  # every response at the mean: no step outgrows memory, no move
+    )
+    twin = _busy_links()
+    engine = _Clocked(trace, ACC, twin=twin, seed=2)
     controller = Controller(WORKLOAD, ACC, JobPolicy(link_probe_every_s=300.0))
     summary = run_job(engine, controller, trace.steps)
     rounds = _of(controller, "control.links")
@@ -201,41 +218,42 @@ def test_the_links_are_timed_again_every_while_and_calibration_prices_them_at_th
     assert first == 0.0 and len(again) == len(rounds) >= 4
     gaps = [b - a for a, b in itertools.pairwise(engine.probed_at)]
     assert min(gaps) >= 300.0 and max(gaps) < 300.0 + 2 * max(_step_seconds(controller))
-    # Each round measures both links' load against the first probing: exactly the truth's, as
-    # there is no noise (a collective alone runs ``isolated`` faster at any load).
-    slow = {
-        t: truth.efficiency["tp_allreduce:intra"] / truth.efficiency_at(t)["tp_allreduce:intra"]
-        for t in engine.probed_at
-    }
+    # Each round measures both links' load against the first probing: exactly the twin's, as
+    # there is no noise: how much longer the gauge takes alone now than it took then.
+    gauges = {p.link: p for p in link_probes(WORKLOAD, ACC, range(16))}
+
+    def took(link: str, at: float) -> float:
+        probe = gauges[link]
+        return probe_seconds(twin, probe.pattern, probe.slots, probe.nbytes, at_s=at)
+
     for at, event in zip(again, rounds, strict=True):
         assert event["simulated"] and not event["failure"]
         assert set(event["load"]) == {"intra", "inter"}
-        for load in event["load"].values():
-            assert load == pytest.approx(slow[at] / slow[0.0], rel=1e-9)
+        assert event["load"]["intra"] == pytest.approx(1.0, rel=1e-9)
+        assert event["load"]["inter"] == pytest.approx(
+            took("inter", at) / took("inter", 0.0), rel=1e-9
+        )
         # the groups were made at the first probing: a round costs its collectives alone
         assert 0 < event["seconds"] < PROBE_SETUP_S
-    assert max(max(e["load"].values()) for e in rounds) > 1.1  # the wave was seen
-    # Calibration prices each link at the last round's load: the all-reduce inside a node,
-    # which every step runs, is learned as it runs at the reference load.
-    last = rounds[-1]["load"]["intra"]
-    assert controller.calibrator.link_load("intra") == pytest.approx(last)
+    loads = [e["load"]["inter"] for e in rounds]
+    assert max(loads) / min(loads) > 1.15  # the wave was seen
+    # Calibration prices each link at the last round's load.
+    assert controller.calibrator.link_load("inter") == pytest.approx(rounds[-1]["load"]["inter"])
+    assert controller.calibrator.link_load("intra") == pytest.approx(1.0)
     assert summary.probe_seconds == pytest.approx(
         sum(e["seconds"] for e in _of(controller, "control.probes") + rounds)
     )
-    # What the window learned at the load each step ran under is the truth at the load now:
-    # the all-reduce inside a node, and decode, which generation runs beside it in one mix.
-    now = truth.efficiency_at(engine.now())
+    # The all-reduce between nodes is priced as the twin's links run it at the load now ...
+    gauge = LINK_GAUGES["inter"]
     learned = controller.calibrator.efficiency()
-    assert learned["tp_allreduce:intra"] == pytest.approx(now["tp_allreduce:intra"], rel=0.03)
-    assert learned["decode"] == pytest.approx(now["decode"], rel=0.01)
-    blind_engine = _Clocked(trace, ACC, truth=truth, seed=2)
+    assert learned[gauge] == pytest.approx(_alone(twin, gauge, at_s=engine.now()), rel=0.03)
+    blind_engine = _Clocked(trace, ACC, twin=twin, seed=2)
     off = Controller(WORKLOAD, ACC, JobPolicy(link_probe_every_s=0))
     run_job(blind_engine, off, trace.steps)
-    assert _of(off, "control.links") == [] and off.calibrator.link_load("intra") == 1.0
-    # without the rounds, the window's steps average the load, and the all-reduce is off
-    now = truth.efficiency_at(blind_engine.now())
+    assert _of(off, "control.links") == [] and off.calibrator.link_load("inter") == 1.0
+    # ... and without the rounds, at the load of the first probing: off by now.
     blind = off.calibrator.efficiency()
-    assert abs(blind["tp_allreduce:intra"] / now["tp_allreduce:intra"] - 1) > 0.05
+    assert abs(blind[gauge] / _alone(twin, gauge, at_s=blind_engine.now()) - 1) > 0.05
 
 
 def _step_seconds(controller):

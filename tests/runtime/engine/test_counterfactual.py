@@ -10,9 +10,10 @@ import pytest
 from runtime.control.controller import Controller, run_job
 from runtime.control.policy import JobPolicy
 from runtime.engine import hindsight
-from runtime.engine.sim import Ran, SimulatedEngine, TrueModel
+from runtime.engine.sim import Ran, SimulatedEngine
 from runtime.engine.traces import Trace, generate
 from runtime.planner import PpoWorkload, default_catalog
+from runtime.twin import ClusterTwin, device
 from tests.support.plans import generation_over
 
 CATALOG = default_catalog()
@@ -22,14 +23,23 @@ STEPS = 40
 # An oscillating length: DynaRL-style admission (whatever is predicted faster) makes about ten
 # moves for their saving in 40 steps here, on a pool that does not change in that time.
 OSCILLATE = generate("oscillate", seed=9, steps=STEPS, gpus=16, accelerator=ACC.name, spot=True)
-# A growing length on a pool that changes: payback admits a move at step 14 whose new units are
-# built during one more step, so it runs after step 15.
-GROWTH = generate("growth", seed=1, steps=STEPS, gpus=16, accelerator=ACC.name, spot=True)
+# A length growing from 500 to 4,000 tokens, each response at the mean, on a pool that grows from
+# 16 to 24 slots during the first step: payback defers the move onto the new slots, and later
+# admits one whose new units there are built during one more step, so it runs after that step.
+GROWTH = Trace(
+    name="growth",
+    steps=STEPS,
+    accelerator=ACC.name,
+    gpus=16,
+    gen_len=((0, 500.0), (STEPS, 4000.0)),
+    pool=((30.0, 24),),
+    len_sigma=0.0,
+)
 
 
 def _start(trace=OSCILLATE, admission="always_faster", made: list | None = None):
     def start():
-        engine = SimulatedEngine(trace, ACC, truth=TrueModel.draw(7), seed=3)
+        engine = SimulatedEngine(trace, ACC, twin=ClusterTwin.draw(device(ACC.name), 7), seed=3)
         controller = Controller(WORKLOAD, ACC, JobPolicy(admission=admission))
         if made is not None:
             made.append(controller)
@@ -92,13 +102,20 @@ def test_each_move_for_a_saving_is_refused_in_its_own_replay_at_its_decision(ran
 def test_a_move_built_ahead_is_refused_at_the_step_that_admitted_it():
     """A move whose new units are built during one more step is admitted a step before it
     runs: its replay is copied before the admitting decision, which the veto then refuses."""
-    engine, _, seen = _ran(_start(GROWTH, "payback"))
+    engine, controller, seen = _ran(_start(GROWTH, "payback"))
     staged = [m for m in seen if m.why == "saving" and m.moved and m.decided < m.step]
     assert staged, [(m.step, m.decided, m.why) for m in seen]
     [replay] = hindsight.counterfactuals(_start(GROWTH, "payback"), STEPS, staged[:1])
     assert replay.refused_at == staged[0].decided and replay.refused >= 1
     assert replay.without_s != engine.now()
-    assert any(m.why == "slots" for m in seen)  # and the pool changed in this run
+    # The pool changed in this run: the units built ahead were on the slots it granted.
+    [moved] = [
+        e
+        for e in controller.events
+        if e["event"] == "control.transition" and e["step"] == staged[0].step
+    ]
+    ahead = [slot for unit in moved["dag"]["ahead"] for slot in unit["slots"]]
+    assert ahead and min(ahead) >= 16 and engine.pool_size() == 24
 
 
 def test_without_saving_moves_the_run_still_moves_for_memory_and_makes_no_saving_move(ran):
@@ -110,8 +127,23 @@ def test_without_saving_moves_the_run_still_moves_for_memory_and_makes_no_saving
         hindsight.reason(e["because"]) for e in vetoed.events if e["event"] == "control.transition"
     ]
     assert "saving" not in why
-    # A move forced by memory is not the veto's to refuse: the run makes it as before.
-    assert why.count("memory") == sum(m.why == "memory" for m in seen) >= 1
+    # A move forced by memory is not the veto's to refuse: the run makes each one it decides
+    # on, as the run as it ran did. (Which it decides on differ: here, the run without its
+    # saving moves keeps layouts that those moves had left, and one of them outgrows memory.)
+    forced = [
+        e
+        for e in vetoed.events
+        if e["event"] == "control.decision"
+        and e["reason"].startswith("the running plan will not fit")
+    ]
+    assert forced and all(e["admit"] for e in forced)
+    restarted = [
+        e
+        for e in vetoed.events
+        if e["event"] == "control.restart"
+        and e["reason"].startswith("the running plan will not fit")
+    ]
+    assert why.count("memory") + len(restarted) == len(forced)  # live, or by restart
     assert replay.refused >= sum(m.why == "saving" for m in seen)
     assert replay.without_s != engine.now()
 
@@ -126,7 +158,7 @@ def test_a_moves_veto_refuses_its_layout_until_the_run_left_it_or_the_pool_chang
         gen_len=((0, 500.0),),
         pool=((50.0, 8), (100.0, 16)),
     )
-    engine = SimulatedEngine(trace, ACC, truth=TrueModel.draw(7), seed=3)
+    engine = SimulatedEngine(trace, ACC, twin=ClusterTwin.draw(device(ACC.name), 7), seed=3)
     move = hindsight.MoveHindsight(
         step=3, why="saving", cost_s=1.0, moved=(("actor@generation", (2, 1), (4, 1)),)
     )
@@ -165,7 +197,7 @@ def test_a_deep_copy_of_a_run_shares_nothing_it_writes():
 def test_a_moves_veto_lasts_while_the_run_as_it_ran_kept_what_it_made():
     tp2, tp4, other = (generation_over(16, tp) for tp in (2, 4, 8))
     trace = Trace(name="k", steps=10, accelerator=ACC.name, gpus=16, gen_len=((0, 500.0),))
-    engine = SimulatedEngine(trace, ACC, truth=TrueModel.draw(7), seed=3)
+    engine = SimulatedEngine(trace, ACC, twin=ClusterTwin.draw(device(ACC.name), 7), seed=3)
     ran = {0: tp2, 1: tp2, 2: tp4, 3: tp4, 4: tp4, 5: other, 6: tp4}
     engine.history = {s: Ran(plan=p, at_s=10.0 * s, gen_len=500.0) for s, p in ran.items()}
     move = hindsight.MoveHindsight(
@@ -189,7 +221,7 @@ def test_a_replay_that_did_not_meet_its_move_is_not_counted():
 
 def test_a_copy_does_not_emit_to_the_runs_sink():
     seen: list[dict] = []
-    engine = SimulatedEngine(OSCILLATE, ACC, truth=TrueModel.draw(7), seed=3)
+    engine = SimulatedEngine(OSCILLATE, ACC, twin=ClusterTwin.draw(device(ACC.name), 7), seed=3)
     controller = Controller(WORKLOAD, ACC, JobPolicy(admission="always_faster"), emit=seen.append)
     run_job(engine, controller, 3)
     emitted = len(seen)

@@ -1,17 +1,20 @@
 """Hindsight on a simulated run (runtime/engine/hindsight.py): why each transition was made, and
 what a move made for its saving truly saved over its life. Every second here is simulated: the
-engine's true model without noise, replayed over a history of steps written by hand, so the
-assertions check how a move's life is bounded and what is summed over it."""
+engine's cluster twin without noise, replayed over a history of steps written by hand (each with
+its own sequences), so the assertions check how a move's life is bounded and what is summed over
+it."""
 
 import math
+import random
 
 import pytest
 
 from runtime.engine import hindsight
-from runtime.engine.sim import Ran, SimulatedEngine, TrueModel
+from runtime.engine.sim import Ran, SimulatedEngine
 from runtime.engine.traces import Trace
 from runtime.planner import PpoWorkload, default_catalog
 from runtime.planner.plan import Plan
+from runtime.twin import ClusterTwin, device
 from tests.support.plans import generation_over
 
 CATALOG = default_catalog()
@@ -25,19 +28,30 @@ SMALLER = generation_over(8, 4)
 
 def _engine(history: dict[int, Plan]) -> SimulatedEngine:
     """An engine whose history is ``history``, one step every 100 simulated seconds, on a trace
-    whose generated length doubles every few steps (so each step's prices differ)."""
+    whose generated length doubles every few steps (so each step's prices differ), each step
+    with its own sequences. Their lengths spread less than the default's: at its long tail,
+    generation over TP2 runs out of memory from 1,024 tokens, which would end every move's life
+    there."""
     trace = Trace(
         name="h",
         steps=len(history),
         accelerator=ACC.name,
         gpus=16,
         gen_len=((0, 512.0), (3, 1024.0), (5, 2048.0)),
+        len_sigma=0.3,
     )
-    engine = SimulatedEngine(trace, ACC, truth=TrueModel.draw(3, noise=0.0), seed=1)
-    engine.history = {
-        step: Ran(plan=plan, at_s=100.0 * step, gen_len=trace.gen_len_at(step))
-        for step, plan in history.items()
-    }
+    engine = SimulatedEngine(
+        trace, ACC, twin=ClusterTwin.draw(device(ACC.name), 3, noise=0.0), seed=1
+    )
+    engine.history = {}
+    for step, plan in history.items():
+        lengths = trace.response_lengths(step, WORKLOAD.global_batch, random.Random(step))
+        engine.history[step] = Ran(
+            plan=plan,
+            at_s=100.0 * step,
+            gen_len=sum(lengths) / len(lengths),
+            lengths=tuple(lengths),
+        )
     return engine
 
 
@@ -65,8 +79,10 @@ def _events(*, move_after: int, steps: int, kind: str = "drift", said: str = "pa
 
 
 def _true(engine: SimulatedEngine, plan: Plan, step: int) -> float:
-    at = WORKLOAD.with_gen_len(round(engine.trace.gen_len_at(step)))
-    return engine.truth.step_seconds(plan, at, ACC, at_s=100.0 * step)[0]
+    """What the twin takes for ``plan`` on step ``step``'s own sequences, at its clock."""
+    ran = engine.history[step]
+    at = WORKLOAD.with_gen_len(round(ran.gen_len))
+    return engine.twin.step(plan, at, lengths=ran.lengths, at_s=100.0 * step).seconds
 
 
 def test_a_moves_life_ends_when_the_pool_changes_and_sums_what_it_truly_saved():
@@ -139,16 +155,24 @@ def test_the_summary_counts_the_moves_that_repaid_and_their_net():
 
 def test_a_simulated_step_records_the_plan_and_clock_it_ran_at():
     trace = Trace(name="r", steps=3, accelerator=ACC.name, gpus=16, gen_len=((0, 512.0),))
-    engine = SimulatedEngine(trace, ACC, truth=TrueModel.draw(3, noise=0.0), seed=1)
+    engine = SimulatedEngine(
+        trace, ACC, twin=ClusterTwin.draw(device(ACC.name), 3, noise=0.0), seed=1
+    )
     engine.start(TP2, WORKLOAD)
     first = engine.step(TP2, WORKLOAD, 0)
     engine.step(TP2, WORKLOAD, 1)
     assert engine.history[0].plan == TP2 and engine.history[0].at_s == 0.0
-    assert engine.history[0].gen_len == first.gen_len  # with the step's jitter
+    # Its sequences, each of its own length: their mean is the step's generated length.
+    lengths = engine.history[0].lengths
+    assert len(lengths) == WORKLOAD.global_batch and len(set(lengths)) > 1
+    assert engine.history[0].gen_len == first.gen_len == sum(lengths) / len(lengths)
     assert engine.history[1].at_s == pytest.approx(first.seconds)
-    # Without noise, the step took what the true model says of the plan at that length.
+    # Without noise, the step took what the twin plays of the plan on those sequences, and a
+    # replay of the step plays it again.
     at = WORKLOAD.with_gen_len(round(first.gen_len))
-    assert first.seconds == pytest.approx(engine.truth.step_seconds(TP2, at, ACC, at_s=0.0)[0])
+    played = engine.twin.step(TP2, at, lengths=lengths, at_s=0.0)
+    assert first.seconds == pytest.approx(played.seconds)
+    assert engine.replay(TP2, WORKLOAD, engine.history[0]) == (pytest.approx(played.seconds), "")
 
 
 def test_a_transition_that_names_its_step_needs_no_step_events():

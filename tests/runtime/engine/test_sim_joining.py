@@ -1,24 +1,24 @@
 """The simulated cluster's step while a transition's new derived units are still building: the
 generation units that are built generate, the others join once built, and the step's next stage
 waits for whatever is still building on its slots. Every second here is simulated: the
-engine's true model without noise, so the assertions check what the model plays out, not how
+engine's cluster twin without noise, so the assertions check what the twin plays out, not how
 fast anything runs."""
+
+import dataclasses
 
 import pytest
 
-from runtime.engine.sim import REBUILD_TRUTH, SimulatedEngine, TrueModel
+from runtime.engine.sim import SimulatedEngine
 from runtime.engine.traces import Trace
 from runtime.planner import PpoWorkload, default_catalog
 from runtime.planner.plan import Layout, Plan
 from runtime.transition import Cluster, diff
-from runtime.transition.compiler import DEFAULT_REBUILD_S
+from runtime.twin import ClusterTwin, build_seconds, device
 
 CATALOG = default_catalog()
 ACC = CATALOG.accelerator("h100-sxm")
 WORKLOAD = PpoWorkload.for_model(CATALOG.model("llama-3.1-8b"), gen_len=1024)
-BUILD = {stage: seconds * REBUILD_TRUTH for stage, seconds in DEFAULT_REBUILD_S}
 INFERENCE = [ms.name for ms in WORKLOAD.model_stages() if ms.stage == "inference"]
-"""What one new unit of each derived stage truly takes to build (the engine has no noise)."""
 
 
 def _plan(num_slots: int, generation: tuple[int, int], first: int = 0) -> Plan:
@@ -39,9 +39,33 @@ GROWN = _plan(32, (8, 4))
 """On all 32; generation reshaped to tp 4, so no generation unit stays in place."""
 
 
+def _built(engine: SimulatedEngine, name: str, tp: int) -> float:
+    """What one new unit of model-stage ``name`` over ``tp`` slots of a node takes to build on
+    the engine's twin (it has no noise): its start-up, and its weights sent to it."""
+    role, _, stage = name.partition("@")
+    params = WORKLOAD.models[role].num_params(scalar_head=role in ("critic", "reward"))
+    per_slot = params * WORKLOAD.bytes_per_value / tp
+    return build_seconds(engine.twin, stage, per_slot, tuple(range(16, 16 + tp)))
+
+
+def _ahead_s(engine: SimulatedEngine, generation_tp: int) -> float:
+    """A granted slot's builds, one after another: its four inference units (over 8 slots),
+    then its generation unit."""
+    inference = sum(_built(engine, name, 8) for name in INFERENCE)
+    return inference + _built(engine, "actor@generation", generation_tp)
+
+
+SLOW_START = dataclasses.replace(device(ACC.name), serving_start_s=60.0)
+"""H100s whose serving engines take a minute to start (a longer graph capture): the builds on
+the granted slots outlast a step, so a transition after it waits for what is left of them."""
+
+
 def _engine() -> SimulatedEngine:
-    trace = Trace(name="j", steps=10, accelerator=ACC.name, gpus=32, gen_len=((0, 1024.0),))
-    return SimulatedEngine(trace, ACC, truth=TrueModel.draw(3, noise=0.0), seed=1)
+    # Every response at the mean length: steps on one plan play the same sequences.
+    trace = Trace(
+        name="j", steps=10, accelerator=ACC.name, gpus=32, gen_len=((0, 1024.0),), len_sigma=0.0
+    )
+    return SimulatedEngine(trace, ACC, twin=ClusterTwin.draw(SLOW_START, 3, noise=0.0), seed=1)
 
 
 def _dag(engine):
@@ -73,7 +97,7 @@ def test_generation_built_ahead_on_granted_slots_generates_while_the_rest_builds
     assert dag.rebuild_makespan() == 0.0
     # Four inference units, then generation, on each granted slot: the transition waits for
     # what is left of that after the step.
-    ahead_s = 4 * BUILD["inference"] + BUILD["generation"]
+    ahead_s = _ahead_s(engine, 4)
     assert during.seconds < ahead_s
     outcome = engine.transition(dag)
     assert outcome.ok
@@ -84,7 +108,7 @@ def test_generation_built_ahead_on_granted_slots_generates_while_the_rest_builds
     # The inference units on 0-15 stay in place; the generation units there build from the
     # transition's end: the first step's generation (on half the units) lasts until they are
     # built, and the next one runs on all.
-    assert first.stage_seconds["generation"] == pytest.approx(BUILD["generation"])
+    assert first.stage_seconds["generation"] == pytest.approx(_built(engine, "actor@generation", 4))
     assert second.stage_seconds["generation"] < first.stage_seconds["generation"] / 2
     assert first.stage_seconds["training"] == pytest.approx(
         second.stage_seconds["training"], rel=0.05
@@ -99,7 +123,7 @@ def test_without_a_generation_unit_built_the_transition_waits_for_every_build():
     outcome = engine.transition(dag)
     assert outcome.ok
     # Slots 0-31 each build four inference units and one generation unit, all at once.
-    assert outcome.rebuild_s == pytest.approx(4 * BUILD["inference"] + BUILD["generation"])
+    assert outcome.rebuild_s == pytest.approx(_ahead_s(engine, 4))
     first = engine.step(GROWN, WORKLOAD, 1)
     second = engine.step(GROWN, WORKLOAD, 2)
     assert first.stage_seconds["generation"] == pytest.approx(
@@ -129,4 +153,4 @@ def test_a_step_whose_generation_units_are_all_still_building_waits_for_them():
     # Slots 16-31 build their inference units, then generation: the step's generation starts
     # when they are built and then takes what it takes.
     waited = blocked.stage_seconds["generation"] - normal.stage_seconds["generation"]
-    assert waited == pytest.approx(4 * BUILD["inference"] + BUILD["generation"], rel=0.05)
+    assert waited == pytest.approx(_ahead_s(engine, 2), rel=0.05)

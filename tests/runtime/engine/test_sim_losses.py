@@ -9,9 +9,10 @@ from __future__ import annotations
 import json
 
 from runtime.control import Controller, JobPolicy, run_job
-from runtime.engine.sim import SimulatedEngine, TrueModel
+from runtime.engine.sim import SimulatedEngine
 from runtime.engine.traces import Trace
 from runtime.planner import PpoWorkload, default_catalog
+from runtime.twin import ClusterTwin, device
 
 CATALOG = default_catalog()
 ACC = CATALOG.accelerator("h100-sxm")
@@ -22,7 +23,7 @@ def _job(steps: int, workload=WORKLOAD, **trace) -> tuple[SimulatedEngine, Contr
     world = Trace(
         name="t", steps=steps, accelerator=ACC.name, gpus=16, gen_len=((0, 1000.0),), **trace
     )
-    engine = SimulatedEngine(world, ACC, truth=TrueModel.draw(0), seed=0)
+    engine = SimulatedEngine(world, ACC, twin=ClusterTwin.draw(device(ACC.name), 0), seed=0)
     # The losses are the subject: the calibration trigger (which would replan as soon as the
     # first steps show the catalog wrong, and so lay the job out otherwise) is kept quiet, and
     # no probe shifts the clock the trace's losses are timed on.
@@ -127,10 +128,14 @@ def test_a_slot_that_fails_while_a_restart_runs_stays_lost():
     engine, _ = _started(pool=((0.5, 8),), failures=((100.0, 1),))
     engine.clock = 1.0
     engine._advance(0.0)
+    revoked = set(range(8, 16))
+    assert engine.lost_slots() == revoked  # reclaimed, until the pool grows again
     plan = Controller(WORKLOAD, ACC, JobPolicy())._candidate(engine, WORKLOAD)
     seconds = engine.restart(plan, WORKLOAD)
     assert engine.clock > 100.0 and seconds > 99.0
-    assert engine.lost_slots() == {1}
+    # The restart replaces no slot: the one that failed while it ran is lost with the others,
+    # until the trace's next pool record.
+    assert engine.lost_slots() == {1} | revoked
 
 
 def test_controller_events_are_strict_json():
@@ -164,10 +169,13 @@ def test_an_announced_shrink_is_moved_off_before_it_and_an_unannounced_one_costs
     """A cloud announces reclaiming spot instances (EC2: two minutes before): the pool the job
     may plan on shrinks at the notice, while the slots to go still hold their state, so the
     controller moves the job off them in time. Unannounced, the same shrink cuts a step short
-    and takes the state on those slots (here the critic's only unit: back to a checkpoint)."""
+    and takes the state on those slots (here the critic's only unit: back to a checkpoint).
+    Every response has the mean length: with the trace's long tail the micro-batches padded to
+    their longest teach the controller a memory factor under which no live route from 16 slots
+    to 8 fits, and the announced move goes by a checkpoint/restart instead (losing nothing)."""
     outcomes = {}
     for notice_s in (120.0, 0.0):
-        engine, controller, summary = _run(30, pool=((300.0, 8),), notice_s=notice_s)
+        engine, controller, summary = _run(30, pool=((300.0, 8),), notice_s=notice_s, len_sigma=0.0)
         assert engine.clock > 300.0 and engine.pool_size() == 8
         assert max(s for ms in controller.plan.model_stages for s in ms.slots) < 8
         outcomes[notice_s] = summary
