@@ -513,13 +513,14 @@ class SimulatedEngine:
                 name: tuple(u for u in units if not set(u.slots) & back)
                 for name, units in self._units.items()
             }
-        if any(start < at <= self.clock for at, _ in self.trace.pool):
-            # A pool record: the cluster's allocation is renewed, failed slots replaced (empty).
-            self._replace_failed(start)
         self._pool = pool
         for slot in self.trace.failures_between(start, self.clock):
             if slot < self._pool:
                 self._lost.add(slot)
+        if any(start < at <= self.clock for at, _ in self.trace.pool):
+            # A pool record: the cluster's allocation is renewed, slots that failed before it
+            # replaced (empty), whether or not a step boundary fell between the two.
+            self._replace_failed(start)
 
     def _replace_failed(self, start: float) -> None:
         """Slots that failed before the latest pool record since ``start`` come back empty."""

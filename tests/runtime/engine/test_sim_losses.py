@@ -183,3 +183,24 @@ def test_an_announced_shrink_is_moved_off_before_it_and_an_unannounced_one_costs
     assert announced.failed_steps == 0 and announced.restarts == 0
     assert announced.transitions >= 1
     assert unannounced.failed_steps >= 1 and unannounced.restarts >= 1
+
+
+def test_a_slot_that_failed_is_replaced_at_the_next_pool_record_however_the_clock_moves():
+    """Found by review: a failure and the pool record after it in one advance of the clock left
+    the slot lost, while the same two an advance apart replaced it."""
+    world = Trace(
+        name="fail-then-record",
+        steps=10,
+        accelerator=ACC.name,
+        gpus=16,
+        gen_len=((0, 500.0), (10, 500.0)),
+        pool=((20.0, 16),),
+        failures=((10.0, 3),),
+    )
+    at_once = SimulatedEngine(world, ACC, seed=0)
+    at_once._advance(30.0)
+    in_two = SimulatedEngine(world, ACC, seed=0)
+    in_two._advance(15.0)
+    assert in_two.lost_slots() == frozenset({3})
+    in_two._advance(15.0)
+    assert at_once.lost_slots() == in_two.lost_slots() == frozenset()
