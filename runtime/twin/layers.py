@@ -93,23 +93,32 @@ class Shard:
         return 1 if self.scalar_head else self.model.vocab_size / self.tp
 
 
+def _layer(dev: Device, shard: Shard, rows: float, link: Link, *, slow, stream_kernels) -> Work:
+    """One layer's four projections, its streaming work and its all-reduces over ``rows``
+    tokens, attention aside."""
+    m, tp, b = shard.model, shard.tp, shard.nbytes
+    h, inter = m.hidden_size, m.intermediate_size
+    layer = Work()
+    layer.add(kernels.gemm(dev, rows, (h + 2 * m.kv_dim) / tp, h, b))
+    layer.add(kernels.gemm(dev, rows, h, h / tp, b))
+    layer.add(kernels.gemm(dev, rows, 2 * inter / tp, h, b))
+    layer.add(kernels.gemm(dev, rows, h, inter / tp, b))
+    layer.add(kernels.stream(dev, rows * h * b * STREAM_BYTES_PER_VALUE, stream_kernels))
+    if tp > 1:
+        layer.comm_s += 2 * kernels.all_reduce(link, rows * h * b, tp, slow=slow)
+        layer.kernels += 2
+    return layer
+
+
 def forward(
     dev: Device, shard: Shard, tokens: float, lengths_sq: float, link: Link, *, slow: float = 1.0
 ) -> Work:
     """A forward pass of ``tokens`` tokens (sequences whose squared lengths sum to
     ``lengths_sq``) through the shard."""
     m, tp, b = shard.model, shard.tp, shard.nbytes
-    h, inter = m.hidden_size, m.intermediate_size
-    layer = Work()
-    layer.add(kernels.gemm(dev, tokens, (h + 2 * m.kv_dim) / tp, h, b))
+    h = m.hidden_size
+    layer = _layer(dev, shard, tokens, link, slow=slow, stream_kernels=STREAM_KERNELS)
     layer.add(kernels.attention(dev, lengths_sq, h / tp))
-    layer.add(kernels.gemm(dev, tokens, h, h / tp, b))
-    layer.add(kernels.gemm(dev, tokens, 2 * inter / tp, h, b))
-    layer.add(kernels.gemm(dev, tokens, h, inter / tp, b))
-    layer.add(kernels.stream(dev, tokens * h * b * STREAM_BYTES_PER_VALUE, STREAM_KERNELS))
-    if tp > 1:
-        layer.comm_s += 2 * kernels.all_reduce(link, tokens * h * b, tp, slow=slow)
-        layer.kernels += 2
     if dev.eager_ops:
         layer.kernels = round(dev.eager_ops[2])
     work = Work().add(layer, shard.layers)
@@ -171,17 +180,8 @@ def decode_step(
     """One decode iteration of ``batch`` sequences through the shard, without reading the KV
     cache (``kv_read_s`` prices that, per cached token). ``graphs``: the iteration replays a
     captured graph (a serving engine), one launch instead of one per kernel."""
-    m, tp, b = shard.model, shard.tp, shard.nbytes
-    h, inter = m.hidden_size, m.intermediate_size
-    layer = Work()
-    layer.add(kernels.gemm(dev, batch, (h + 2 * m.kv_dim) / tp, h, b))
-    layer.add(kernels.gemm(dev, batch, h, h / tp, b))
-    layer.add(kernels.gemm(dev, batch, 2 * inter / tp, h, b))
-    layer.add(kernels.gemm(dev, batch, h, inter / tp, b))
-    layer.add(kernels.stream(dev, batch * h * b * STREAM_BYTES_PER_VALUE, STREAM_KERNELS + 1))
-    if tp > 1:
-        layer.comm_s += 2 * kernels.all_reduce(link, batch * h * b, tp, slow=slow)
-        layer.kernels += 2
+    b, h = shard.nbytes, shard.model.hidden_size
+    layer = _layer(dev, shard, batch, link, slow=slow, stream_kernels=STREAM_KERNELS + 1)
     if dev.eager_ops:
         layer.kernels = round(dev.eager_ops[0])
     work = Work().add(layer, shard.layers)
