@@ -118,26 +118,43 @@ def transition_event(source: int = 4, target: int = 8, *, ok: bool = True) -> di
 
 
 def simulated_controller(
-    emit: Callable[[dict], None], **policy
+    emit: Callable[[dict], None],
+    *,
+    serving_start_s: float | None = None,
+    grow_at_s: float = 1.0,
+    **policy,
 ) -> tuple[Controller, SimulatedEngine]:
     """A real controller for an 8B model on a simulated pool of 16 H100s that grows to 32 during
-    step 0 (so it wants to move), emitting to ``emit``; its initial plan is already made. No
-    calibration probe runs first (the pool would grow during them, before the first plan)."""
+    step 0 (so it wants to move; ``grow_at_s``), emitting to ``emit``; its initial plan is already made. No
+    calibration probe runs first (the pool would grow during them, before the first plan).
+    ``serving_start_s``: the twin's generation units take this long to start; ``grow_at_s``:
+    when the pool grows (simulated seconds)."""
     trace = Trace(
         name="grow",
         steps=20,
         accelerator=H100.name,
         gpus=16,
         gen_len=((0, 1024.0),),
-        pool=((1.0, 32),),
+        pool=((grow_at_s, 32),),
+        len_sigma=0.0,  # every response the same length: the controller's choices repeat
     )
-    engine = SimulatedEngine(
-        trace, H100, twin=ClusterTwin.draw(device(H100.name), 3, noise=0.0), seed=1
-    )
+    gpu = device(H100.name)
+    if serving_start_s is not None:  # generation units that take this long to start
+        gpu = dataclasses.replace(gpu, serving_start_s=serving_start_s)
+    engine = SimulatedEngine(trace, H100, twin=ClusterTwin.draw(gpu, 3, noise=0.0), seed=1)
     controller = Controller(
         LLAMA_8B,
         H100,
-        JobPolicy(**{"admission": "always_faster", "calibration_probes": False, **policy}),
+        JobPolicy(
+            **{
+                "admission": "always_faster",
+                "calibration_probes": False,
+                # the twin's first steps move calibration far; a replan it asked for would
+                # replace the proposal these tests decide
+                "thresholds": {"calibration": 10.0},
+                **policy,
+            }
+        ),
         emit=emit,
     )
     controller.initial_plan(engine)

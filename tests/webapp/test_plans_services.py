@@ -401,8 +401,16 @@ def test_an_override_to_the_running_plan_cancels_a_move_staged_meanwhile(
     )
     link = job_services._ControlLink(job.pk, 1)
     sink = job_services.DatabaseEventSink(job_id=job.pk, epoch=1)
-    controller, engine = events.simulated_controller(link.emit_control, approval="auto")
-    events.run_steps(controller, engine, range(1))
+    # Generation units slow to start (60 s), slots granted once the job has run: the
+    # controller builds the new units ahead on them while one more step runs, and stages the
+    # move.
+    controller, engine = events.simulated_controller(
+        link.emit_control, approval="auto", serving_start_s=60.0, grow_at_s=60.0
+    )
+    step = 0
+    while controller.staged is None and step < 10:
+        events.run_steps(controller, engine, range(step, step + 1))
+        step += 1
     assert controller.staged is not None  # a move in hand, to run after the next step
     running = controller.plan.to_json()
     stay = services.proposal_override(user=owner, job=job, plan=running, reason="stay")
@@ -410,7 +418,7 @@ def test_an_override_to_the_running_plan_cancels_a_move_staged_meanwhile(
     apply_commands(controller, engine, link.commands(), sink)  # the driver, between steps
     applied = JobEvent.objects.get(job=job, kind="command.applied")
     assert applied.data["outcome"] == "unchanged"
-    events.run_steps(controller, engine, range(1, 2))
+    events.run_steps(controller, engine, range(step, step + 1))
     assert controller.plan.to_json() == running and controller.staged is None
     assert not Transition.objects.filter(job=job).exists()
     assert Plan.objects.get(job=job, current=True).plan == running
