@@ -22,17 +22,17 @@ from tests.support import live
 CHROMIUM = os.environ.get("NEREUS_CHROMIUM", "/usr/bin/chromium")
 ARTIFACTS = live.REPO / "test-artifacts" / "e2e"
 TIMEOUT_MS = 45_000
-# A plateau trace on 32 simulated H200s: the controller proposes a plan change from step ~50 and
-# keeps one waiting until the slot pool changes (step ~105), so at 0.3 s a step a person has
-# about ten seconds to approve it; the job runs long enough after that for the approvals that go
-# stale (the pool changes under some) and the cancel at the end.
+# A growth trace on 16 simulated H100s: as the responses grow, the controller proposes plan
+# changes within the first steps and keeps proposing while the length drifts, so at 0.3 s a
+# step a person has time to approve one; the job runs long enough after that for the approvals
+# that go stale and the cancel at the end.
 JOB = {
     "name": "e2e-sim",
     "kind": "ppo-sim",
     "model": "llama-3.1-8b",
-    "gpu": "h200",
-    "gpus": "32",
-    "trace": "plateau",
+    "gpu": "h100-sxm",
+    "gpus": "16",
+    "trace": "growth",
     "num_steps": "200",
     "pace_s": "0.3",
     "approval": "manual",
